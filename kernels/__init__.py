@@ -1,0 +1,1 @@
+"""Attention and cache kernels: a pure-torch reference (the CPU path) and Triton kernels (CUDA)."""

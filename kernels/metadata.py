@@ -1,0 +1,70 @@
+"""The attention metadata the model runner builds each step and every kernel reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one packed batch of queries against the paged KV cache.
+
+    Sequence s owns query tokens query_start_loc[s] : query_start_loc[s+1] (its new tokens) and a
+    context of seq_lens[s] tokens (cached + new). Its new tokens sit at the *end* of its context,
+    so query token i of s has absolute position seq_lens[s] - query_len(s) + i, and attention is
+    causal over positions. A decode is the case query_len == 1.
+    """
+
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset; -1 = skip
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32: cu_seqlens of the packed queries
+    seq_lens: torch.Tensor          # [num_seqs] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int              # host copy, so no device sync is needed to pick a path
+    max_seq_len: int                # host copy
+    query_lens_cpu: list[int]       # host copies per sequence (the CPU reference loops on them)
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_all_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build tensors from per-sequence host lists (used by the runner and by tests)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            if q_len > s_len:
+                raise ValueError(f"query_len {q_len} exceeds seq_len {s_len}")
+            if len(table) * block_size < s_len:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        cu = [0]
+        for q_len in query_lens:
+            cu.append(cu[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), max_blocks),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )

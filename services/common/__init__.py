@@ -1,0 +1,1 @@
+"""Pieces shared by the engine, the API server and the router."""

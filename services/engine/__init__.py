@@ -1,0 +1,1 @@
+"""The offline engine: paged KV cache, scheduler, model runner."""

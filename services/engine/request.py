@@ -1,0 +1,100 @@
+"""A request's state as the scheduler, the KV-cache manager and the runner see it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0          # never scheduled, or preempted by recompute (blocks freed)
+    WAITING_FOR_FORK = 1  # sample i > 0 of an n > 1 request, waiting for sample 0's prefill
+    RUNNING = 2
+    SWAPPED = 3          # preempted by swap: its KV lives in CPU swap blocks
+    FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 5   # max_tokens or max_model_len
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int              # 1 = the most likely token
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float                      # monotonic seconds; FCFS order and aging
+    priority: int = 0                        # lower is served first (priority policy)
+    cache_salt: str | None = None            # isolates prefix-cache sharing between tenants
+    eos_token_ids: tuple[int, ...] = ()      # the model's EOS ids (ignored with ignore_eos)
+    max_model_len: int = 2048                # context limit for this request
+    sample_index: int = 0                    # i-th of n samples; > 0 are forks of sample 0
+    parent_id: str | None = None             # the user-visible request id of an n > 1 group
+    generator: torch.Generator | None = None  # per-sample RNG when seeded
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)   # prompt + output; the KV source
+    num_computed_tokens: int = 0             # tokens whose K/V is in the cache
+    num_cached_tokens: int = -1              # prompt tokens served by the prefix cache (first schedule)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (KV manager)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None     # the stop token id or stop string that ended it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_preempted_step: int = -1            # NOTE: guards against thrashing a freshly preempted request
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: max_tokens capped by what the context still holds."""
+        room = self.max_model_len - self.num_prompt_tokens
+        limit = self.sampling_params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
