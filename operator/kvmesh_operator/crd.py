@@ -1,0 +1,282 @@
+"""InferenceService spec → frozen, validated dataclasses.
+
+The API server enforces the CRD schema (`schema.py`), but the operator validates again: kmock and
+old API servers do not run CEL rules, and a bad spec must become a clear condition, never a
+half-built service. Defaults here equal the schema's `default:` values (a test checks it).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import schema as S
+
+
+class SpecError(ValueError):
+    """The spec cannot be served; `problems` lists every reason, each saying how to fix it."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True, slots=True)
+class SecretRef:
+    name: str  # Secret in the service's namespace
+    key: str  # key inside it
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    source: str  # builtin | uri | pvc
+    uri: str | None  # model id / URL / path when source is uri
+    pvc_claim: str | None  # claim mounted read-only at /models when source is pvc
+    pvc_path: str  # model directory inside the claim
+    served_name: str  # what clients send as `model`; the resource name by default
+    tokenizer: str | None  # when the tokenizer is not next to the weights
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    count: int  # GPUs per engine pod; 0 = CPU
+    resource_name: str  # e.g. nvidia.com/gpu
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    kv_cache_memory_fraction: float
+    scheduling_policy: str
+    enable_prefix_caching: bool
+    preemption_mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    enabled: bool  # false: the Service selects the engines directly
+    strategy: str
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSpec:
+    url: str | None  # None: the operator runs a Redis for this service
+    password_secret: SecretRef | None
+    image: str  # image of the managed Redis
+
+    @property
+    def managed(self) -> bool:
+        return self.url is None
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingSpec:
+    enabled: bool
+    mode: str  # operator | hpa | keda
+    min_replicas: int
+    max_replicas: int
+    target_waiting_requests: int  # waiting requests per pod to aim for
+    cooldown_seconds: int  # least time between two scaling steps
+    prometheus_address: str | None  # keda mode only
+
+
+@dataclass(frozen=True, slots=True)
+class TracingSpec:
+    otlp_endpoint: str | None  # None: tracing off
+    sampling_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class IngressSpec:
+    enabled: bool
+    class_name: str | None
+    host: str | None
+    tls_secret: str | None
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceService:
+    """One parsed InferenceService: everything the builders need, nothing from the cluster."""
+    name: str
+    namespace: str
+    model: ModelSpec
+    image: str
+    image_pull_policy: str
+    replicas: int
+    gpu: GPUSpec
+    resources: dict[str, dict[str, Any]]
+    engine: EngineSpec
+    router: RouterSpec
+    redis: RedisSpec
+    autoscaling: AutoscalingSpec
+    tracing: TracingSpec
+    ingress: IngressSpec
+    api_key_secret: SecretRef | None
+
+
+class _Reader:
+    """Reads one sub-object with the schema's types and defaults, collecting problems."""
+
+    def __init__(self, data: Any, path: str, problems: list[str], schema: dict[str, Any]) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            problems.append(f"{path} must be an object, got {type(data).__name__}")
+            data = {}
+        self.data, self.path, self.problems, self.schema = data, path, problems, schema
+        for key in data:
+            if key not in schema["properties"]:
+                problems.append(f"{path}.{key} is not a known field (known: "
+                                f"{', '.join(sorted(schema['properties']))})")
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self.data.get(key), f"{self.path}.{key}", self.problems, self.schema["properties"][key])
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str) -> Any:
+        prop = self.schema["properties"][key]
+        where = f"{self.path}.{key}"
+        value = self.data.get(key, prop.get("default"))
+        if value is None:
+            return None
+        kind = prop.get("type")
+        if kind == "string":
+            if not isinstance(value, str):
+                return self._bad(f"{where} must be a string")
+            if "enum" in prop and value not in prop["enum"]:
+                return self._bad(f"{where} must be one of {', '.join(prop['enum'])}, got {value!r}")
+            if "pattern" in prop and not re.search(prop["pattern"], value):
+                return self._bad(f"{where} {value!r} does not match {prop['pattern']}")
+            if len(value) < prop.get("minLength", 0) or len(value) > prop.get("maxLength", 1 << 30):
+                return self._bad(f"{where} must have {prop.get('minLength', 0)} to "
+                                 f"{prop.get('maxLength', 'any')} characters")
+        elif kind in ("integer", "number"):
+            ok = (int,) if kind == "integer" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, ok):
+                return self._bad(f"{where} must be a{'n integer' if kind == 'integer' else ' number'}")
+            if "enum" in prop and value not in prop["enum"]:
+                return self._bad(f"{where} must be one of {', '.join(map(str, prop['enum']))}, got {value}")
+            low, high = prop.get("minimum"), prop.get("maximum")
+            if low is not None and (value < low or (prop.get("exclusiveMinimum") and value == low)):
+                return self._bad(f"{where} must be {'>' if prop.get('exclusiveMinimum') else '>='} {low}, "
+                                 f"got {value}")
+            if high is not None and value > high:
+                return self._bad(f"{where} must be <= {high}, got {value}")
+        elif kind == "boolean" and not isinstance(value, bool):
+            return self._bad(f"{where} must be true or false")
+        elif kind == "object" and "additionalProperties" in prop:
+            if not isinstance(value, dict):
+                return self._bad(f"{where} must be a map")
+            if prop["additionalProperties"].get("type") == "string" and not all(
+                    isinstance(v, str) for v in value.values()):
+                return self._bad(f"{where} values must be strings (quote numbers and booleans)")
+        elif kind == "array" and not isinstance(value, list):
+            return self._bad(f"{where} must be a list")
+        return value
+
+    def _bad(self, message: str) -> None:
+        self.problems.append(message)
+        return None
+
+
+def _secret(reader: _Reader, key: str) -> SecretRef | None:
+    if not reader.has(key):
+        return None
+    sub = reader.sub(key)
+    name = sub.get("name")
+    if name is None:
+        reader.problems.append(f"{sub.path}.name is required")
+        return None
+    return SecretRef(name=name, key=sub.get("key"))
+
+
+def parse(name: str, namespace: str, spec: Any) -> InferenceService:
+    """Parse and validate a spec; raises SpecError listing every problem."""
+    problems: list[str] = []
+    root = _Reader(spec, "spec", problems, S.SPEC_SCHEMA)
+    if not root.has("model"):
+        problems.append("spec.model is required (use `model: {source: builtin}` for the bundled model)")
+
+    m = root.sub("model")
+    pvc = m.sub("pvc") if m.has("pvc") else None
+    if pvc is not None and pvc.get("claimName") is None:
+        problems.append("spec.model.pvc.claimName is required")
+    model = ModelSpec(source=m.get("source"), uri=m.get("uri"),
+                      pvc_claim=pvc.get("claimName") if pvc else None,
+                      pvc_path=(pvc.get("path") if pvc else "") or "",
+                      served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"))
+    if model.source == "uri" and model.uri is None:
+        problems.append("spec.model.uri is required when spec.model.source is uri")
+    if model.source == "pvc" and model.pvc_claim is None:
+        problems.append("spec.model.pvc.claimName is required when spec.model.source is pvc")
+
+    g = root.sub("gpu")
+    tolerations = g.get("tolerations") or []
+    gpu = GPUSpec(count=g.get("count"), resource_name=g.get("resourceName"),
+                  node_selector=dict(g.get("nodeSelector") or {}),
+                  tolerations=tuple(t for t in tolerations if isinstance(t, dict)))
+    if len(gpu.tolerations) != len(tolerations):
+        problems.append("spec.gpu.tolerations items must be objects")
+
+    res = root.sub("resources")
+    resources = {k: dict(res.get(k)) for k in ("requests", "limits") if res.get(k)}
+
+    e = root.sub("engine")
+    engine = EngineSpec(
+        max_num_seqs=e.get("maxNumSeqs"), max_num_batched_tokens=e.get("maxNumBatchedTokens"),
+        block_size=e.get("blockSize"), kv_cache_memory_fraction=e.get("kvCacheMemoryFraction"),
+        scheduling_policy=e.get("schedulingPolicy"), enable_prefix_caching=e.get("enablePrefixCaching"),
+        preemption_mode=e.get("preemptionMode"))
+    if (isinstance(engine.max_num_seqs, int) and isinstance(engine.max_num_batched_tokens, int)
+            and engine.max_num_batched_tokens < engine.max_num_seqs):
+        problems.append(f"spec.engine.maxNumBatchedTokens ({engine.max_num_batched_tokens}) must be at least "
+                        f"spec.engine.maxNumSeqs ({engine.max_num_seqs}): raise it or lower maxNumSeqs")
+
+    r = root.sub("router")
+    router = RouterSpec(enabled=r.get("enabled"), strategy=r.get("strategy"), replicas=r.get("replicas"))
+
+    rd = root.sub("redis")
+    redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"))
+    if redis.password_secret is not None and redis.url is None:
+        problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)")
+
+    a = root.sub("autoscaling")
+    autoscaling = AutoscalingSpec(
+        enabled=a.get("enabled"), mode=a.get("mode"), min_replicas=a.get("minReplicas"),
+        max_replicas=a.get("maxReplicas"), target_waiting_requests=a.get("targetWaitingRequests"),
+        cooldown_seconds=a.get("cooldownSeconds"), prometheus_address=a.get("prometheusAddress"))
+    if (isinstance(autoscaling.min_replicas, int) and isinstance(autoscaling.max_replicas, int)
+            and autoscaling.min_replicas > autoscaling.max_replicas):
+        problems.append(f"spec.autoscaling.minReplicas ({autoscaling.min_replicas}) must not exceed "
+                        f"spec.autoscaling.maxReplicas ({autoscaling.max_replicas})")
+    if autoscaling.mode == "keda" and autoscaling.prometheus_address is None:
+        problems.append("spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda")
+
+    t = root.sub("tracing")
+    tracing = TracingSpec(otlp_endpoint=t.get("otlpEndpoint"), sampling_ratio=t.get("samplingRatio"))
+
+    i = root.sub("ingress")
+    ingress = IngressSpec(enabled=i.get("enabled"), class_name=i.get("className"), host=i.get("host"),
+                          tls_secret=i.get("tlsSecretName"), annotations=dict(i.get("annotations") or {}))
+    if ingress.tls_secret is not None and ingress.host is None:
+        problems.append("spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)")
+
+    svc = InferenceService(
+        name=name, namespace=namespace, model=model, image=root.get("image"),
+        image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
+        resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
+        tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"))
+    if len(name) > 45:
+        problems.append(f"metadata.name {name!r} is too long: at most 45 characters, so that child names "
+                        f"like '<name>-engine-config' stay valid")
+    if problems:
+        raise SpecError(problems)
+    return svc

@@ -1,0 +1,203 @@
+"""Thin kopf handlers: parse → build → adopt → create-or-patch → status.
+
+Everything with a decision in it lives in a pure module (`crd`, `resources`, `status`, `autoscale`);
+this file only moves data between kopf, the API server and those functions.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from . import GROUP, PLURAL, VERSION, autoscale, crd, redis_cleanup
+from . import resources as R
+from . import status as S
+from .apply import apply
+from .kube import KubeClient, KubeError
+
+FINALIZER = "kvmesh.io/finalizer"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    resync_seconds: float = 15.0  # timer: repair drift, refresh status, autoscale
+    cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
+    cleanup_delay_seconds: float = 10.0  # between those attempts
+    metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds_since(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+
+
+def _kube(memo: Any) -> KubeClient:
+    kube = getattr(memo, "kube", None)
+    if kube is None:
+        raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+    return kube
+
+
+def _parse(name: str, namespace: str, spec: Any, body: Any, patch: Any, status: Any, meta: Any
+           ) -> crd.InferenceService:
+    """Parse the spec; an invalid one is written to status and becomes a PermanentError."""
+    try:
+        return crd.parse(name, namespace, dict(spec or {}))
+    except crd.SpecError as err:
+        patch.status.update(S.invalid_status(err.problems, meta.get("generation"),
+                                             list(status.get("conditions") or []), _now()))
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(err))
+        raise kopf.PermanentError(f"invalid spec: {err}") from err
+
+
+async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
+               patch: Any, autoscaled: int | None) -> None:
+    """Make every child match the spec, delete the ones no longer wanted, then write status."""
+    owner = R.Owner(name=svc.name, uid=uid)
+    replicas = R.engine_replicas(svc, autoscaled)
+    desired = R.build_children(svc, owner, replicas)
+    observed: S.Observed = {}
+    try:
+        for child in desired:
+            result = await apply(kube, child)
+            observed[R.child_key(child)] = result.obj
+            if result.action != "unchanged":
+                kopf.event(body, type="Normal", reason=result.action.capitalize(),
+                          message=f"{result.action} {child['kind']} {child['metadata']['name']}")
+        wanted = {R.child_key(c) for c in desired}
+        for api_version, kind, name in R.possible_children(svc):
+            if (api_version, kind, name) in wanted:
+                continue
+            live = await kube.get(api_version, kind, svc.namespace, name)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if any(o.get("uid") == uid for o in owners):  # only ever delete what we own
+                await kube.delete(api_version, kind, svc.namespace, name)
+                kopf.event(body, type="Normal", reason="Deleted", message=f"deleted {kind} {name} (no longer in the spec)")
+    except KubeError as err:
+        kopf.event(body, type="Warning", reason="ApplyFailed", message=str(err))
+        raise kopf.TemporaryError(str(err), delay=10) from err
+    engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
+    want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
+    patch.status.update(S.build_status(svc, observed, want, meta.get("generation"),
+                                       list(status.get("conditions") or []), _now()))
+
+
+async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any, status: Any, patch: Any,
+                         config: OperatorConfig) -> int | None:
+    """One autoscaler tick (operator mode): the replicas to run, or None when not autoscaling here."""
+    if not (svc.autoscaling.enabled and svc.autoscaling.mode == "operator"):
+        return None
+    current = R.engine_replicas(svc, status.get("replicas"))
+    assert current is not None
+    pods = await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc))
+    ips = [p["status"]["podIP"] for p in pods if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
+    waiting = await autoscale.scrape_waiting(ips, config.metrics_port)
+    decision = autoscale.decide(svc.autoscaling, current, waiting, _seconds_since(status.get("lastScaleTime")))
+    if decision.changed:
+        patch.status["lastScaleTime"] = _now()
+        kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
+    return decision.replicas
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry: int,
+                   config: OperatorConfig, logger: logging.Logger) -> None:
+    """Remove the service's keys from an external Redis; retry a few times, then give up loudly."""
+    if svc.redis.managed:
+        logger.info("managed Redis is deleted with the service; no keys to clean")
+        return
+    assert svc.redis.url is not None
+    try:
+        password = None
+        if svc.redis.password_secret is not None:
+            ref = svc.redis.password_secret
+            secret = await kube.get("v1", "Secret", svc.namespace, ref.name)
+            raw = ((secret or {}).get("data") or {}).get(ref.key)
+            password = base64.b64decode(raw).decode() if raw else None
+        deleted = await asyncio.to_thread(redis_cleanup.cleanup, svc.redis.url, password, svc.namespace, svc.name)
+    except Exception as err:  # noqa: BLE001 - any Redis or API failure is retried the same way
+        if retry + 1 < config.cleanup_retries:
+            raise kopf.TemporaryError(f"Redis cleanup failed ({err}); retrying", delay=config.cleanup_delay_seconds)
+        kopf.event(body, type="Warning", reason="RedisCleanupFailed",
+                  message=f"gave up removing keys {redis_cleanup.key_prefix(svc.namespace, svc.name)}* "
+                          f"after {retry + 1} attempts: {err}")
+        return
+    kopf.event(body, type="Normal", reason="RedisCleaned", message=f"deleted {deleted} Redis keys")
+
+
+def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler; no module-level state, so tests can run many operators."""
+    registry = kopf.OperatorRegistry()
+    on = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvmesh.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kvmesh.io", key="last-handled-configuration")
+        # NOTE: Events come from explicit kopf.event calls, not from every log line.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+
+    @kopf.on.login(registry=registry)
+    def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None:
+            memo.kube = KubeClient(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: Any, **_: Any) -> None:
+        if getattr(memo, "kube", None) is not None:
+            await memo.kube.close()
+
+    # NOTE: explicit ids: kopf stores progress in annotations named after them.
+    @kopf.on.resume(**on, id="reconcile")
+    @kopf.on.create(**on, id="reconcile")
+    @kopf.on.update(**on, id="reconcile", field="spec")
+    async def reconcile(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
+                        patch: kopf.Patch, memo: Any, **_: Any) -> None:
+        svc = _parse(name, namespace, spec, body, patch, status, meta)
+        autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
+        await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled)
+
+    @kopf.timer(**on, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
+    async def resync(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
+                     patch: kopf.Patch, memo: Any, **_: Any) -> None:
+        try:
+            svc = crd.parse(name, namespace, dict(spec or {}))
+        except crd.SpecError:
+            return  # the change handler already reported it; nothing to repair
+        kube = _kube(memo)
+        autoscaled = await autoscale_step(kube, svc, body, status, patch, config)
+        if autoscaled is None and svc.autoscaling.enabled:
+            autoscaled = status.get("replicas")
+        await sync(kube, svc, uid, body, meta, status, patch, autoscaled)
+
+    @kopf.on.delete(**on, id="redis-cleanup")
+    async def delete(name: str, namespace: str, spec: Any, body: Any, retry: int, memo: Any,
+                     logger: logging.Logger, **_: Any) -> None:
+        try:
+            svc = crd.parse(name, namespace, dict(spec or {}))
+        except crd.SpecError:
+            return  # nothing was ever created
+        await finalize(_kube(memo), svc, body, retry, config, logger)
+
+    return registry

@@ -1,0 +1,426 @@
+"""PURE builders: one parsed InferenceService → the Kubernetes objects that serve it.
+
+No I/O, no clock, no cluster: every function returns plain dicts, so tests can compare them
+exactly and validate them against the Kubernetes OpenAPI schemas.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import API_VERSION, KIND
+from .crd import InferenceService
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+REDIS_PORT = 6379
+RUN_AS_USER = 10001  # the image's `kvmesh` user
+REDIS_RUN_AS_USER = 999  # the `redis` user of the official redis image
+CACHE_DIR = "/home/kvmesh/.cache"
+MODELS_DIR = "/models"
+CONFIG_DIR = "/etc/kvmesh"
+MANAGED_BY = "kvmesh-operator"
+OWNER_LABEL = "kvmesh.io/inference-service"
+CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"
+WAITING_METRIC = "kvmesh:num_requests_waiting"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The InferenceService object that children point back to (garbage collection)."""
+    name: str
+    uid: str
+
+
+# ---- names and labels -----------------------------------------------------------------------------
+def engine_name(svc: InferenceService) -> str:
+    return f"{svc.name}-engine"
+
+
+def router_name(svc: InferenceService) -> str:
+    return f"{svc.name}-router"
+
+
+def redis_name(svc: InferenceService) -> str:
+    return f"{svc.name}-redis"
+
+
+def config_name(svc: InferenceService) -> str:
+    return f"{svc.name}-engine-config"
+
+
+def selector(svc: InferenceService, component: str) -> dict[str, str]:
+    # NOTE: selectors are immutable on Deployments: only stable labels, never the image or model.
+    return {OWNER_LABEL: svc.name, "app.kubernetes.io/component": component}
+
+
+def labels(svc: InferenceService, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvmesh",
+        "app.kubernetes.io/instance": svc.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "kvmesh",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        OWNER_LABEL: svc.name,
+    }
+
+
+def selector_string(svc: InferenceService) -> str:
+    """The engine pods' selector as the scale subresource wants it (status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector(svc, "engine").items()))
+
+
+def redis_url(svc: InferenceService) -> str:
+    if svc.redis.url is not None:
+        return svc.redis.url
+    return f"redis://{redis_name(svc)}.{svc.namespace}.svc:{REDIS_PORT}/0"
+
+
+def service_url(svc: InferenceService) -> str:
+    """Where clients reach the API: the ingress host, else the in-cluster Service."""
+    if svc.ingress.enabled and svc.ingress.host:
+        scheme = "https" if svc.ingress.tls_secret else "http"
+        return f"{scheme}://{svc.ingress.host}"
+    return f"http://{svc.name}.{svc.namespace}.svc"
+
+
+def _meta(svc: InferenceService, owner: Owner, name: str, component: str,
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name, "namespace": svc.namespace, "labels": labels(svc, component),
+        "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
+                             "controller": True, "blockOwnerDeletion": True}],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+_POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                 "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
+_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                       "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _common_env(svc: InferenceService, service_name: str) -> list[dict[str, Any]]:
+    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+    if svc.redis.password_secret is not None:
+        env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+            "name": svc.redis.password_secret.name, "key": svc.redis.password_secret.key}}})
+    if svc.tracing.otlp_endpoint is not None:
+        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": svc.tracing.otlp_endpoint},
+                {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+                {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(svc.tracing.sampling_ratio)},
+                {"name": "OTEL_SERVICE_NAME", "value": service_name},
+                {"name": "OTEL_RESOURCE_ATTRIBUTES",
+                 "value": f"k8s.namespace.name={svc.namespace},kvmesh.inference_service={svc.name}"}]
+    return env
+
+
+# ---- engine -----------------------------------------------------------------------------------------
+def engine_config(svc: InferenceService) -> dict[str, Any]:
+    """The engine settings, as written to the ConfigMap (and hashed into the pod template)."""
+    e = svc.engine
+    return {
+        "model": _model_arg(svc), "served_model_name": svc.model.served_name, "tokenizer": svc.model.tokenizer,
+        "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
+        "block_size": e.block_size, "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
+        "scheduling_policy": e.scheduling_policy, "enable_prefix_caching": e.enable_prefix_caching,
+        "preemption_mode": e.preemption_mode, "redis_url": redis_url(svc),
+    }
+
+
+def config_hash(svc: InferenceService) -> str:
+    return hashlib.sha256(json.dumps(engine_config(svc), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _model_arg(svc: InferenceService) -> str:
+    m = svc.model
+    if m.source == "uri":
+        return m.uri or ""
+    if m.source == "pvc":
+        return f"{MODELS_DIR}/{m.pvc_path}".rstrip("/") if m.pvc_path else MODELS_DIR
+    return ""  # the built-in model
+
+
+def engine_args(svc: InferenceService) -> list[str]:
+    """`kvmesh serve` arguments (the image's entrypoint is `kvmesh`)."""
+    e = svc.engine
+    args = ["serve", "--model", _model_arg(svc), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+            "--served-model-name", svc.model.served_name,
+            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--block-size", str(e.block_size), "--kv-cache-memory-fraction", str(e.kv_cache_memory_fraction),
+            "--scheduling-policy", e.scheduling_policy,
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--preemption-mode", e.preemption_mode, "--redis-url", redis_url(svc),
+            # NOTE: $(POD_NAME) is expanded by the kubelet from the container's env.
+            "--pod-id", "$(POD_NAME)"]
+    if svc.model.tokenizer is not None:
+        args += ["--tokenizer", svc.model.tokenizer]
+    if svc.tracing.otlp_endpoint is not None:
+        args += ["--otlp-traces-endpoint", svc.tracing.otlp_endpoint]
+    return args
+
+
+def _engine_resources(svc: InferenceService) -> dict[str, Any]:
+    requests = dict(svc.resources.get("requests", {}))
+    limits = dict(svc.resources.get("limits", {}))
+    if svc.gpu.count > 0:  # extended resources: request must equal limit
+        requests[svc.gpu.resource_name] = svc.gpu.count
+        limits[svc.gpu.resource_name] = svc.gpu.count
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int | None) -> dict[str, Any]:
+    """The GPU engine pods. `replicas=None` leaves the count to an HPA / KEDA."""
+    env = _common_env(svc, engine_name(svc)) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    if svc.api_key_secret is not None:
+        env.append({"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}})
+    mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+              {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
+        # NOTE: torch's shared-memory tensors need more than the runtime's default 64 MiB /dev/shm.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+        {"name": "config", "configMap": {"name": config_name(svc)}}]
+    if svc.model.source == "pvc":
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
+                                                                   "readOnly": True}})
+    container: dict[str, Any] = {
+        "name": "engine", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
+        "args": engine_args(svc), "env": env,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # NOTE: loading weights can take minutes; the startup probe holds liveness off for 30 min.
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                         "failureThreshold": 180, "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                           "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6, "timeoutSeconds": 5},
+        "securityContext": _CONTAINER_SECURITY, "volumeMounts": mounts,
+    }
+    resources = _engine_resources(svc)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
+        "terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes,
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": selector(svc, "engine")}}],
+    }
+    if svc.gpu.node_selector:
+        pod_spec["nodeSelector"] = dict(svc.gpu.node_selector)
+    if svc.gpu.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in svc.gpu.tolerations]
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector(svc, "engine")},
+        # NOTE: surge one pod and keep every old pod serving until its successor is ready, so a
+        # model change rolls out without dropping capacity.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {"labels": labels(svc, "engine"), "annotations": {
+                "prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT),
+                "prometheus.io/path": "/metrics", CONFIG_HASH_ANNOTATION: config_hash(svc)}},
+            "spec": pod_spec,
+        },
+    }
+    if replicas is not None:
+        spec = {"replicas": replicas, **spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _meta(svc, owner, engine_name(svc), "engine"), "spec": spec}
+
+
+def build_engine_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    """Headless: the router discovers every ready engine pod from its DNS records."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+            "spec": {"clusterIP": "None", "selector": selector(svc, "engine"), "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, owner, config_name(svc), "engine"),
+            "data": {"engine.json": json.dumps(engine_config(svc), sort_keys=True, indent=2) + "\n"}}
+
+
+# ---- router and the front Service ------------------------------------------------------------------
+def router_args(svc: InferenceService) -> list[str]:
+    return ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
+            "--discover-headless-service", engine_name(svc), "--strategy", svc.router.strategy,
+            "--model", svc.model.served_name]
+
+
+def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    container = {
+        "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
+        "args": router_args(svc), "env": _common_env(svc, router_name(svc)),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        "securityContext": _CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
+    }
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, router_name(svc), "router"),
+            "spec": {"replicas": svc.router.replicas, "selector": {"matchLabels": selector(svc, "router")},
+                     "template": {"metadata": {"labels": labels(svc, "router"), "annotations": {
+                         "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
+                         "prometheus.io/path": "/metrics"}},
+                         "spec": {"automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
+                                  "containers": [container],
+                                  "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+                                  "topologySpreadConstraints": [{
+                                      "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                      "whenUnsatisfiable": "ScheduleAnyway",
+                                      "labelSelector": {"matchLabels": selector(svc, "router")}}]}}}}
+
+
+def build_front_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    """`<name>`: the stable entry point; the router when enabled, else the engines themselves."""
+    component, port = ("router", ROUTER_PORT) if svc.router.enabled else ("engine", ENGINE_PORT)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, svc.name, component),
+            "spec": {"type": "ClusterIP", "selector": selector(svc, component),
+                     "ports": [{"name": "http", "port": 80, "targetPort": port, "protocol": "TCP"}]}}
+
+
+# ---- redis -------------------------------------------------------------------------------------------
+def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
+    container = {
+        "name": "redis", "image": svc.redis.image, "imagePullPolicy": svc.image_pull_policy,
+        # NOTE: the prefix index is a cache that engines republish; no persistence, evict under pressure.
+        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no",
+                 "--maxmemory", "384mb", "--maxmemory-policy", "allkeys-lru"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": _CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    security = {**_POD_SECURITY, "runAsUser": REDIS_RUN_AS_USER, "runAsGroup": REDIS_RUN_AS_USER,
+                "fsGroup": REDIS_RUN_AS_USER}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                     "selector": {"matchLabels": selector(svc, "redis")},
+                     "template": {"metadata": {"labels": labels(svc, "redis")},
+                                  "spec": {"automountServiceAccountToken": False, "securityContext": security,
+                                           "containers": [container],
+                                           "volumes": [{"name": "data", "emptyDir": {}}]}}}}
+
+
+def build_redis_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+            "spec": {"type": "ClusterIP", "selector": selector(svc, "redis"),
+                     "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
+
+
+# ---- ingress -------------------------------------------------------------------------------------------
+def build_ingress(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    ing = svc.ingress
+    # NOTE: token streaming (SSE) must not be buffered, and long generations outlive the default 60 s.
+    annotations = {"nginx.ingress.kubernetes.io/proxy-buffering": "off",
+                   "nginx.ingress.kubernetes.io/proxy-read-timeout": "3600",
+                   "nginx.ingress.kubernetes.io/proxy-send-timeout": "3600", **ing.annotations}
+    rule: dict[str, Any] = {"http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": {
+        "service": {"name": svc.name, "port": {"name": "http"}}}}]}}
+    if ing.host:
+        rule = {"host": ing.host, **rule}
+    spec: dict[str, Any] = {"rules": [rule]}
+    if ing.class_name:
+        spec = {"ingressClassName": ing.class_name, **spec}
+    if ing.tls_secret and ing.host:
+        spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
+    component = "router" if svc.router.enabled else "engine"
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+            "metadata": _meta(svc, owner, svc.name, component, annotations), "spec": spec}
+
+
+# ---- autoscaling objects ------------------------------------------------------------------------------
+def build_hpa(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    a = svc.autoscaling
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
+                     "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
+                     # NOTE: served by a Prometheus adapter, which renames ':' to '_'.
+                     "metrics": [{"type": "Pods", "pods": {
+                         "metric": {"name": WAITING_METRIC.replace(":", "_")},
+                         "target": {"type": "AverageValue", "averageValue": str(a.target_waiting_requests)}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.cooldown_seconds},
+                                  "scaleUp": {"stabilizationWindowSeconds": 0}}}}
+
+
+def build_scaled_object(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+    a = svc.autoscaling
+    query = (f'sum(vllm:num_requests_waiting{{namespace="{svc.namespace}",'
+             f'model_name="{svc.model.served_name}"}})')
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+            "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
+                     "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+                     "cooldownPeriod": a.cooldown_seconds, "pollingInterval": 15,
+                     "triggers": [{"type": "prometheus", "metadata": {
+                         "serverAddress": a.prometheus_address or "", "query": query,
+                         "threshold": str(a.target_waiting_requests)}}]}}
+
+
+# ---- the whole set ---------------------------------------------------------------------------------------
+ChildKey = tuple[str, str, str]  # (apiVersion, kind, name)
+
+
+def possible_children(svc: InferenceService) -> list[ChildKey]:
+    """Every child any spec of this service could have (to delete the ones no longer wanted)."""
+    n = svc.name
+    return [("v1", "ConfigMap", config_name(svc)), ("apps/v1", "Deployment", engine_name(svc)),
+            ("v1", "Service", engine_name(svc)), ("apps/v1", "Deployment", router_name(svc)),
+            ("v1", "Service", n), ("apps/v1", "Deployment", redis_name(svc)), ("v1", "Service", redis_name(svc)),
+            ("networking.k8s.io/v1", "Ingress", n),
+            ("autoscaling/v2", "HorizontalPodAutoscaler", engine_name(svc)),
+            ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))]
+
+
+def engine_replicas(svc: InferenceService, autoscaled: int | None) -> int | None:
+    """The engine Deployment's replicas: the spec, the operator's autoscaler, or None (HPA/KEDA own it)."""
+    a = svc.autoscaling
+    if not a.enabled:
+        return svc.replicas
+    if a.mode != "operator":
+        return None
+    start = autoscaled if autoscaled is not None else svc.replicas
+    return min(max(start, a.min_replicas), a.max_replicas)
+
+
+def build_children(svc: InferenceService, owner: Owner, replicas: int | None) -> list[dict[str, Any]]:
+    """All objects this spec wants, in creation order (Redis and config before the pods using them)."""
+    out: list[dict[str, Any]] = []
+    if svc.redis.managed:
+        out += [build_redis_deployment(svc, owner), build_redis_service(svc, owner)]
+    out += [build_config_map(svc, owner), build_engine_service(svc, owner),
+            build_engine_deployment(svc, owner, replicas)]
+    if svc.router.enabled:
+        out.append(build_router_deployment(svc, owner))
+    out.append(build_front_service(svc, owner))
+    if svc.ingress.enabled:
+        out.append(build_ingress(svc, owner))
+    if svc.autoscaling.enabled and svc.autoscaling.mode == "hpa":
+        out.append(build_hpa(svc, owner))
+    if svc.autoscaling.enabled and svc.autoscaling.mode == "keda":
+        out.append(build_scaled_object(svc, owner))
+    return out
+
+
+def child_key(obj: dict[str, Any]) -> ChildKey:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]

@@ -1,0 +1,247 @@
+"""The InferenceService CustomResourceDefinition, written once here.
+
+`helm/kvmesh/crds/inferenceservices.yaml` and `manifests/crd.yaml` are generated from `crd_manifest()`
+(`python -m kvmesh.operator.schema > manifests/crd.yaml`); a test keeps all three identical.
+`kvmesh.operator.crd` parses specs with the same defaults and rules (a test checks that too).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+from . import GROUP, KIND, PLURAL, VERSION
+
+SCHEDULING_POLICIES = ["fcfs", "priority", "sjf", "dynamic"]
+PREEMPTION_MODES = ["recompute", "swap", "auto"]
+ROUTER_STRATEGIES = ["kv-aware", "round-robin", "least-loaded", "random"]
+MODEL_SOURCES = ["builtin", "uri", "pvc"]
+AUTOSCALING_MODES = ["operator", "hpa", "keda"]
+BLOCK_SIZES = [8, 16, 32, 64]
+PULL_POLICIES = ["Always", "IfNotPresent", "Never"]
+DEFAULT_IMAGE = "ghcr.io/kvmesh/kvmesh:0.1.0"
+DEFAULT_REDIS_IMAGE = "redis:7.4.1-alpine"
+K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _obj(desc: str, props: dict[str, Any], required: list[str] | None = None,
+         rules: list[dict[str, str]] | None = None, default: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "description": desc, "properties": props}
+    if required:
+        out["required"] = required
+    if rules:
+        out["x-kubernetes-validations"] = rules
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _str(desc: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": desc, **extra}
+
+
+def _int(desc: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "format": "int32", "description": desc, **extra}
+
+
+def _bool(desc: str, default: bool) -> dict[str, Any]:
+    return {"type": "boolean", "description": desc, "default": default}
+
+
+def _num(desc: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "number", "description": desc, **extra}
+
+
+def _string_map(desc: str) -> dict[str, Any]:
+    return {"type": "object", "description": desc, "additionalProperties": {"type": "string"}}
+
+
+def _quantity_map(desc: str) -> dict[str, Any]:
+    quantity = {"anyOf": [{"type": "integer"}, {"type": "string"}],
+                "x-kubernetes-int-or-string": True,
+                "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+    return {"type": "object", "description": desc, "additionalProperties": quantity}
+
+
+def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
+    return _obj(desc, {
+        "name": _str("Name of the Secret in the InferenceService's namespace.", pattern=K8S_NAME_PATTERN,
+                     maxLength=253),
+        "key": _str("Key inside the Secret.", default=default_key, minLength=1),
+    }, required=["name"])
+
+
+_TOLERATION = _obj("A toleration copied into the engine pods.", {
+    "key": _str("Taint key the toleration applies to."),
+    "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+    "value": _str("Taint value (with operator Equal)."),
+    "effect": _str("Taint effect to match; empty matches all.",
+                   enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+    "tolerationSeconds": {"type": "integer", "format": "int64",
+                          "description": "How long a NoExecute taint is tolerated."},
+})
+
+SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
+    "model": _obj("Where the weights come from.", {
+        "source": _str("builtin (the image's bundled SmolLM2), uri (a Hugging Face id, URL or path in "
+                       "the image) or pvc (a PersistentVolumeClaim mounted read-only at /models).",
+                       enum=MODEL_SOURCES, default="builtin"),
+        "uri": _str("Model id, URL or path; required when source is uri.", minLength=1),
+        "pvc": _obj("The claim holding the weights; required when source is pvc.", {
+            "claimName": _str("PersistentVolumeClaim name.", pattern=K8S_NAME_PATTERN, maxLength=253),
+            "path": _str("Directory of the model inside the claim.", default=""),
+        }, required=["claimName"]),
+        "servedModelName": _str("Name clients send as `model`; defaults to the resource name.",
+                                minLength=1, maxLength=128),
+        "tokenizer": _str("Tokenizer id or path when it differs from the weights.", minLength=1),
+    }, rules=[
+        {"rule": "self.source != 'uri' || has(self.uri)", "message": "model.uri is required when model.source is uri"},
+        {"rule": "self.source != 'pvc' || has(self.pvc)", "message": "model.pvc is required when model.source is pvc"},
+    ], default={}),
+    "image": _str("Container image running `kvmesh serve` and `kvmesh router`; pin a tag.",
+                  default=DEFAULT_IMAGE, minLength=1),
+    "imagePullPolicy": _str("Image pull policy of every container.", enum=PULL_POLICIES,
+                            default="IfNotPresent"),
+    "replicas": _int("Engine pods (ignored while autoscaling is enabled).", minimum=0, default=1),
+    "gpu": _obj("Accelerators per engine pod.", {
+        "count": _int("GPUs per engine pod; 0 runs on CPU.", minimum=0, maximum=16, default=1),
+        "resourceName": _str("Extended resource name of the GPU.", default="nvidia.com/gpu",
+                             pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$"),
+        "nodeSelector": _string_map("Node labels the engine pods must match."),
+        "tolerations": {"type": "array", "description": "Tolerations of the engine pods.",
+                        "items": _TOLERATION},
+    }, default={}),
+    "resources": _obj("CPU and memory of each engine container (GPUs come from gpu).", {
+        "requests": _quantity_map("Resource requests, e.g. cpu: '4', memory: 16Gi."),
+        "limits": _quantity_map("Resource limits."),
+    }),
+    "engine": _obj("Engine settings, passed to `kvmesh serve`.", {
+        "maxNumSeqs": _int("Most sequences in one batch.", minimum=1, maximum=65536, default=256),
+        "maxNumBatchedTokens": _int("Token budget of one scheduler step.", minimum=1, default=8192),
+        "blockSize": _int("Tokens per KV cache block.", enum=BLOCK_SIZES, default=16),
+        "kvCacheMemoryFraction": _num("Fraction of accelerator memory for weights and KV cache.",
+                                      minimum=0, exclusiveMinimum=True, maximum=1, default=0.9),
+        "schedulingPolicy": _str("Scheduling policy.", enum=SCHEDULING_POLICIES, default="fcfs"),
+        "enablePrefixCaching": _bool("Reuse KV blocks of shared prefixes.", True),
+        "preemptionMode": _str("What to do with a preempted sequence's KV blocks.",
+                               enum=PREEMPTION_MODES, default="recompute"),
+    }, rules=[{"rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
+               "message": "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"}], default={}),
+    "router": _obj("The KV-aware router in front of the engines.", {
+        "enabled": _bool("Deploy the router; when false the Service points straight at the engines.", True),
+        "strategy": _str("Routing strategy.", enum=ROUTER_STRATEGIES, default="kv-aware"),
+        "replicas": _int("Router pods.", minimum=1, maximum=64, default=1),
+    }, default={}),
+    "redis": _obj("The prefix index. Without url the operator runs a Redis for this service.", {
+        "url": _str("External Redis, e.g. redis://redis.infra:6379/0.", pattern=r"^(redis|rediss|unix)://.+"),
+        "passwordSecret": _secret_ref("Secret holding the external Redis password.", "password"),
+        "image": _str("Image of the managed Redis.", default=DEFAULT_REDIS_IMAGE, minLength=1),
+    }, rules=[{"rule": "!has(self.passwordSecret) || has(self.url)",
+               "message": "redis.passwordSecret needs redis.url (the managed Redis has no password)"}],
+        default={}),
+    "autoscaling": _obj("Scale the engines on their waiting-queue length.", {
+        "enabled": _bool("Turn autoscaling on (spec.replicas is then ignored).", False),
+        "mode": _str("operator (the operator scales), hpa (an HPA on a Pods metric) or keda (a ScaledObject).",
+                     enum=AUTOSCALING_MODES, default="operator"),
+        "minReplicas": _int("Fewest engine pods.", minimum=1, default=1),
+        "maxReplicas": _int("Most engine pods.", minimum=1, default=4),
+        "targetWaitingRequests": _int("Waiting requests per pod to aim for.", minimum=1, default=4),
+        "cooldownSeconds": _int("Least time between two scaling steps.", minimum=0, default=300),
+        "prometheusAddress": _str("Prometheus URL for keda mode.", pattern=r"^https?://.+"),
+    }, rules=[
+        {"rule": "self.minReplicas <= self.maxReplicas",
+         "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"},
+        {"rule": "self.mode != 'keda' || has(self.prometheusAddress)",
+         "message": "autoscaling.prometheusAddress is required when autoscaling.mode is keda"},
+    ], default={}),
+    "tracing": _obj("OpenTelemetry traces of engines and router.", {
+        "otlpEndpoint": _str("OTLP endpoint, e.g. http://otel-collector.observability:4317.",
+                             pattern=r"^https?://.+"),
+        "samplingRatio": _num("Share of traces sampled (parent-based).", minimum=0, maximum=1, default=0.1),
+    }, default={}),
+    "ingress": _obj("An Ingress in front of the service.", {
+        "enabled": _bool("Create the Ingress.", False),
+        "className": _str("IngressClass name.", pattern=K8S_NAME_PATTERN),
+        "host": _str("Host name routed to the service.",
+                     pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"),
+        "tlsSecretName": _str("TLS Secret for host.", pattern=K8S_NAME_PATTERN),
+        "annotations": _string_map("Extra Ingress annotations."),
+    }, rules=[{"rule": "!has(self.tlsSecretName) || has(self.host)",
+               "message": "ingress.tlsSecretName needs ingress.host"}], default={}),
+    "apiKeySecret": _secret_ref("Secret whose key is the API key clients must send.", "api-key"),
+}, required=["model"])
+
+_CONDITION = _obj("A KServe-style condition.", {
+    "type": _str("EnginesReady, RouterReady, RedisReady, IngressReady or Ready."),
+    "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+    "reason": _str("One-word reason."),
+    "message": _str("Human-readable detail."),
+    "lastTransitionTime": _str("When status last changed.", format="date-time"),
+}, required=["type", "status"])
+
+STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.", {
+    "phase": _str("Pending, Progressing, Ready, Failed or Terminating."),
+    "observedGeneration": {"type": "integer", "format": "int64",
+                           "description": "metadata.generation this status describes."},
+    "model": _str("Served model name."),
+    "replicas": _int("Engine pods wanted."),
+    "readyReplicas": _int("Engine pods ready."),
+    "selector": _str("Label selector of the engine pods (scale subresource)."),
+    "url": _str("Where clients reach the OpenAI API."),
+    "lastScaleTime": _str("When the operator's autoscaler last changed replicas.", format="date-time"),
+    "conditions": {"type": "array", "description": "Conditions.", "items": _CONDITION,
+                   "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+})
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    columns = [
+        ("Model", "string", ".status.model"), ("Replicas", "integer", ".spec.replicas"),
+        ("Ready", "integer", ".status.readyReplicas"), ("Phase", "string", ".status.phase"),
+        ("URL", "string", ".status.url"), ("Age", "date", ".metadata.creationTimestamp"),
+    ]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/part-of": "kvmesh"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": PLURAL, "singular": "inferenceservice", "kind": KIND,
+                      "listKind": f"{KIND}List", "shortNames": ["kisvc"], "categories": ["kvmesh"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                    "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": [{"name": n, "type": t, "jsonPath": p} for n, t, p in columns],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A model served by kvmesh engines behind a KV-aware router.",
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": SPEC_SCHEMA, "status": STATUS_SCHEMA,
+                    },
+                    "required": ["spec"],
+                    "x-kubernetes-validations": [{
+                        "rule": "self.metadata.name.size() <= 45",
+                        "message": "metadata.name must be at most 45 characters (child names add suffixes)"}],
+                }},
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `python -m kvmesh.operator.schema`; do not edit by hand.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

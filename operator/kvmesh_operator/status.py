@@ -1,0 +1,125 @@
+"""PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
+
+Conditions: EnginesReady, RouterReady, RedisReady, IngressReady, and Ready (all of them True).
+`lastTransitionTime` only moves when a condition's status flips.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import resources as R
+from .crd import InferenceService
+
+CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady")
+Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _ready(obj: dict[str, Any] | None) -> int:
+    return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
+def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
+    if dep is None:
+        return _cond("EnginesReady", False, "DeploymentMissing", "the engine Deployment does not exist yet")
+    st = dep.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
+            return _cond("EnginesReady", False, "ProgressDeadlineExceeded", c.get("message", "rollout stuck"))
+    ready, updated = _ready(dep), int(st.get("updatedReplicas") or 0)
+    # NOTE: pods of an older template still running (updated < total) means a rollout is under way.
+    rolling = updated < int(st.get("replicas") or 0)
+    if want == 0:
+        return _cond("EnginesReady", True, "ScaledToZero", "0 engine pods wanted")
+    if ready >= want and not rolling:
+        return _cond("EnginesReady", True, "MinimumReplicasAvailable", f"{ready}/{want} engine pods ready")
+    if rolling:
+        return _cond("EnginesReady", False, "RollingUpdate", f"{updated}/{want} engine pods updated, {ready} ready")
+    if ready > 0:
+        return _cond("EnginesReady", False, "PartiallyReady", f"{ready}/{want} engine pods ready")
+    return _cond("EnginesReady", False, "AwaitingPods", f"0/{want} engine pods ready (loading the model?)")
+
+
+def _deployment_condition(type_: str, dep: dict[str, Any] | None, what: str) -> dict[str, str]:
+    if dep is None:
+        return _cond(type_, False, "DeploymentMissing", f"the {what} Deployment does not exist yet")
+    if _ready(dep) >= 1:
+        return _cond(type_, True, "MinimumReplicasAvailable", f"{_ready(dep)} {what} pod(s) ready")
+    return _cond(type_, False, "AwaitingPods", f"no {what} pod is ready yet")
+
+
+def _ingress_address(ing: dict[str, Any] | None) -> str | None:
+    for entry in (((ing or {}).get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+        if entry.get("hostname") or entry.get("ip"):
+            return entry.get("hostname") or entry.get("ip")
+    return None
+
+
+def conditions(svc: InferenceService, observed: Observed, want: int) -> list[dict[str, str]]:
+    """The four component conditions plus Ready, without timestamps."""
+    out = [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
+    if svc.router.enabled:
+        out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
+                                         "router"))
+    else:
+        out.append(_cond("RouterReady", True, "Disabled", "router disabled; the Service selects the engines"))
+    if svc.redis.managed:
+        out.append(_deployment_condition("RedisReady", observed.get(("apps/v1", "Deployment", R.redis_name(svc))),
+                                         "redis"))
+    else:
+        out.append(_cond("RedisReady", True, "External", "using the external Redis from spec.redis.url"))
+    if not svc.ingress.enabled:
+        out.append(_cond("IngressReady", True, "Disabled", "no Ingress requested"))
+    else:
+        ing = observed.get(("networking.k8s.io/v1", "Ingress", svc.name))
+        if ing is None:
+            out.append(_cond("IngressReady", False, "IngressMissing", "the Ingress does not exist yet"))
+        elif _ingress_address(ing):
+            out.append(_cond("IngressReady", True, "AddressAssigned", f"address {_ingress_address(ing)}"))
+        else:
+            out.append(_cond("IngressReady", False, "AwaitingAddress", "the ingress controller has not "
+                                                                        "assigned an address yet"))
+    failing = [c for c in out if c["status"] != "True"]
+    if failing:
+        first = failing[0]
+        out.append(_cond("Ready", False, first["type"].replace("Ready", "NotReady"), first["message"]))
+    else:
+        out.append(_cond("Ready", True, "AllComponentsReady", f"serving {svc.model.served_name}"))
+    return out
+
+
+def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now: str) -> list[dict[str, Any]]:
+    """Add lastTransitionTime, kept from `previous` while a condition's status does not change."""
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for c in new:
+        old = before.get(c["type"])
+        keep = old is not None and old.get("status") == c["status"] and old.get("lastTransitionTime")
+        out.append({**c, "lastTransitionTime": old["lastTransitionTime"] if keep else now})
+    return out
+
+
+def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
+                 previous: list[dict[str, Any]] | None, now: str) -> dict[str, Any]:
+    conds = stamp(conditions(svc, observed, want), previous, now)
+    engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
+    ready_replicas = _ready(engine)
+    is_ready = conds[-1]["status"] == "True"
+    phase = "Ready" if is_ready else ("Progressing" if ready_replicas > 0 else "Pending")
+    url = R.service_url(svc)
+    address = _ingress_address(observed.get(("networking.k8s.io/v1", "Ingress", svc.name)))
+    if svc.ingress.enabled and not svc.ingress.host and address:
+        url = f"http://{address}"
+    return {"phase": phase, "observedGeneration": generation, "model": svc.model.served_name,
+            "replicas": want, "readyReplicas": ready_replicas, "selector": R.selector_string(svc),
+            "url": url, "conditions": conds}
+
+
+def invalid_status(problems: list[str], generation: int | None, previous: list[dict[str, Any]] | None,
+                   now: str) -> dict[str, Any]:
+    """An unservable spec: phase Failed, Ready=False/InvalidSpec with every problem in the message."""
+    cond = _cond("Ready", False, "InvalidSpec", "; ".join(problems))
+    return {"phase": "Failed", "observedGeneration": generation, "conditions": stamp([cond], previous, now)}

@@ -1,0 +1,151 @@
+"""Spec parsing and validation: defaults equal the CRD's, every bad field gets a clear message, and
+the Python validator agrees with the CRD's openAPIV3Schema on good and bad examples."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonschema
+import pytest
+
+from kvmesh.operator import crd
+from kvmesh.operator.schema import SPEC_SCHEMA, crd_manifest
+
+from .examples import load_example
+
+
+def _schema() -> dict[str, Any]:
+    return crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _schema_errors(cr: dict[str, Any]) -> list[str]:
+    return [e.message for e in jsonschema.Draft4Validator(_schema()).iter_errors(cr)]
+
+
+def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """What the API server's defaulting does (for comparison with the parser's defaults)."""
+    if schema.get("type") != "object" or not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for key, prop in schema.get("properties", {}).items():
+        if key not in out and "default" in prop:
+            out[key] = copy.deepcopy(prop["default"])
+        if key in out:
+            out[key] = _apply_defaults(prop, out[key])
+    return out
+
+
+def test_minimal_spec_gets_the_schema_defaults() -> None:
+    svc = crd.parse("smol", "ns", {"model": {}})
+    defaulted = _apply_defaults(SPEC_SCHEMA, {"model": {}})
+    assert defaulted["engine"] == {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192, "blockSize": 16,
+                                   "kvCacheMemoryFraction": 0.9, "schedulingPolicy": "fcfs",
+                                   "enablePrefixCaching": True, "preemptionMode": "recompute"}
+    # the server-defaulted spec parses to exactly the same object
+    assert crd.parse("smol", "ns", defaulted) == svc
+    assert svc.engine == crd.EngineSpec(256, 8192, 16, 0.9, "fcfs", True, "recompute")
+    assert svc.model == crd.ModelSpec("builtin", None, None, "", "smol", None)
+    assert svc.router == crd.RouterSpec(True, "kv-aware", 1)
+    assert svc.redis.managed and svc.redis.image == "redis:7.4.1-alpine"
+    assert svc.autoscaling == crd.AutoscalingSpec(False, "operator", 1, 4, 4, 300, None)
+    assert svc.gpu == crd.GPUSpec(1, "nvidia.com/gpu", {}, ())
+    assert (svc.image, svc.replicas, svc.api_key_secret) == ("ghcr.io/kvmesh/kvmesh:0.1.0", 1, None)
+
+
+def test_full_example_parses_every_field() -> None:
+    cr = load_example("full.yaml")
+    svc = crd.parse(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["spec"])
+    assert svc.model == crd.ModelSpec("pvc", None, "llama-weights", "Llama-3.1-8B-Instruct",
+                                      "llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct")
+    assert svc.gpu.count == 2 and svc.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap")
+    assert svc.redis == crd.RedisSpec("rediss://redis.infra.svc:6380/2", crd.SecretRef("redis-auth", "password"),
+                                      "redis:7.4.1-alpine")
+    assert svc.autoscaling == crd.AutoscalingSpec(True, "keda", 2, 8, 6, 120, "http://prometheus.monitoring:9090")
+    assert svc.tracing == crd.TracingSpec("http://otel-collector.observability:4317", 0.25)
+    assert svc.ingress == crd.IngressSpec(True, "nginx", "llama.example.com", "llama-tls",
+                                          {"cert-manager.io/cluster-issuer": "letsencrypt"})
+    assert svc.api_key_secret == crd.SecretRef("kvmesh-api-key", "api-key")
+
+
+@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml"])
+def test_good_examples_pass_the_crd_schema(example: str) -> None:
+    assert _schema_errors(load_example(example)) == []
+
+
+BAD = [
+    ({"model": {"source": "s3"}}, "spec.model.source must be one of builtin, uri, pvc, got 's3'", "'s3' is not one of"),
+    ({"model": {}, "replicas": -1}, "spec.replicas must be >= 0, got -1", "-1 is less than the minimum of 0"),
+    ({"model": {}, "engine": {"blockSize": 12}}, "spec.engine.blockSize must be one of 8, 16, 32, 64, got 12",
+     "12 is not one of"),
+    ({"model": {}, "engine": {"kvCacheMemoryFraction": 0}}, "spec.engine.kvCacheMemoryFraction must be > 0, got 0",
+     "0 is less than or equal to the minimum of 0"),
+    ({"model": {}, "engine": {"enablePrefixCaching": "yes"}}, "spec.engine.enablePrefixCaching must be true or false",
+     "'yes' is not of type 'boolean'"),
+    ({"model": {}, "router": {"strategy": "sticky"}},
+     "spec.router.strategy must be one of kv-aware, round-robin, least-loaded, random, got 'sticky'", "'sticky' is not one of"),
+    ({"model": {}, "redis": {"url": "http://redis:6379"}},
+     "spec.redis.url 'http://redis:6379' does not match ^(redis|rediss|unix)://.+", "does not match"),
+    ({"model": {}, "tracing": {"samplingRatio": 1.5}}, "spec.tracing.samplingRatio must be <= 1, got 1.5",
+     "1.5 is greater than the maximum of 1"),
+    ({"model": {}, "gpu": {"nodeSelector": {"gpu": True}}},
+     "spec.gpu.nodeSelector values must be strings (quote numbers and booleans)", "True is not of type 'string'"),
+    ({"model": {}, "apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name is required", "'name' is a required property"),
+    ({"model": {}, "colour": "blue"}, "spec.colour is not a known field", None),
+]
+
+
+@pytest.mark.parametrize(("spec", "message", "schema_message"), BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_specs_are_refused_by_both_validators(spec: dict[str, Any], message: str,
+                                                  schema_message: str | None) -> None:
+    with pytest.raises(crd.SpecError) as err:
+        crd.parse("x", "ns", spec)
+    assert err.value.problems[0].startswith(message)
+    if schema_message is not None:  # unknown fields are pruned by the API server, not refused
+        errors = _schema_errors({"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                                 "metadata": {"name": "x"}, "spec": spec})
+        assert any(schema_message in e for e in errors), errors
+
+
+CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema cannot run them
+    ({"model": {"source": "uri"}}, ["spec.model.uri is required when spec.model.source is uri"]),
+    ({"model": {"source": "pvc"}}, ["spec.model.pvc.claimName is required when spec.model.source is pvc"]),
+    ({"model": {}, "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}},
+     ["spec.engine.maxNumBatchedTokens (32) must be at least spec.engine.maxNumSeqs (64): raise it or lower maxNumSeqs"]),
+    ({"model": {}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+     ["spec.autoscaling.minReplicas (3) must not exceed spec.autoscaling.maxReplicas (2)"]),
+    ({"model": {}, "autoscaling": {"mode": "keda"}},
+     ["spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda"]),
+    ({"model": {}, "redis": {"passwordSecret": {"name": "r"}}},
+     ["spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)"]),
+    ({"model": {}, "ingress": {"tlsSecretName": "t"}},
+     ["spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)"]),
+]
+
+
+@pytest.mark.parametrize(("spec", "problems"), CROSS_FIELD)
+def test_cross_field_rules(spec: dict[str, Any], problems: list[str]) -> None:
+    with pytest.raises(crd.SpecError) as err:
+        crd.parse("x", "ns", spec)
+    assert err.value.problems == problems
+
+
+def test_cross_field_rules_are_declared_in_the_crd() -> None:
+    text = str(_schema())
+    for rule in ("self.source != 'uri' || has(self.uri)", "self.maxNumBatchedTokens >= self.maxNumSeqs",
+                 "self.minReplicas <= self.maxReplicas", "self.mode != 'keda' || has(self.prometheusAddress)",
+                 "!has(self.passwordSecret) || has(self.url)", "!has(self.tlsSecretName) || has(self.host)",
+                 "self.metadata.name.size() <= 45"):
+        assert rule in text
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(crd.SpecError) as err:
+        crd.parse("x" * 46, "ns", {"replicas": "two", "engine": {"blockSize": 7}})
+    assert err.value.problems == [
+        "spec.model is required (use `model: {source: builtin}` for the bundled model)",
+        "spec.engine.blockSize must be one of 8, 16, 32, 64, got 7",
+        "spec.replicas must be an integer",
+        "metadata.name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' is too long: at most 45 characters, so that "
+        "child names like '<name>-engine-config' stay valid",
+    ]

@@ -1,0 +1,250 @@
+"""The real kopf operator against an in-memory API server (kmock): the whole lifecycle."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvmesh.operator.handlers import FINALIZER
+
+from .conftest import CR_PATH, NAMESPACE, StampingEmulator, obj, wait_for
+
+pytestmark = [pytest.mark.kmock(cls=StampingEmulator), pytest.mark.timeout(60)]
+
+SPEC = {"model": {"source": "builtin", "servedModelName": "smol"}, "replicas": 1,
+        "ingress": {"enabled": True, "className": "nginx", "host": "smol.example.com"}}
+
+
+async def _post(server: Any, path: str, body: Any, method: str = "post",
+                content_type: str = "application/json") -> dict[str, Any]:
+    import json
+    async with server.request(method.upper(), path, data=json.dumps(body),
+                              headers={"Content-Type": content_type}) as resp:
+        assert resp.status < 300, await resp.text()
+        return await resp.json()
+
+
+def _cr(server: Any, name: str = "smol") -> dict[str, Any] | None:
+    return obj(server, "kvmesh.io/v1alpha1/inferenceservices", name)
+
+
+def _cond(cr: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    conds = ((cr or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == type_), {})
+
+
+def _events(server: Any) -> list[tuple[str, str]]:
+    out = []
+    for key, o in list(server.objects.items()):
+        if key[0].plural == "events" and not o.deleted:
+            out.append((o.raw.get("reason"), o.raw.get("message")))
+    return out
+
+
+def _make_ready(server: Any, name: str, replicas: int) -> None:
+    """Play the Deployment controller: mark a Deployment's pods ready."""
+    key = (__import__("kmock").resource("apps/v1/deployments"), NAMESPACE, name)
+    server.objects[key].patch({"status": {"replicas": replicas, "readyReplicas": replicas,
+                                          "updatedReplicas": replicas, "availableReplicas": replicas}})
+
+
+async def test_lifecycle(cluster: Any) -> None:
+    server = cluster
+    await _post(server, CR_PATH, {"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                                  "metadata": {"name": "smol", "namespace": NAMESPACE}, "spec": SPEC})
+
+    # create → children, all owned by the resource, and a first status from their real state
+    cr = await wait_for(lambda: (c := _cr(server)) and (c.get("status") or {}).get("phase") and c,
+                        what="first status")
+    uid = cr["metadata"]["uid"]
+    assert FINALIZER in cr["metadata"]["finalizers"]
+    children = {("apps/v1/deployments", "smol-engine"), ("apps/v1/deployments", "smol-router"),
+                ("apps/v1/deployments", "smol-redis"), ("v1/services", "smol-engine"), ("v1/services", "smol"),
+                ("v1/services", "smol-redis"), ("v1/configmaps", "smol-engine-config"),
+                ("networking.k8s.io/v1/ingresses", "smol")}
+    for resource, name in children:
+        child = obj(server, resource, name)
+        assert child is not None, (resource, name)
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}]
+    engine = obj(server, "apps/v1/deployments", "smol-engine")
+    assert engine["spec"]["replicas"] == 1
+    args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["serve", "--model", "", "--host"]
+    assert "redis://smol-redis.team-a.svc:6379/0" in args
+    assert cr["status"]["phase"] == "Pending"
+    assert cr["status"]["observedGeneration"] == 1
+    assert _cond(cr, "EnginesReady")["reason"] == "AwaitingPods"
+    assert _cond(cr, "Ready") | {"lastTransitionTime": None} == {
+        "type": "Ready", "status": "False", "reason": "EnginesNotReady", "lastTransitionTime": None,
+        "message": "0/1 engine pods ready (loading the model?)"}
+    assert ("Created", "created Deployment smol-engine") in await wait_for(lambda: _events(server), what="events")
+
+    # children become ready (we play the controllers) → the resync timer derives Ready
+    for name in ("smol-engine", "smol-router", "smol-redis"):
+        _make_ready(server, name, 1)
+    server.objects[(__import__("kmock").resource("networking.k8s.io/v1/ingresses"), NAMESPACE, "smol")].patch(
+        {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}})
+    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["phase"] == "Ready" and c, what="Ready")
+    assert {c["type"]: (c["status"], c["reason"]) for c in cr["status"]["conditions"]} == {
+        "EnginesReady": ("True", "MinimumReplicasAvailable"), "RouterReady": ("True", "MinimumReplicasAvailable"),
+        "RedisReady": ("True", "MinimumReplicasAvailable"), "IngressReady": ("True", "AddressAssigned"),
+        "Ready": ("True", "AllComponentsReady")}
+    assert cr["status"]["url"] == "http://smol.example.com"
+    assert cr["status"]["readyReplicas"] == 1
+    assert cr["status"]["model"] == "smol"
+
+    # spec change: a new model rolls out through the Deployment's pod template
+    old_hash = engine["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"]
+    await _post(server, f"{CR_PATH}/smol", {"spec": {"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}}},
+                method="patch", content_type="application/merge-patch+json")
+    engine = await wait_for(lambda: (d := obj(server, "apps/v1/deployments", "smol-engine")) and
+                            "HuggingFaceTB/SmolLM2-360M" in d["spec"]["template"]["spec"]["containers"][0]["args"]
+                            and d, what="model rollout")
+    assert engine["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash
+    assert engine["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    await wait_for(lambda: _cr(server)["status"]["observedGeneration"] == 2, what="observedGeneration 2")
+    config = obj(server, "v1/configmaps", "smol-engine-config")
+    assert '"model": "HuggingFaceTB/SmolLM2-360M"' in config["data"]["engine.json"]
+
+    # scale through the scale subresource (what `kubectl scale` and an HPA use)
+    await _post(server, f"{CR_PATH}/smol/scale", {"spec": {"replicas": 3}}, method="patch",
+                content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "smol-engine")["spec"]["replicas"] == 3,
+                   what="engine scaled to 3")
+    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["replicas"] == 3 and c, what="status replicas")
+    assert cr["status"]["phase"] == "Progressing"  # 1 of 3 ready
+    assert _cond(cr, "EnginesReady")["message"] == "1/3 engine pods ready"
+    assert cr["status"]["selector"] == "app.kubernetes.io/component=engine,kvmesh.io/inference-service=smol"
+
+    # a child deleted behind the operator's back is recreated by the resync timer
+    async with server.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/smol-engine") as resp:
+        assert resp.status == 200
+    assert obj(server, "v1/services", "smol-engine") is None
+    svc = await wait_for(lambda: obj(server, "v1/services", "smol-engine"), what="service recreated")
+    assert svc["spec"]["clusterIP"] == "None"
+
+    # turning the ingress off deletes the Ingress the operator owns
+    await _post(server, f"{CR_PATH}/smol", {"spec": {"ingress": {"enabled": False}}}, method="patch",
+                content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "networking.k8s.io/v1/ingresses", "smol") is None, what="ingress deleted")
+    cr = await wait_for(lambda: (c := _cr(server)) and _cond(c, "IngressReady").get("reason") == "Disabled" and c,
+                        what="IngressReady Disabled")
+    assert cr["status"]["url"] == "http://smol.team-a.svc"
+
+    # delete: kopf runs the finalizer handler (managed Redis: nothing to clean), then releases the object
+    async with server.request("DELETE", f"{CR_PATH}/smol") as resp:
+        assert resp.status == 200
+    await wait_for(lambda: _cr(server) is None, what="resource released by the finalizer")
+    requests = list(server)
+    # the operator never PUTs (no lost updates), and writes only the kinds it manages (plus Events)
+    assert not [r for r in requests if r.method.value == "PUT"]
+    written = {r.resource.plural for r in requests if r.method.value in ("POST", "PATCH", "DELETE")}
+    assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events"}
+
+
+async def test_invalid_spec_is_a_permanent_error_and_creates_nothing(cluster: Any) -> None:
+    server = cluster
+    bad = {"model": {"source": "uri"}, "engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}}
+    await _post(server, CR_PATH, {"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                                  "metadata": {"name": "broken", "namespace": NAMESPACE}, "spec": bad})
+    cr = await wait_for(lambda: (c := _cr(server, "broken")) and (c.get("status") or {}).get("phase") and c,
+                        what="failed status")
+    assert cr["status"]["phase"] == "Failed"
+    ready = _cond(cr, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"] == (
+        "spec.model.uri is required when spec.model.source is uri; spec.engine.maxNumBatchedTokens (256) must "
+        "be at least spec.engine.maxNumSeqs (512): raise it or lower maxNumSeqs")
+    events = await wait_for(lambda: [e for e in _events(server) if e[0] == "InvalidSpec"], what="event")
+    assert events[0][1].startswith("spec.model.uri is required")
+    # a few resync ticks later, still nothing was created
+    import asyncio
+    await asyncio.sleep(0.8)
+    assert not [k for k, o in server.objects.items() if k[0].plural in ("deployments", "services", "configmaps")]
+
+    # fixing the spec recovers
+    await _post(server, f"{CR_PATH}/broken", {"spec": {"model": {"source": "builtin"}, "engine": {"maxNumBatchedTokens": 8192}}},
+                method="patch",
+                content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "broken-engine"), what="engine after the fix")
+    await wait_for(lambda: _cr(server, "broken")["status"]["phase"] == "Pending", what="phase Pending")
+
+
+async def _create(server: Any, name: str, spec: dict[str, Any]) -> None:
+    await _post(server, CR_PATH, {"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                                  "metadata": {"name": name, "namespace": NAMESPACE}, "spec": spec})
+
+
+EXTERNAL = {"model": {}, "redis": {"url": "redis://redis.infra:6379/0",
+                                   "passwordSecret": {"name": "redis-auth"}}}
+
+
+async def test_finalizer_cleans_external_redis(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.operator import redis_cleanup
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(redis_cleanup, "cleanup", lambda *args: calls.append(args) or 7)
+    server = cluster
+    await _post(server, f"/api/v1/namespaces/{NAMESPACE}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-auth", "namespace": NAMESPACE},
+        "data": {"password": "czNjcjN0"}})  # base64("s3cr3t")
+    await _create(server, "ext", EXTERNAL)
+    cr = await wait_for(lambda: (c := _cr(server, "ext")) and (c.get("status") or {}).get("phase") and c,
+                        what="status")
+    assert _cond(cr, "RedisReady")["reason"] == "External"
+    assert obj(server, "apps/v1/deployments", "ext-redis") is None  # no managed Redis
+    env = obj(server, "apps/v1/deployments", "ext-engine")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "redis-auth",
+                                                                            "key": "password"}}} in env
+    async with server.request("DELETE", f"{CR_PATH}/ext") as resp:
+        assert resp.status == 200
+    await wait_for(lambda: _cr(server, "ext") is None, what="released")
+    assert calls == [("redis://redis.infra:6379/0", "s3cr3t", NAMESPACE, "ext")]
+    assert ("RedisCleaned", "deleted 7 Redis keys") in await wait_for(
+        lambda: [e for e in _events(server) if e[0] == "RedisCleaned"], what="event")
+
+
+async def test_failing_redis_does_not_block_deletion(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.operator import redis_cleanup
+    attempts: list[int] = []
+
+    def refuse(*_: Any) -> int:
+        attempts.append(1)
+        raise ConnectionError("Connection refused")
+
+    monkeypatch.setattr(redis_cleanup, "cleanup", refuse)
+    server = cluster
+    await _create(server, "ext2", {"model": {}, "redis": {"url": "redis://redis.infra:6379/0"}})
+    await wait_for(lambda: (c := _cr(server, "ext2")) and (c.get("status") or {}).get("phase"), what="status")
+    async with server.request("DELETE", f"{CR_PATH}/ext2") as resp:
+        assert resp.status == 200
+    await wait_for(lambda: _cr(server, "ext2") is None, what="released despite Redis failing")
+    assert len(attempts) == 2  # OperatorConfig.cleanup_retries in the fixture
+    events = await wait_for(lambda: [e for e in _events(server) if e[0] == "RedisCleanupFailed"], what="event")
+    assert events == [("RedisCleanupFailed", "gave up removing keys kvmesh:team-a/ext2:* after 2 attempts: "
+                                             "Connection refused")]
+
+
+async def test_operator_autoscaler_scales_on_waiting_requests(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.operator import autoscale
+    waiting = {"value": [10.0]}
+
+    async def fake_scrape(ips: list[str], port: int, timeout_s: float = 2.0) -> list[float]:
+        return list(waiting["value"])
+
+    monkeypatch.setattr(autoscale, "scrape_waiting", fake_scrape)
+    server = cluster
+    await _create(server, "auto", {"model": {}, "autoscaling": {
+        "enabled": True, "minReplicas": 1, "maxReplicas": 5, "targetWaitingRequests": 4, "cooldownSeconds": 0}})
+    # 10 waiting / 4 per pod → 3 pods
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "auto-engine")["spec"]["replicas"] == 3,
+                   what="scale up to 3")
+    cr = await wait_for(lambda: (c := _cr(server, "auto")) and c["status"].get("replicas") == 3 and c,
+                        what="status replicas 3")
+    assert cr["status"]["lastScaleTime"]
+    waiting["value"] = [0.0, 0.0, 0.0]
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "auto-engine")["spec"]["replicas"] == 1,
+                   what="scale down to min")
+    scaled = [e[1] for e in _events(server) if e[0] == "Scaled"]
+    assert "10 waiting over 1 pod(s), target 4/pod: 1 → 3" in scaled

@@ -1,0 +1,200 @@
+"""The pure builders: exact objects for exact specs, validated against the Kubernetes OpenAPI schemas."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kvmesh.operator import crd
+from kvmesh.operator import resources as R
+
+from .examples import load_example
+
+OWNER = R.Owner(name="smol", uid="0b6c2f4e-1111-2222-3333-444455556666")
+K8S_VERSION = "1.32.0"
+
+
+def _svc(spec: dict[str, Any] | None = None, name: str = "smol", ns: str = "team-a") -> crd.InferenceService:
+    return crd.parse(name, ns, spec or {"model": {}})
+
+
+def _full() -> crd.InferenceService:
+    cr = load_example("full.yaml")
+    return crd.parse(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["spec"])
+
+
+def _validate(obj: dict[str, Any]) -> None:
+    if obj["apiVersion"].startswith("keda.sh/"):
+        return  # not a built-in kind; checked field by field below
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("spec_name", ["minimal", "full", "hpa", "no-router", "cpu"])
+def test_every_built_object_is_valid_kubernetes(spec_name: str) -> None:
+    svc = {"minimal": _svc(), "full": _full(),
+           "hpa": _svc({"model": {}, "autoscaling": {"enabled": True, "mode": "hpa"}}),
+           "no-router": _svc({"model": {"source": "uri", "uri": "/opt/model"}, "router": {"enabled": False},
+                              "ingress": {"enabled": True}}),
+           "cpu": _svc({"model": {}, "gpu": {"count": 0}})}[spec_name]
+    children = R.build_children(svc, OWNER, R.engine_replicas(svc, None))
+    for obj in children:
+        _validate(obj)
+    keys = [R.child_key(c) for c in children]
+    assert len(keys) == len(set(keys))
+    assert set(keys) <= set(R.possible_children(svc))
+
+
+def test_minimal_children_in_creation_order() -> None:
+    svc = _svc()
+    assert [R.child_key(c) for c in R.build_children(svc, OWNER, 1)] == [
+        ("apps/v1", "Deployment", "smol-redis"), ("v1", "Service", "smol-redis"),
+        ("v1", "ConfigMap", "smol-engine-config"), ("v1", "Service", "smol-engine"),
+        ("apps/v1", "Deployment", "smol-engine"), ("apps/v1", "Deployment", "smol-router"),
+        ("v1", "Service", "smol")]
+
+
+def test_engine_deployment_minimal() -> None:
+    dep = R.build_engine_deployment(_svc(), OWNER, 1)
+    assert dep["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": "smol",
+        "app.kubernetes.io/component": "engine", "app.kubernetes.io/part-of": "kvmesh",
+        "app.kubernetes.io/managed-by": "kvmesh-operator", "kvmesh.io/inference-service": "smol"}
+    assert dep["metadata"]["ownerReferences"] == [{
+        "apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": OWNER.uid,
+        "controller": True, "blockOwnerDeletion": True}]
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["selector"] == {"matchLabels": {"kvmesh.io/inference-service": "smol",
+                                                       "app.kubernetes.io/component": "engine"}}
+    pod = dep["spec"]["template"]
+    assert pod["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics",
+        "kvmesh.io/config-hash": R.config_hash(_svc())}
+    (c,) = pod["spec"]["containers"]
+    assert c["args"] == ["serve", "--model", "", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "smol",
+                         "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--block-size", "16",
+                         "--kv-cache-memory-fraction", "0.9", "--scheduling-policy", "fcfs",
+                         "--enable-prefix-caching", "--preemption-mode", "recompute",
+                         "--redis-url", "redis://smol-redis.team-a.svc:6379/0", "--pod-id", "$(POD_NAME)"]
+    assert c["env"] == [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "HF_HOME", "value": "/home/kvmesh/.cache/huggingface"}]
+    assert c["resources"] == {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 1800
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001
+    assert pod["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    assert "nodeSelector" not in pod["spec"] and "tolerations" not in pod["spec"]
+
+
+def test_engine_deployment_full() -> None:
+    svc = _full()
+    dep = R.build_engine_deployment(svc, OWNER, None)
+    assert "replicas" not in dep["spec"]  # KEDA owns the count
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"][:3] == ["serve", "--model", "/models/Llama-3.1-8B-Instruct"]
+    assert c["args"][-6:] == ["--pod-id", "$(POD_NAME)", "--tokenizer", "meta-llama/Llama-3.1-8B-Instruct",
+                              "--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
+    assert "--no-enable-prefix-caching" in c["args"]
+    assert c["args"][c["args"].index("--redis-url") + 1] == "rediss://redis.infra.svc:6380/2"
+    assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
+                              "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["KVMESH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
+    assert env["KVMESH_API_KEY"] == {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+    assert env["OTEL_SERVICE_NAME"] == "llama-engine"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}} \
+        in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+
+
+def test_router_and_front_service() -> None:
+    svc = _full()
+    router = R.build_router_deployment(svc, OWNER)
+    assert router["spec"]["replicas"] == 2
+    assert router["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "rediss://redis.infra.svc:6380/2",
+        "--discover-headless-service", "llama-engine", "--strategy", "kv-aware", "--model", "llama-3.1-8b-instruct"]
+    front = R.build_front_service(svc, OWNER)
+    assert front["spec"]["selector"] == {"kvmesh.io/inference-service": "llama", "app.kubernetes.io/component": "router"}
+    assert front["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
+    direct = R.build_front_service(_svc({"model": {}, "router": {"enabled": False}}), OWNER)
+    assert direct["spec"]["selector"]["app.kubernetes.io/component"] == "engine"
+    assert direct["spec"]["ports"][0]["targetPort"] == 8000
+    headless = R.build_engine_service(svc, OWNER)
+    assert headless["spec"]["clusterIP"] == "None"
+
+
+def test_ingress_and_url() -> None:
+    svc = _full()
+    ing = R.build_ingress(svc, OWNER)
+    assert ing["spec"] == {
+        "ingressClassName": "nginx",
+        "rules": [{"host": "llama.example.com", "http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": {
+            "service": {"name": "llama", "port": {"name": "http"}}}}]}}],
+        "tls": [{"hosts": ["llama.example.com"], "secretName": "llama-tls"}]}
+    assert ing["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert ing["metadata"]["annotations"]["cert-manager.io/cluster-issuer"] == "letsencrypt"
+    assert R.service_url(svc) == "https://llama.example.com"
+    assert R.service_url(_svc()) == "http://smol.team-a.svc"
+
+
+def test_autoscaling_objects() -> None:
+    hpa_svc = _svc({"model": {}, "autoscaling": {"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 6,
+                                                  "targetWaitingRequests": 5, "cooldownSeconds": 90}})
+    hpa = R.build_hpa(hpa_svc, OWNER)
+    assert hpa["spec"] == {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smol-engine"},
+        "minReplicas": 2, "maxReplicas": 6,
+        "metrics": [{"type": "Pods", "pods": {"metric": {"name": "kvmesh_num_requests_waiting"},
+                                              "target": {"type": "AverageValue", "averageValue": "5"}}}],
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}, "scaleUp": {"stabilizationWindowSeconds": 0}}}
+    assert R.engine_replicas(hpa_svc, None) is None
+    so = R.build_scaled_object(_full(), OWNER)
+    assert so["spec"]["triggers"] == [{"type": "prometheus", "metadata": {
+        "serverAddress": "http://prometheus.monitoring:9090",
+        "query": 'sum(vllm:num_requests_waiting{namespace="llm",model_name="llama-3.1-8b-instruct"})',
+        "threshold": "6"}}]
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"], so["spec"]["cooldownPeriod"]) == (2, 8, 120)
+
+
+def test_engine_replicas_policy() -> None:
+    assert R.engine_replicas(_svc({"model": {}, "replicas": 3}), 7) == 3  # no autoscaling: the spec wins
+    auto = _svc({"model": {}, "replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}})
+    assert R.engine_replicas(auto, None) == 2  # clamped to min
+    assert R.engine_replicas(auto, 4) == 4
+    assert R.engine_replicas(auto, 9) == 5
+
+
+def test_config_map_and_hash_follow_engine_settings() -> None:
+    cm = R.build_config_map(_svc(), OWNER)
+    assert json.loads(cm["data"]["engine.json"]) == {
+        "model": "", "served_model_name": "smol", "tokenizer": None, "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192, "block_size": 16, "kv_cache_memory_fraction": 0.9,
+        "scheduling_policy": "fcfs", "enable_prefix_caching": True, "preemption_mode": "recompute",
+        "redis_url": "redis://smol-redis.team-a.svc:6379/0"}
+    other = _svc({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}})
+    assert R.config_hash(other) != R.config_hash(_svc())
+    assert R.config_hash(_svc()) == R.config_hash(_svc())
+
+
+def test_redis_is_non_root_and_ephemeral() -> None:
+    dep = R.build_redis_deployment(_svc(), OWNER)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == 999
+    assert pod["containers"][0]["image"] == "redis:7.4.1-alpine"
+    assert pod["containers"][0]["args"][:4] == ["--save", "", "--appendonly", "no"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}

@@ -1,0 +1,88 @@
+"""Status derivation from the children's real state (pure)."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.operator import crd
+from kvmesh.operator import status as S
+
+NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def _dep(ready: int, replicas: int | None = None, updated: int | None = None, **extra: Any) -> dict[str, Any]:
+    replicas = ready if replicas is None else replicas
+    return {"status": {"replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": replicas if updated is None else updated, **extra}}
+
+
+def _observed(engine: Any, router: Any = None, redis: Any = None, ingress: Any = None) -> S.Observed:
+    return {("apps/v1", "Deployment", "smol-engine"): engine, ("apps/v1", "Deployment", "smol-router"): router,
+            ("apps/v1", "Deployment", "smol-redis"): redis, ("networking.k8s.io/v1", "Ingress", "smol"): ingress}
+
+
+SVC = crd.parse("smol", "team-a", {"model": {}, "ingress": {"enabled": True, "host": "smol.example.com"}})
+
+
+def test_all_ready() -> None:
+    lb = {"status": {"loadBalancer": {"ingress": [{"hostname": "lb.example.net"}]}}}
+    st = S.build_status(SVC, _observed(_dep(2), _dep(1), _dep(1), lb), 2, 4, None, NOW)
+    assert st == {"phase": "Ready", "observedGeneration": 4, "model": "smol", "replicas": 2, "readyReplicas": 2,
+                  "selector": "app.kubernetes.io/component=engine,kvmesh.io/inference-service=smol",
+                  "url": "http://smol.example.com", "conditions": [
+                      {"type": "EnginesReady", "status": "True", "reason": "MinimumReplicasAvailable",
+                       "message": "2/2 engine pods ready", "lastTransitionTime": NOW},
+                      {"type": "RouterReady", "status": "True", "reason": "MinimumReplicasAvailable",
+                       "message": "1 router pod(s) ready", "lastTransitionTime": NOW},
+                      {"type": "RedisReady", "status": "True", "reason": "MinimumReplicasAvailable",
+                       "message": "1 redis pod(s) ready", "lastTransitionTime": NOW},
+                      {"type": "IngressReady", "status": "True", "reason": "AddressAssigned",
+                       "message": "address lb.example.net", "lastTransitionTime": NOW},
+                      {"type": "Ready", "status": "True", "reason": "AllComponentsReady",
+                       "message": "serving smol", "lastTransitionTime": NOW}]}
+
+
+def test_missing_children_and_awaiting_address() -> None:
+    conds = S.conditions(SVC, _observed(None, None, _dep(0), {"status": {}}), 1)
+    assert [(c["type"], c["status"], c["reason"]) for c in conds] == [
+        ("EnginesReady", "False", "DeploymentMissing"), ("RouterReady", "False", "DeploymentMissing"),
+        ("RedisReady", "False", "AwaitingPods"), ("IngressReady", "False", "AwaitingAddress"),
+        ("Ready", "False", "EnginesNotReady")]
+
+
+def test_engine_states() -> None:
+    assert S.engines_condition(_dep(1, replicas=3, updated=1), 3)["reason"] == "RollingUpdate"
+    assert S.engines_condition(_dep(1, replicas=1), 3) == {
+        "type": "EnginesReady", "status": "False", "reason": "PartiallyReady", "message": "1/3 engine pods ready"}
+    assert S.engines_condition(_dep(0), 0)["reason"] == "ScaledToZero"
+    stuck = _dep(0, replicas=1, conditions=[{"type": "Progressing", "status": "False",
+                                             "reason": "ProgressDeadlineExceeded", "message": "timed out"}])
+    assert S.engines_condition(stuck, 1) == {"type": "EnginesReady", "status": "False",
+                                             "reason": "ProgressDeadlineExceeded", "message": "timed out"}
+
+
+def test_disabled_and_external_components_count_as_ready() -> None:
+    svc = crd.parse("smol", "team-a", {"model": {}, "router": {"enabled": False},
+                                       "redis": {"url": "redis://r:6379/0"}})
+    conds = {c["type"]: c["reason"] for c in S.conditions(svc, _observed(_dep(1)), 1)}
+    assert conds == {"EnginesReady": "MinimumReplicasAvailable", "RouterReady": "Disabled", "RedisReady": "External",
+                     "IngressReady": "Disabled", "Ready": "AllComponentsReady"}
+
+
+def test_transition_time_moves_only_on_flips() -> None:
+    first = S.stamp([{"type": "Ready", "status": "False", "reason": "A", "message": ""}], None, NOW)
+    same = S.stamp([{"type": "Ready", "status": "False", "reason": "B", "message": ""}], first, LATER)
+    flipped = S.stamp([{"type": "Ready", "status": "True", "reason": "C", "message": ""}], same, LATER)
+    assert [c["lastTransitionTime"] for c in first + same + flipped] == [NOW, NOW, LATER]
+
+
+def test_invalid_status() -> None:
+    assert S.invalid_status(["a", "b"], 3, None, NOW) == {
+        "phase": "Failed", "observedGeneration": 3, "conditions": [
+            {"type": "Ready", "status": "False", "reason": "InvalidSpec", "message": "a; b",
+             "lastTransitionTime": NOW}]}
+
+
+def test_ingress_without_host_uses_the_address() -> None:
+    svc = crd.parse("smol", "team-a", {"model": {}, "ingress": {"enabled": True}})
+    lb = {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}}
+    assert S.build_status(svc, _observed(_dep(1), _dep(1), _dep(1), lb), 1, 1, None, NOW)["url"] == "http://203.0.113.9"
