@@ -1,0 +1,304 @@
+"""Turn a batch of logits rows into tokens: penalties, min_tokens, greedy or seeded sampling, logprobs.
+
+Pipeline per row (vLLM's order and semantics):
+
+    raw logits ──► log_softmax ─────────────────────────────────► logprobs (chosen + top-k, ranked)
+        │
+        ▼
+    penalties (repetition over prompt+output, presence/frequency over output)
+        ▼
+    min_tokens mask (EOS unless ignore_eos, stop_token_ids)
+        ▼
+    greedy? ── yes ─► argmax
+        │ no
+        ▼
+    / temperature ─► top_k ─► top_p ─► min_p ─► softmax ─► argmax(probs / q), q ~ Exp(1) per sample
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvmesh.engine.request import Logprob
+from kvmesh.engine.sampling_params import SamplingParams
+
+# NOTE: exponential_ may return exactly 0; probs / 0 is inf (or nan for a masked token, and
+# argmax picks nan), so every draw is clamped to the smallest normal float.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]              # repetition penalty looks at prompt + output
+    output_token_ids: list[int]              # penalties and min_tokens count these
+    generators: list[torch.Generator | None] = field(default_factory=list)  # one per sample; None: shared default
+    num_samples: int = 1                     # n > 1 at a request's first token: n draws from this row
+    eos_token_ids: tuple[int, ...] = ()      # masked while len(output) < min_tokens, unless ignore_eos
+
+    def __post_init__(self) -> None:
+        if not self.generators:
+            self.generators = [None] * self.num_samples
+        if self.num_samples < 1 or len(self.generators) != self.num_samples:
+            raise ValueError(
+                f"SamplingRow needs one generator (or None) per sample: "
+                f"num_samples={self.num_samples}, got {len(self.generators)} generators")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[list[int]]                        # per row, num_samples tokens
+    logprobs: list[list[dict[int, Logprob]] | None]   # per row, per sample; None without params.logprobs
+
+
+def apply_penalties(
+    logits: torch.Tensor,                   # [R, V] float32, modified in place
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    presence_penalties: Sequence[float] | torch.Tensor,    # [R]
+    frequency_penalties: Sequence[float] | torch.Tensor,   # [R]
+    repetition_penalties: Sequence[float] | torch.Tensor,  # [R]
+) -> torch.Tensor:
+    """Repetition penalty (HF/CTRL) over prompt + output tokens: positive logits are divided
+    by it, negative ones multiplied. Then OpenAI's `logit -= frequency * count + presence * seen`
+    over output tokens only. Neutral values (1, 0, 0) leave a row bit-for-bit unchanged."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    presence = torch.as_tensor(presence_penalties, dtype=torch.float32, device=device)
+    frequency = torch.as_tensor(frequency_penalties, dtype=torch.float32, device=device)
+    repetition = torch.as_tensor(repetition_penalties, dtype=torch.float32, device=device)
+    assert presence.shape == frequency.shape == repetition.shape == (num_rows,)
+
+    output_counts = _bin_counts(output_token_ids, vocab, device)   # [R, V]
+    output_seen = output_counts > 0
+    if bool((repetition != 1.0).any()):
+        seen = output_seen | (_bin_counts(prompt_token_ids, vocab, device) > 0)
+        scale = torch.where(seen, repetition[:, None], torch.ones_like(logits))
+        logits.copy_(torch.where(logits > 0, logits / scale, logits * scale))
+    logits -= frequency[:, None] * output_counts
+    logits -= presence[:, None] * output_seen
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,                    # [R, V] float32 (already divided by temperature), in place
+    top_k: Sequence[int] | torch.Tensor,     # [R]; 0 (or >= V) disables
+    top_p: Sequence[float] | torch.Tensor,   # [R]; 1 disables
+    min_p: Sequence[float] | torch.Tensor,   # [R]; 0 disables
+) -> torch.Tensor:
+    """Set to -inf every token outside top-k, then outside the nucleus top-p, then below
+    min_p * p(max), each computed on what the previous step kept. The best token always stays.
+    Ties at the k-th value are all kept; top-p ties are ordered by token id (stable sort)."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    k = torch.as_tensor(top_k, dtype=torch.long, device=device)
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
+    mp = torch.as_tensor(min_p, dtype=torch.float32, device=device)
+    assert k.shape == p.shape == mp.shape == (num_rows,)
+
+    k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
+    if bool((k < vocab).any()):
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1)[:, None])               # [R, 1]
+        logits.masked_fill_(logits < kth, float("-inf"))
+
+    if bool((p < 1.0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
+        cum = sorted_probs.cumsum(dim=-1)
+        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        # NOTE: a token is dropped when the better tokens already hold top_p of the mass; rows
+        # with top_p == 1 are skipped outright so float error in cumsum never drops a tail token.
+        drop_sorted = (mass_before >= p[:, None]) & (p[:, None] < 1.0)
+        drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
+        logits.masked_fill_(drop, float("-inf"))
+
+    if bool((mp > 0.0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = mp[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    return logits
+
+
+def stop_by_token(
+    token_id: int,
+    num_output_tokens: int,          # including token_id
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_tokens: int,                 # the request's cap (max_tokens, bounded by the context)
+) -> tuple[str, int | None] | None:
+    """("stop", token_id) for EOS (unless ignore_eos) or a stop token id once min_tokens are out,
+    else ("length", None) once max_tokens are out, else None. A stop token on the last allowed
+    position reports "stop", as it is the more precise reason."""
+    if num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return ("stop", token_id)
+        if token_id in params.stop_token_ids:
+            return ("stop", token_id)
+    if num_output_tokens >= max_tokens:
+        return ("length", None)
+    return None
+
+
+class Sampler:
+    """Stateless apart from the default generator shared by unseeded rows."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator   # None: torch's global RNG
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        raw = logits
+        # NOTE: a private copy: the caller's logits stay raw (logprobs, debugging), and the
+        # penalties and masks below are free to work in place.
+        logits = logits.to(torch.float32, copy=True)               # [R, V]
+        self._penalize(logits, rows)
+        _mask_min_tokens(logits, rows)
+
+        token_ids: list[list[int]] = [[] for _ in rows]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            best = logits[greedy].argmax(dim=-1).tolist()
+            for i, tok in zip(greedy, best):
+                token_ids[i] = [tok] * rows[i].num_samples
+        randomized = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if randomized:
+            for i, toks in zip(randomized, self._sample(logits[randomized], [rows[i] for i in randomized])):
+                token_ids[i] = toks
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, token_ids))
+
+    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if not idx:
+            return
+        sub = [rows[i] for i in idx]
+        # NOTE: prompts are only binned for rows that use the repetition penalty (long prompts).
+        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in sub]
+        logits[idx] = apply_penalties(
+            logits[idx], prompts, [r.output_token_ids for r in sub],
+            [r.params.presence_penalty for r in sub],
+            [r.params.frequency_penalty for r in sub],
+            [r.params.repetition_penalty for r in sub])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
+        """logits: [Rr, V] of non-greedy rows. Returns num_samples tokens per row."""
+        device = logits.device
+        vocab = logits.shape[1]
+        temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
+        logits = logits / temperature[:, None]
+        if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in rows):
+            apply_top_k_top_p_min_p(
+                logits, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                [r.params.min_p for r in rows])
+        probs = torch.softmax(logits, dim=-1)                      # [Rr, V]
+
+        # One draw per sample: q ~ Exp(1)^V, token = argmax(probs / q) (an exact categorical
+        # sample). NOTE: each draw consumes exactly V exponentials from its own generator, so
+        # a seeded sample depends only on its generator state and its own row, never the batch.
+        draw_rows = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
+        draw_gens = [g for r in rows for g in r.generators]
+        q = torch.empty(len(draw_rows), vocab, dtype=torch.float32, device=device)   # [D, V]
+        shared = [d for d, g in enumerate(draw_gens) if g is None]
+        if shared:
+            q[shared] = _exponential(len(shared), vocab, self.generator, device)
+        for d, g in enumerate(draw_gens):
+            if g is not None:
+                q[d] = _exponential(1, vocab, g, device)[0]
+        q.clamp_min_(_TINY)
+        chosen = (probs[draw_rows] / q).argmax(dim=-1).tolist()
+
+        out: list[list[int]] = [[] for _ in rows]
+        for row, tok in zip(draw_rows, chosen):
+            out[row].append(tok)
+        return out
+
+
+def _exponential(num: int, vocab: int, generator: torch.Generator | None,
+                 device: torch.device) -> torch.Tensor:
+    """[num, V] Exp(1) draws. NOTE: drawn on the generator's own device (the engine's seeded
+    generators live on the CPU) and then moved, so a CPU generator works with GPU logits."""
+    where = generator.device if generator is not None else device
+    q = torch.empty(num, vocab, dtype=torch.float32, device=where).exponential_(generator=generator)
+    return q.to(device, non_blocking=True)
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def _bin_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32 occurrence counts; ids outside [0, V) are ignored."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab + 1, dtype=torch.float32, device=device)
+    if width:
+        padded = torch.tensor([list(ids) + [vocab] * (width - len(ids)) for ids in token_ids],
+                              dtype=torch.long, device=device)
+        padded = torch.where((padded < 0) | (padded > vocab), vocab, padded)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        banned = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos:
+            banned.update(r.eos_token_ids)
+        for t in banned:
+            if 0 <= t < vocab:
+                row_idx.append(i)
+                tok_idx.append(t)
+    if row_idx:
+        logits[row_idx, tok_idx] = float("-inf")
+
+
+def _logprobs(raw: torch.Tensor, rows: list[SamplingRow],
+              token_ids: list[list[int]]) -> list[list[dict[int, Logprob]] | None]:
+    """Logprobs of the RAW logits (before penalties and temperature, vLLM's default).
+    rank = 1 + the number of tokens with a strictly higher logprob, so ties share a rank."""
+    out: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not want:
+        return out
+    lp = torch.log_softmax(raw[want].to(torch.float32), dim=-1)   # [W, V]
+    vocab = lp.shape[1]
+
+    draw_w = [w for w, i in enumerate(want) for _ in token_ids[i]]
+    draw_tok = [t for i in want for t in token_ids[i]]
+    w_t = torch.tensor(draw_w, dtype=torch.long, device=lp.device)
+    tok_t = torch.tensor(draw_tok, dtype=torch.long, device=lp.device)
+    chosen_lp = lp[w_t, tok_t]                                        # [D]
+    chosen_rank = (lp[w_t] > chosen_lp[:, None]).sum(dim=-1) + 1      # [D]
+
+    k = min(max(rows[i].params.logprobs for i in want), vocab)
+    top_lp_l: list[list[float]] = [[] for _ in want]
+    top_id_l: list[list[int]] = [[] for _ in want]
+    top_rank_l: list[list[int]] = [[] for _ in want]
+    if k > 0:
+        top_lp, top_id = lp.topk(k, dim=-1)                           # [W, k], sorted
+        # Every token strictly above a top-k value is itself in the top-k.
+        top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
+        top_lp_l, top_id_l, top_rank_l = top_lp.tolist(), top_id.tolist(), top_rank.tolist()
+
+    d = 0
+    chosen_lp_l, chosen_rank_l = chosen_lp.tolist(), chosen_rank.tolist()
+    for w, i in enumerate(want):
+        num_top = min(rows[i].params.logprobs, vocab)
+        per_sample: list[dict[int, Logprob]] = []
+        for tok in token_ids[i]:
+            entry = {tok: Logprob(tok, chosen_lp_l[d], chosen_rank_l[d])}
+            for j in range(num_top):
+                t = top_id_l[w][j]
+                if t not in entry:
+                    entry[t] = Logprob(t, top_lp_l[w][j], top_rank_l[w][j])
+            per_sample.append(entry)
+            d += 1
+        out[i] = per_sample
+    return out
