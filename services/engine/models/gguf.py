@@ -1,0 +1,216 @@
+"""GGUF file -> (HF config dict, HF-named float32 weights, tokenizer directory).
+
+Our lean reader (gguf_reader.py) parses, the `gguf` package dequantizes; this module maps
+llama.cpp's names and layout back to HF's: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`), the Q/K row
+permutation llama.cpp applies to llama-architecture checkpoints, and the metadata keys of the
+config. The tokenizer is converted once by transformers (slow, ~5 s) and cached on disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from kvmesh.engine.models.gguf_reader import GGUFFormatError, GGUFReader
+
+log = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows)
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFFile:
+    """An opened GGUF file: metadata, the HF config it implies, and its tensors under HF names."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except GGUFFormatError:
+            raise
+        except Exception as e:  # struct / unicode errors on a corrupt header
+            raise GGUFFormatError(f"malformed GGUF file {path}: {type(e).__name__}: {e}") from None
+        self.arch = self.field("general.architecture")
+        if self.arch not in _ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.arch!r} in GGUF file {path}; "
+                             f"supported: {', '.join(_ARCHITECTURES)}")
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.reader.get(key, default)
+
+    # ----------------------------------------------------------------------------- config
+
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as an HF config.json dict (ModelConfig.from_hf_config parses it)."""
+        a = self.arch
+
+        def need(key: str) -> Any:
+            value = self.field(f"{a}.{key}")
+            if value is None:
+                raise ValueError(f"GGUF file {self.path} lacks metadata key '{a}.{key}'")
+            return value
+
+        hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+        head_dim = int(self.field(f"{a}.attention.key_length") or hidden // heads)
+        rope_dim = self.field(f"{a}.rope.dimension_count")
+        if rope_dim is not None and int(rope_dim) != head_dim:
+            raise ValueError(f"GGUF file {self.path}: partial rotary embeddings (rope dims {rope_dim} "
+                             f"< head_dim {head_dim}) are not supported")
+        if "rope_freqs.weight" in self.tensor_names:
+            raise ValueError(f"GGUF file {self.path} carries a rope_freqs tensor (llama3-style RoPE "
+                             "scaling baked in by llama.cpp), which is not supported; load the HF directory")
+        vocab = self.field(f"{a}.vocab_size") or self.reader.array_len("tokenizer.ggml.tokens") or 0
+        eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        cfg: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[a][0]],
+            "hidden_size": hidden,
+            "intermediate_size": int(need("feed_forward_length")),
+            "num_hidden_layers": int(need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv") or heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.field(f"{a}.context_length", 2048)),
+            "vocab_size": int(vocab),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names,
+            "hidden_act": "silu",
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": [int(e) for e in eos if e is not None],
+        }
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.field(f"{a}.rope.scaling.factor")}
+            orig = self.field(f"{a}.rope.scaling.original_context_length")
+            if orig is not None:
+                cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+        return cfg
+
+    # ---------------------------------------------------------------------------- weights
+
+    def weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+        from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
+        from gguf.quants import dequantize  # noqa: PLC0415
+
+        permuted = _ARCHITECTURES[self.arch][1]
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
+                continue
+            try:
+                qtype = GGMLQuantizationType(t.ggml_type)
+                arr = dequantize(t.data, qtype).reshape(t.shape)
+            except Exception as e:
+                raise ValueError(f"cannot dequantize GGUF tensor {t.name} (ggml type {t.ggml_type}) "
+                                 f"in {self.path}: {e}") from None
+            arr = np.asarray(arr, dtype=np.float32)
+            if permuted and ".self_attn.q_proj." in name:
+                arr = unpermute_rows(arr, num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                arr = unpermute_rows(arr, num_kv_heads)
+            if not arr.flags.writeable or not arr.flags.c_contiguous:
+                arr = np.array(arr, copy=True)
+            yield name, torch.from_numpy(arr)
+
+    # -------------------------------------------------------------------------- tokenizer
+
+    def tokenizer_dir(self, cache_root: Path) -> Path:
+        """Directory with tokenizer.json + tokenizer_config.json, converted once and cached."""
+        target = cache_root / cache_key(self.path)
+        if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
+            return target
+        if self.field("tokenizer.ggml.model") is None:
+            raise ValueError(f"GGUF file {self.path} has no tokenizer metadata (tokenizer.ggml.*)")
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_root))
+        try:
+            self._convert_tokenizer(tmp)
+            try:
+                os.rename(tmp, target)  # atomic: readers see all files or none
+            except OSError:
+                if not (target / "tokenizer.json").is_file():  # not a lost race: a real error
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def _convert_tokenizer(self, out: Path) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        # NOTE: transformers' GGUF converter is the tested path from llama.cpp vocab to a
+        # tokenizers BPE/Unigram model; we only keep its output and the metadata's template.
+        hf = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                           local_files_only=True)
+        hf.save_pretrained(str(out))
+        (out / "chat_template.jinja").unlink(missing_ok=True)
+        config = {k: getattr(hf, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                  if getattr(hf, k, None) is not None}
+        template = self.field("tokenizer.chat_template")
+        if template is not None:
+            config["chat_template"] = template
+        config["source_gguf"] = str(self.path)
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    m = _BLOCK_NAME.match(gguf_name)
+    if m:
+        layer, kind, suffix = m.groups()
+        if kind not in _PER_LAYER:
+            return None
+        return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL and suffix in ("weight", "bias"):
+        return f"{_TOP_LEVEL[base]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation (convert_hf_to_gguf `permute`).
+
+    llama.cpp rotates interleaved pairs (GPT-J style); to use it for HF's rotate-half layout its
+    converter reorders each head's rows from [half0 | half1] to interleaved. This is the inverse:
+    per head, rows (pair, 2) -> (2, pair).
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def cache_key(path: Path) -> str:
+    """Stable per file: name, size and the sha256 of the first MiB (cheap; no full hash)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)
+    return f"{stem}-{size}-{digest}"
+

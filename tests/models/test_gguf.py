@@ -1,0 +1,153 @@
+"""GGUF reading: our lean parser vs gguf.GGUFReader, tiny GGUFs written like llama.cpp, the tokenizer cache."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kvmesh.engine.loader import load_model
+from kvmesh.engine.models.gguf import GGUFFile, cache_key, hf_tensor_name, unpermute_rows
+from kvmesh.engine.models.gguf_reader import GGUFReader
+
+_GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+
+
+def test_lean_reader_matches_gguf_package(builtin_path):
+    ours, ref = GGUFReader(builtin_path), gguf.GGUFReader(str(builtin_path))
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        got = ours.get(key)
+        got = got.tolist() if isinstance(got, np.ndarray) else got
+        assert got == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.ggml_type == int(b.tensor_type) and a.shape == tuple(reversed(b.shape.tolist()))
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_name_mapping_and_unpermute():
+    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+    w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
+    assert np.array_equal(unpermute_rows(_permute(w, 2), 2), w)
+    assert np.array_equal(unpermute_rows(_permute(w[:, 0], 2), 2), w[:, 0])  # biases too
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader) -> None:
+    """Write `hf_model` the way llama.cpp's converter does (2-D weights F16, Q/K permuted for llama)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokenizer_source.get("tokenizer.ggml.tokens"))
+    w.add_token_merges(tokenizer_source.get("tokenizer.ggml.merges"))
+    w.add_token_types(tokenizer_source.get("tokenizer.ggml.token_type").tolist())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(tokenizer_source.get("tokenizer.chat_template"))
+    for name, p in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        arr = p.detach().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.<self_attn|mlp|norm>.<proj>.<weight|bias>
+            gname = f"blk.{parts[2]}.{_GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+            if arch == "llama" and ".q_proj." in name:
+                arr = _permute(arr, cfg.num_attention_heads)
+            elif arch == "llama" and ".k_proj." in name:
+                arr = _permute(arr, cfg.num_key_value_heads)
+        w.add_tensor(gname, arr.astype(np.float16) if arr.ndim == 2 else arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _tiny_hf(arch: str):
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rope_theta=20000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg, cls = LlamaConfig(tie_word_embeddings=False, **common), LlamaForCausalLM
+    else:
+        cfg, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            value = 1.0 + 0.1 * noise if "norm" in name else 0.15 * noise
+            p.copy_(value.half().float() if p.ndim == 2 else value)  # what F16 storage keeps
+    return cfg, model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_path, smollm_tokenizer_dir,
+                                        paged_generate, hf_greedy_logits, assert_close_to_scale):
+    cfg, hf_model = _tiny_hf(arch)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, hf_model, cfg, GGUFReader(builtin_path))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(cache))
+    if arch == "qwen2":  # NOTE: only one cold tokenizer conversion (~5 s) per run; this one is pre-seeded
+        shutil.copytree(smollm_tokenizer_dir, cache / cache_key(path))
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.name == f"tiny-{arch}"
+    assert loaded.config.tie_word_embeddings == (arch == "qwen2")
+    assert loaded.config.attention_bias == (arch == "qwen2")
+    prompts = [[1, 9690, 198, 2683, 359], list(range(300, 330))]
+    ours = paged_generate(loaded.model, prompts, 8, block_size=4, prefill_chunk=8, seed=1)
+    for prompt, got in zip(prompts, ours):
+        ref_prompt, ref_tokens, _ = hf_greedy_logits(hf_model, prompt, 8)
+        assert got["tokens"] == ref_tokens
+        assert_close_to_scale(got["prompt_logits"], ref_prompt)
+    # the tokenizer cache: one complete directory, no temp directory left behind
+    assert sorted(p.name for p in cache.iterdir()) == [cache_key(path)]
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])[0] == 1
+    if arch == "llama":
+        assert (cache / cache_key(path) / "tokenizer_config.json").read_text().count("im_start") >= 1
+        start = time.perf_counter()
+        GGUFFile(path).tokenizer_dir(cache)
+        assert time.perf_counter() - start < 1.0  # warm: no conversion
+
+
+def test_cache_key_depends_on_name_size_and_head(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 100)
+    b.write_bytes(b"GGUF" + b"\0" * 100)
+    c.write_bytes(b"GGUF" + b"\1" * 100)
+    assert cache_key(a) != cache_key(b)                # name
+    assert cache_key(a).split("-")[1:] == cache_key(b).split("-")[1:]
+    assert cache_key(b).rsplit("-", 1)[1] != cache_key(c).rsplit("-", 1)[1]  # content
