@@ -1,0 +1,280 @@
+"""Triton paged decode attention: one query token per sequence, split-K (flash-decoding) + reduce.
+
+Grid of the main kernel: (num_seqs, num_kv_heads, num_splits). A program owns every query head
+of one KV-head group (so each K/V tile is loaded once for the whole group) and one contiguous
+slice of its sequence's context. With num_splits > 1 each program writes a
+partial (its own softmax-normalised output and its log-sum-exp) and a second kernel merges the
+splits, weighting each by exp(lse - max lse).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,              # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,   # [num_seqs, max_blocks] int32/int64
+    seq_lens_ptr,       # [num_seqs] int32/int64
+    out_ptr,            # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim] (query dtype)
+                        # NUM_SPLITS > 1: [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 partials
+    lse_ptr,            # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain); unused if 1 split
+    qk_scale,           # softmax scale * log2(e)
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_os, stride_oh, stride_op, stride_od,
+    stride_ls, stride_lh,
+    GROUP: tl.constexpr,        # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
+    BLOCK_G: tl.constexpr,      # GROUP padded to a power of two >= 16 (tl.dot rows)
+    BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two
+    BLOCK_N: tl.constexpr,      # context tokens per loop iteration
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # NOTE: each sequence is cut into NUM_SPLITS equal slices of *its own* length (rounded to
+    # BLOCK_N), so splits of short and long sequences in one batch carry balanced work.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
+        block = block.to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+    if NUM_SPLITS == 1:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs + split * stride_op, out, mask=o_mask)
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ptr,           # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
+    lse_ptr,            # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain, -inf = empty split)
+    out_ptr,            # [num_seqs, num_heads, head_dim]
+    stride_ps, stride_ph, stride_pp, stride_pd,
+    stride_ls, stride_lh,
+    stride_os, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,      # NUM_SPLITS padded to a power of two
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)      # an empty sequence merges to zeros, not NaN
+    w = tl.exp2(lse - m)                          # [BLOCK_S]; 0 for empty splits
+    part = tl.load(part_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_pp
+                   + offs_d[None, :] * stride_pd, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    # NOTE: empty splits hold 0 (never NaN) and weigh 0, so no masking of part is needed here.
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def check_attention_args(query, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int]:
+    """Validate what every attention launcher shares; return (group, block_size)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], "
+                         f"got {tuple(query.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"query dtype must be fp16, bf16 or fp32, got {query.dtype}")
+    if not (query.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"query and caches must share one dtype, got {query.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if t.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if block_tables.dim() != 2 or seq_lens.dim() != 1 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks] and seq_lens [num_seqs], "
+                         f"got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return num_heads // num_kv_heads, k_cache.shape[1]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # NOTE: only fp32 operands read this; an fp32 cache asks for full ieee products, not tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_operands(query: torch.Tensor) -> bool:
+    """Whether tl.dot gets fp32 operands instead of the native fp16/bf16 tiles.
+
+    NOTE: on a GPU the 16-bit tiles go straight to the tensor cores (fp32 accumulate), which
+    halves the registers a K/V tile takes. The interpreter stores bf16 as 16-bit integers and
+    cannot do arithmetic on them, so there every tile is upcast right after loading; the two
+    paths differ only in the operand dtype of the two tl.dot calls.
+    """
+    return query.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                       *, min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+    """Enough splits to fill ~2 waves of SMs, none shorter than min_tokens_per_split tokens.
+
+    Rounded to a power of two so few kernel variants get compiled (NUM_SPLITS is constexpr).
+    """
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    programs = max(1, num_seqs * num_kv_heads)
+    want = triton.cdiv(2 * _num_sms(device.index or 0), programs)
+    cap = max(1, triton.cdiv(max_seq_len, min_tokens_per_split))
+    n = max(1, min(want, cap, max_splits))
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def paged_decode_attention(
+    query: torch.Tensor,         # [num_seqs, num_heads, head_dim] (any strides)
+    k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32/int64
+    seq_lens: torch.Tensor,      # [num_seqs] int32/int64, each >= 1
+    max_seq_len: int,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
+    """One query token per sequence against its paged context (flash-decoding when split)."""
+    group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"decode needs one query per sequence: {num_seqs} queries, "
+                         f"{seq_lens.shape[0]} sequences")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16
+    if num_splits == 1:
+        part, lse = out, out          # lse is never touched with one split
+        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        lse_strides = (0, 0)
+    else:
+        part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=query.device)
+        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                          device=query.device)
+        part_strides = part.stride()
+        lse_strides = lse.stride()[:2]
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        scale * _LOG2E,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *part_strides, *lse_strides,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part, lse, out, *part.stride(), *lse.stride()[:2], *out.stride(),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=max(1, min(num_warps, 4)),
+        )
+    return out
+
+
+__all__ = ["paged_decode_attention", "check_attention_args", "default_num_splits",
+           "dot_precision", "upcast_operands"]

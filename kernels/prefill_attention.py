@@ -1,0 +1,186 @@
+"""Triton unified varlen attention on the paged cache: prefill chunks, prefix hits and decodes.
+
+Every sequence's new tokens sit at the end of its context (cached prefix + this step's tokens,
+already written to the cache), and attention is causal over absolute positions. One kernel
+serves a mixed batch: a decode is a chunk of length 1.
+
+Tiling. A program owns one KV head and a tile of BLOCK_Q query tokens of one sequence; its
+BLOCK_M = BLOCK_Q * BLOCK_G rows are (token, query head of the group) pairs, so every K/V tile
+is read once for the whole GQA group and tl.dot sees >= 16 rows even for decodes. The grid's
+first axis is an upper bound on the number of query tiles, num_tokens // BLOCK_Q + num_seqs,
+known on the host without a device sync; sequence s owns tiles starting at
+query_start_loc[s] // BLOCK_Q + s (a binary search finds it) and surplus tiles return at once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmesh.kernels.paged_attention import check_attention_args, dot_precision, upcast_operands
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest s with query_start_loc[s] // BLOCK_Q + s <= tile (binary search)."""
+    # NOTE: typed scalars, not Python ints: num_seqs == 1 is specialised to a constexpr and the
+    # loop then never runs, yet the result must still be a tensor.
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        go_right = first <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,                  # [num_tokens, num_heads, head_dim], packed by query_start_loc
+    k_cache_ptr,            # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,            # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,                # [num_tokens, num_heads, head_dim]
+    block_tables_ptr,       # [num_seqs, max_blocks] int32/int64
+    seq_lens_ptr,           # [num_seqs] context length incl. this step's tokens
+    query_start_loc_ptr,    # [num_seqs + 1] cu_seqlens of the packed queries
+    num_seqs,
+    qk_scale,               # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bts, stride_btb,
+    GROUP: tl.constexpr,        # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,   # tokens per cache block
+    BLOCK_G: tl.constexpr,      # GROUP padded to a power of two
+    BLOCK_Q: tl.constexpr,      # query tokens per program
+    BLOCK_M: tl.constexpr,      # BLOCK_Q * BLOCK_G rows per program
+    BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two
+    BLOCK_N: tl.constexpr,      # context tokens per loop iteration
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    prefix = seq_len - q_len              # tokens of context before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // BLOCK_G          # query index within the sequence
+    g = rows % BLOCK_G
+    row_mask = (q_idx < q_len) & (g < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    head = kv_head * GROUP + g
+    row_pos = prefix + q_idx                              # absolute position of each row
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    io_mask = row_mask[:, None] & d_mask[None, :]
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    # the last query of this tile sees positions < kv_end; later context is never loaded
+    kv_end = tl.minimum(prefix + (q_tile + 1) * BLOCK_Q, seq_len)
+
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
+        block = block.to(tl.int64)
+        offset = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        # NOTE: every row sees position 0, so no row is fully masked and m_i stays finite.
+        allowed = valid[None, :] & (pos[None, :] <= row_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def unified_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim] (any strides)
+    k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32/int64
+    seq_lens: torch.Tensor,         # [num_seqs] int32/int64
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32/int64
+    scale: float,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    """Causal varlen attention of a mixed batch over the paged cache (K/V already written).
+
+    `block_m` is the number of (query token, head) rows per program; it must be a power of two
+    >= 16 and >= the padded GQA group size.
+    """
+    group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_start_loc must be int32 or int64, got {query_start_loc.dtype}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], "
+                         f"got {tuple(query_start_loc.shape)}")
+    if query_start_loc.device != query.device:
+        raise ValueError("query_start_loc must be on the query's device")
+    block_g = triton.next_power_of_2(group)
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if block_m < block_g:
+        raise ValueError(f"block_m {block_m} must be >= the padded GQA group size {block_g}")
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_q = block_m // block_g
+    grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
+    _unified_attention_kernel[grid](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        num_seqs, scale * _LOG2E,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *block_tables.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,64 @@
+"""The Triton backend: the reference's four ops with the same signatures, on Triton kernels.
+
+`kvmesh.kernels.ops.get_ops("triton")` returns this module; the model calls
+`ops.paged_attention(...)` etc. without knowing the backend. Tile sizes are the kernels'
+GPU defaults; the kernel modules take them as keyword parameters for tuning and tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvmesh.kernels.cache_ops import write_kv_cache as _write_kv_cache
+from kvmesh.kernels.metadata import AttentionMetadata
+from kvmesh.kernels.norm import rms_norm as _rms_norm
+from kvmesh.kernels.paged_attention import paged_decode_attention
+from kvmesh.kernels.prefill_attention import unified_attention
+from kvmesh.kernels.rope import rotary_embedding as _rotary_embedding
+
+
+def write_kv_cache(
+    key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token to skip
+) -> None:
+    """Store each token's K/V in its slot (block_id * block_size + offset)."""
+    _write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,        # [num_tokens, num_heads, head_dim], packed by meta.query_start_loc
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
+    """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
+
+    An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
+    prefix hits, decodes mixed in) to the unified varlen kernel.
+    """
+    if meta.num_seqs == 0:
+        return torch.empty_like(query)
+    if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.max_seq_len, scale)
+    return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm in float32 (as HF Llama does). With a residual: returns (norm(x + r), x + r)."""
+    return _rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,    # [num_tokens] int64
+    query: torch.Tensor,        # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos [:, :d/2], sin [:, d/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style (rotate-half) RoPE, the layout of HF Llama / Qwen2 checkpoints."""
+    return _rotary_embedding(positions, query, key, cos_sin_cache)
