@@ -6,3 +6,52 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import functools  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The built-in SmolLM2-135M-Instruct, loaded once (float32, CPU) and shared by engines."""
+    from kvmesh.engine.loader import load_model
+    return load_model(None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' own load of the same GGUF: the reference for token-for-token equality."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.engine.loader import builtin_model_path
+    path = builtin_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy_tokens(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache: argmax each step, no EOS stop."""
+    import torch
+    out: list[int] = []
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids])
+        past = None
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm):
+    """hf_greedy(prompt_ids, n) -> n greedy token ids from transformers (memoised)."""
+    @functools.lru_cache(maxsize=None)
+    def run(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+        return tuple(hf_greedy_tokens(hf_smollm, list(prompt), n))
+    return lambda prompt, n: list(run(tuple(prompt), n))

@@ -1,0 +1,75 @@
+"""The `kvmesh` command: serve, generate, operator (and more as they land)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvmesh.common.config import engine_config_from_args
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.sampling_seed)
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        engine.add_request("cli-0", prompt, params)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvmesh generate: error: {e}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            if out.finished:
+                sys.stdout.write("\n")
+                if args.json:
+                    o = out.outputs[0]
+                    print(json.dumps({"text": o.text, "token_ids": o.token_ids,
+                                      "finish_reason": o.finish_reason}))
+    return 0
+
+
+def _cmd_operator(args: argparse.Namespace, rest: list[str]) -> int:
+    from kvmesh.operator.main import main as operator_main
+    return operator_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvmesh.common.config import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="kvmesh", description="Kubernetes-native LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate once, offline, and print the text")
+    add_engine_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="also print the result as JSON")
+
+    sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "operator":
+        return _cmd_operator(argparse.Namespace(), argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _cmd_generate(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

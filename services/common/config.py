@@ -1,0 +1,128 @@
+"""Engine configuration: CLI / keyword arguments -> one frozen, validated dataclass."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+
+POLICIES = ("fcfs", "priority", "sjf", "dynamic")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicPriorityWeights:
+    """Weights of the token-level dynamic priority (lower score is served first)."""
+    priority: float = 1.0     # per unit of the request's base priority
+    progress: float = 2.0     # bonus for the fraction of max_tokens already generated
+    waiting: float = 0.5      # bonus per second spent waiting (aging)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None               # HF directory or .gguf file; None: built-in SmolLM2
+    served_model_name: str | None = None   # name in the API; default from the model
+    dtype: str = "auto"                    # float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    attention_backend: str = "auto"        # auto | triton | reference
+    max_model_len: int | None = None       # default: the model's context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None       # explicit GPU KV block count; default from memory
+    kv_cache_memory_fraction: float = 0.1  # share of free device memory for the KV cache when num_kv_blocks is unset
+    swap_space: float = 1.0                # GiB of CPU memory for swap preemption
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # per-step token budget; default 2048 (chunked) or max_model_len
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "auto"
+    seed: int = 0
+    hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
+    sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
+    dynamic_weights: DynamicPriorityWeights = field(default_factory=DynamicPriorityWeights)
+    # NOTE: cost model for preemption mode "auto": recompute costs tokens / throughput, swap
+    # costs bytes moved twice / bandwidth. These seed values are refined by measurement.
+    recompute_tokens_per_s: float = 2000.0
+    swap_bytes_per_s: float = 4e9
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.attention_backend in ("auto", "triton", "reference"),
+             f"attention_backend must be auto, triton or reference, got {self.attention_backend!r}")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+             f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        need(self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2, got {self.max_model_len}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        need(0.0 < self.kv_cache_memory_fraction <= 0.95,
+             f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.scheduling_policy in POLICIES,
+             f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s must be >= 0")
+
+    def token_budget(self, max_model_len: int) -> int:
+        """The per-step token budget once the model's context length is known."""
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                    f"max_model_len ({max_model_len}) with chunked prefill off: a long prompt could "
+                    "never be scheduled; raise --max-num-batched-tokens, lower --max-model-len or "
+                    "enable chunked prefill")
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+def engine_config_from_kwargs(model: str | None = None, **kwargs) -> EngineConfig:
+    """EngineConfig from vLLM-style keyword arguments; unknown names are a clear error."""
+    unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_ENGINE_FIELDS))}")
+    if isinstance(kwargs.get("dynamic_weights"), dict):
+        kwargs["dynamic_weights"] = DynamicPriorityWeights(**kwargs["dynamic_weights"])
+    return EngineConfig(model=model, **kwargs)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by `kvmesh serve` and `kvmesh bench` (vLLM's names)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "reference"))
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.1)
+    g.add_argument("--swap-space", type=float, default=1.0, help="GiB of CPU swap space")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
+    g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--hash-seed", default="kvmesh")
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    values = {k: v for k, v in vars(ns).items() if k in _ENGINE_FIELDS}
+    return EngineConfig(**values)

@@ -1,0 +1,261 @@
+"""LLMEngine: add_request / step / abort. step() is schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sched_output import SchedulerStats
+from kvmesh.engine.scheduler import Scheduler
+
+logger = logging.getLogger("kvmesh.engine")
+
+PromptInput = str | Sequence[int]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(slots=True)
+class _Group:
+    """The samples of one user request (n > 1 shares the prompt's blocks)."""
+    request_id: str
+    prompt: str | None
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    emitted: list[int] = field(default_factory=list)   # token ids already reported, per sample
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device,
+                                           config.attention_backend)
+        mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = config.served_model_name or self.loaded.name
+        self.block_size = config.block_size
+        self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
+                                          mc.num_key_value_heads, mc.head_dim, self.loaded.dtype)
+        num_gpu_blocks = self._num_gpu_blocks()
+        capacity = num_gpu_blocks * config.block_size
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if config.max_model_len is None:
+            max_len = min(max_len, capacity)
+        elif max_len > capacity:
+            raise ValueError(
+                f"max_model_len {max_len} does not fit in the KV cache ({num_gpu_blocks} blocks of "
+                f"{config.block_size} tokens = {capacity} tokens); raise --num-kv-blocks or "
+                "--kv-cache-memory-fraction, or lower --max-model-len")
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
+                             f"{mc.max_position_embeddings}")
+        self.max_model_len = max_len
+        num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
+        self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
+                                         enable_caching=config.enable_prefix_caching,
+                                         hash_seed=config.hash_seed)
+        self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes)
+        self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, mc.num_key_value_heads,
+                                  mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
+                                  self.loaded.dtype, self.loaded.device, seed=config.seed)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
+        self.vocab_size = mc.vocab_size
+        self._groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        self.last_stats = SchedulerStats()
+        self.num_steps = 0
+        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%d tokens) "
+                    "swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
+                    self.loaded.device, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
+
+    def _num_gpu_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        device = self.loaded.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = _available_host_memory()
+        blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
+        max_len = cfg.max_model_len or self.loaded.config.max_position_embeddings
+        # NOTE: no point holding more than every sequence at full length.
+        wanted = cfg.max_num_seqs * _cdiv(max_len, cfg.block_size)
+        blocks = min(blocks, wanted)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache; set --num-kv-blocks or raise "
+                             "--kv-cache-memory-fraction")
+        return blocks
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return None, ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot serve, changing nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens long but max_model_len is "
+                             f"{self.max_model_len}: at least one token must be left to generate")
+
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        self.check_request(prompt_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples: list[Request] = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                # NOTE: sample i draws from its own generator, so each sample is reproducible
+                # whatever else shares the batch.
+                gen = torch.Generator().manual_seed(params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            samples.append(Request(rid, prompt_ids, params, arrival, priority, cache_salt,
+                                   eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                                   max_model_len=self.max_model_len, sample_index=i,
+                                   parent_id=request_id, generator=gen))
+        self.scheduler.add_request(samples[0])
+        for child in samples[1:]:
+            self.scheduler.add_fork(samples[0], child)
+        detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, params) for _ in samples]
+        self._groups[request_id] = _Group(request_id, text, samples, detoks, [0] * len(samples))
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is not None:
+                self.scheduler.abort_requests([r.request_id for r in group.samples])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        touched = self.scheduler.update_from_output(sched, result)
+        self.last_stats = sched.stats
+        self.num_steps += 1
+        self._learn_prefill_rate(sched.num_scheduled_tokens, result.model_time_s)
+        return self._postprocess(touched)
+
+    def _learn_prefill_rate(self, tokens: int, seconds: float) -> None:
+        if tokens >= 64 and seconds > 0:
+            rate = tokens / seconds
+            s = self.scheduler
+            s.recompute_tokens_per_s = 0.8 * s.recompute_tokens_per_s + 0.2 * rate
+
+    def _postprocess(self, touched: list[Request]) -> list[RequestOutput]:
+        group_ids: dict[str, None] = {}
+        for req in touched:
+            group = self._groups.get(req.parent_id)
+            if group is None:
+                continue
+            # every touched request got exactly one new token this step
+            stop = group.detokenizers[req.sample_index].update(
+                [req.output_token_ids[-1]],
+                stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
+            if stop is not None:
+                if req.is_finished:
+                    # NOTE: the stop string wins over a length / EOS finish in the same token.
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                else:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
+            group_ids[group.request_id] = None
+        outputs = []
+        for gid in group_ids:
+            group = self._groups[gid]
+            outputs.append(self._make_output(group))
+            if group.finished:
+                del self._groups[gid]
+        return outputs
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, (req, detok) in enumerate(zip(group.samples, group.detokenizers)):
+            new_ids = req.output_token_ids[group.emitted[i]:]
+            group.emitted[i] = req.num_output_tokens
+            completions.append(CompletionOutput(
+                index=i,
+                text=detok.output_text,
+                token_ids=list(req.output_token_ids),
+                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+                delta_text=detok.get_delta(req.is_finished),
+                delta_token_ids=new_ids,
+            ))
+        first = group.samples[0]
+        metrics = {"arrival_time": first.arrival_time}
+        if first.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first.first_scheduled_time
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
+                             group.finished, max(first.num_cached_tokens, 0), metrics)
+
+    # ---- cache control -------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list:
+        return self.kv_manager.take_events()

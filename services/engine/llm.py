@@ -1,0 +1,98 @@
+"""The offline API: `LLM(model=None, **engine_args).generate(...)` and `.chat(...)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from kvmesh.common.config import engine_config_from_kwargs
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class LLM:
+    """Offline batched generation on the paged-KV engine (vLLM's engine-argument names)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
+        # NOTE: validate everything first, so a bad prompt leaves the engine untouched.
+        tokenized = []
+        for prompt, p in zip(prompts, params):
+            _, ids = self.engine.tokenize_prompt(prompt)
+            self.engine.check_request(ids, p)
+            tokenized.append(prompt)
+        return self._run(tokenized, params, priority, cache_salt)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _params_list(self, sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+    def _run(self, prompts, params, priority, cache_salt) -> list[RequestOutput]:
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                        cache_salt=cache_salt)
+                ids.append(rid)
+            final: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [final[rid] for rid in ids]

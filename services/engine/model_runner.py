@@ -1,0 +1,107 @@
+"""Runs one scheduled step: block copies and swaps, the packed forward pass, sampling.
+
+The KV cache is one preallocated tensor [num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]; each layer's attention reads its K/V views through the step's block tables.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvmesh.engine.sampler import Sampler, SamplingRow
+from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvmesh.kernels.metadata import AttentionMetadata
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
+        # NOTE: zeros, not empty: attention may read (and multiply by zero probability) slots
+        # past a sequence's end, and NaN garbage would survive 0 * NaN.
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
+        cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.swap_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
+                                      pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
+        self.sampler = Sampler(generator=torch.Generator().manual_seed(seed))
+
+    # ---- block movement ------------------------------------------------------------------
+    def apply_block_ops(self, ops: list[tuple[str, int, int]]) -> None:
+        """Replay copy / swap_out / swap_in in decision order, batching runs of one kind."""
+        start = 0
+        while start < len(ops):
+            kind = ops[start][0]
+            end = start
+            while end < len(ops) and ops[end][0] == kind:
+                end += 1
+            a = torch.tensor([op[1] for op in ops[start:end]])
+            b = torch.tensor([op[2] for op in ops[start:end]])
+            if kind == "copy":
+                a, b = a.to(self.device), b.to(self.device)
+                self.kv_cache[:, :, b] = self.kv_cache[:, :, a]
+            elif kind == "swap_out":
+                self.swap_cache[:, :, b] = self.kv_cache[:, :, a.to(self.device)].to("cpu")
+            elif kind == "swap_in":
+                self.kv_cache[:, :, b.to(self.device)] = self.swap_cache[:, :, a].to(self.device)
+            else:
+                raise ValueError(f"unknown block op {kind!r}")
+            start = end
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.apply_block_ops(out.block_ops)
+        if not out.scheduled:
+            return ModelRunnerOutput(sampled={}, logprobs={})
+        t0 = time.perf_counter()
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        rows: list[SamplingRow] = []
+        row_ids: list[str] = []
+        for sr in out.scheduled:
+            req = sr.request
+            end = sr.start + sr.num_tokens
+            input_ids.extend(req.all_token_ids[sr.start:end])
+            positions.extend(range(sr.start, end))
+            query_lens.append(sr.num_tokens)
+            seq_lens.append(end)
+            tables.append(sr.block_ids)
+            if sr.sample:
+                sample_rows.append(len(input_ids) - 1)
+                samples = [req, *sr.fork_children]
+                rows.append(SamplingRow(
+                    params=req.sampling_params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                    generators=[r.generator for r in samples],
+                    num_samples=len(samples),
+                    eos_token_ids=req.eos_token_ids,
+                ))
+                row_ids.append(req.request_id)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not rows:
+            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        result = self.sampler(logits, rows)
+        return ModelRunnerOutput(
+            sampled=dict(zip(row_ids, result.token_ids)),
+            logprobs=dict(zip(row_ids, result.logprobs)),
+            model_time_s=time.perf_counter() - t0,
+        )

@@ -1,0 +1,75 @@
+"""Data passed from the scheduler to the model runner and back: one step's decisions and results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.engine.request import Logprob, Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request           # in-process reference: the runner reads token ids and sampling settings
+    start: int                 # first position computed this step (num_computed_tokens before the step)
+    num_tokens: int            # tokens computed this step (1 for a decode)
+    block_ids: list[int]       # the request's block table after this step's allocation
+    sample: bool               # the chunk reaches the last known token: a next token is sampled
+    fork_children: list[Request] = field(default_factory=list)  # n > 1: samples drawn from this row too
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.sample and self.start >= self.request.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """What one step decided; exposed by tracing (one span per step) and metrics."""
+    step: int = 0
+    policy: str = ""
+    token_budget: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_reqs: int = 0          # requests computing more than their last token
+    num_decode_reqs: int = 0
+    num_chunked_prefills: int = 0      # prefills cut short by the budget
+    num_preempted: int = 0
+    num_preempted_recompute: int = 0
+    num_preempted_swap: int = 0
+    num_swapped_in: int = 0
+    num_swapped_out: int = 0
+    blocks_allocated: int = 0
+    blocks_freed: int = 0
+    blocks_evicted: int = 0
+    cow_copies: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    kv_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    # NOTE: block moves in the order the scheduler decided them: ("copy", src, dst) for
+    # copy-on-write, ("swap_out", gpu, cpu), ("swap_in", cpu, gpu). No fixed order of kinds is
+    # safe: a copy-on-write may target a block a swap-out freed earlier in the step, and a
+    # swap-out may carry a block whose copy-on-write was decided before it.
+    block_ops: list[tuple[str, int, int]]
+    preempted_ids: list[str]
+    stats: SchedulerStats
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.stats.num_scheduled_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.block_ops)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]]                          # request id -> tokens (one per sample)
+    logprobs: dict[str, list[dict[int, Logprob]] | None]   # request id -> per-sample logprobs
+    model_time_s: float = 0.0                              # forward + sampling wall time

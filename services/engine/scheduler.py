@@ -1,0 +1,376 @@
+"""Token-level continuous-batching scheduler: waiting / running / swapped queues.
+
+Each step mixes decodes with (chunked) prefills under one token budget. Every request is just
+"tokens known" vs "tokens computed": a prefill is many tokens to compute, a decode is one, a
+recompute-preempted request is its prompt plus outputs. Layers are one-way:
+scheduler -> KVCacheManager -> BlockPool.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Callable, Iterable
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.policies import Policy, make_policy
+from kvmesh.engine.request import Logprob, Request, RequestStatus
+from kvmesh.engine.sampler import stop_by_token
+from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
+                                        SchedulerStats)
+
+_KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copies",
+                "prefix_queries", "prefix_hits")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        block_bytes: int,                       # bytes of one block across all layers (K and V)
+        clock: Callable[[], float] = time.monotonic,
+        policy: Policy | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.block_bytes = block_bytes
+        self.clock = clock
+        self.policy = policy or make_policy(config)
+        self.token_budget = config.token_budget(max_model_len)
+        self.chunked = config.enable_chunked_prefill
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.pending_forks: dict[str, list[Request]] = {}   # sample 0 id -> samples 1..n-1
+        self.requests: dict[str, Request] = {}              # every live request, forks included
+        self.step_id = 0
+        self.finished_ids: list[str] = []                   # finished since the last step, drained
+        # NOTE: the auto preemption mode compares these two rates; the engine refines them
+        # from measured prefill throughput.
+        self.recompute_tokens_per_s = config.recompute_tokens_per_s
+        self.swap_bytes_per_s = config.swap_bytes_per_s
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Register sample i > 0 of an n > 1 request; it starts when the parent's prefill ends."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        child.status = RequestStatus.WAITING_FOR_FORK
+        self.pending_forks.setdefault(parent.request_id, []).append(child)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests as aborted, wherever they are; their blocks are freed at once."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            for child in self.pending_forks.pop(rid, []):
+                self._finish(child, RequestStatus.FINISHED_ABORTED)
+                aborted.append(child)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def finish_request(self, req: Request, status: RequestStatus, stop_reason=None) -> None:
+        """Finish a live request (a stop string found by the detokenizer, say)."""
+        if req.request_id in self.requests:
+            req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+                 RequestStatus.SWAPPED: self.swapped}.get(req.status)
+        if queue is not None:
+            queue.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_FORK and req.parent_id is not None:
+            for siblings in self.pending_forks.values():
+                if req in siblings:
+                    siblings.remove(req)
+        self.kv.free(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+        self.finished_ids.append(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        now = self.clock()
+        key = lambda r: self.policy.key(r, now)  # noqa: E731
+        kv_before = self._kv_counters()
+        budget = self.token_budget
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+        ops: list[tuple[str, int, int]] = []   # block moves in decision order
+        stats = SchedulerStats(step=self.step_id, policy=self.policy.name, token_budget=budget)
+
+        # 1) Running requests, best first. When blocks run out, the worst running request is
+        #    preempted (possibly the one being scheduled). Victims always come from behind.
+        self.running.sort(key=key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, preempted, ops, stats)
+                if victim is req:
+                    break
+            else:
+                self._drain_copies(ops)
+                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
+                budget -= num_new
+                i += 1
+
+        # 2) Swapped requests come back before any new request is admitted.
+        if not preempted:
+            self.swapped.sort(key=key)
+            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.swapped[0]
+                num_new = self._num_new_tokens(req, budget)
+                need = _cdiv(req.num_computed_tokens + num_new, self.kv.block_size)
+                if num_new == 0 or self.kv.num_free_blocks < need + 1:
+                    break
+                pairs = self.kv.swap_in(req)
+                if pairs is None:
+                    break
+                ops.extend(("swap_in", c, g) for c, g in pairs)
+                allocated = self.kv.allocate_slots(req, num_new)
+                assert allocated is not None, "swap-in reserved too few blocks"
+                self._drain_copies(ops)
+                self.swapped.pop(0)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                stats.num_swapped_in += 1
+                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
+                budget -= num_new
+
+        # 3) New (or recompute-preempted) requests, in policy order.
+        if not preempted and not self.swapped:
+            self.waiting.sort(key=key)
+            idx = 0
+            while (idx < len(self.waiting) and budget > 0
+                   and len(self.running) < self.config.max_num_seqs):
+                req = self.waiting[idx]
+                if req.last_preempted_step == self.step_id:
+                    idx += 1          # NOTE: never re-admit a request in the step that evicted it
+                    continue
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if num_new > budget:
+                    if not self.chunked:
+                        break
+                    num_new = budget
+                # NOTE: a waiting request has computed nothing; the prefix hits are counted
+                # by allocate_slots and committed only once it succeeds.
+                allocated = self.kv.allocate_slots(req, num_new, hits, num_hit)
+                if allocated is None and self.policy.preempts_for_waiting:
+                    budget += self._preempt_for(req, num_new, hits, num_hit, scheduled,
+                                                preempted, ops, stats)
+                    allocated = self.kv.allocate_slots(req, num_new, hits, num_hit)
+                if allocated is None:
+                    break
+                self._drain_copies(ops)
+                self.waiting.pop(idx)
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
+                budget -= num_new
+
+        # Commit: the scheduled tokens will be computed by this step's forward pass.
+        for sr in scheduled.values():
+            sr.request.num_computed_tokens = sr.start + sr.num_tokens
+        self._fill_stats(stats, kv_before)
+        return SchedulerOutput(
+            step=self.step_id,
+            scheduled=list(scheduled.values()),
+            block_ops=ops,
+            preempted_ids=[r.request_id for r in preempted],
+            stats=stats,
+        )
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens - req.num_computed_tokens
+        if num_new > budget:
+            # NOTE: with chunked prefill off a prefill waits for a step with room for all of it.
+            return budget if self.chunked else 0
+        return max(num_new, 0)
+
+    def _scheduled(self, req: Request, num_new: int, stats: SchedulerStats) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
+        children = []
+        if sample and req.num_output_tokens == 0:
+            children = self.pending_forks.get(req.request_id, [])
+        sr = ScheduledRequest(req, start, num_new, self.kv.get_block_ids(req.request_id),
+                              sample, list(children))
+        self._count(stats, sr, +1)
+        return sr
+
+    @staticmethod
+    def _count(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> None:
+        if sr.is_decode:
+            stats.num_decode_reqs += sign
+        else:
+            stats.num_prefill_reqs += sign
+            if not sr.sample:
+                stats.num_chunked_prefills += sign
+        stats.num_scheduled_tokens += sign * sr.num_tokens
+
+    # ---- preemption ----------------------------------------------------------------------
+    def _choose_swap(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or req.num_computed_tokens == 0 or not self.kv.can_swap_out(req):
+            return False
+        if mode == "swap":
+            return True
+        num_blocks = len(self.kv.get_block_ids(req.request_id))
+        swap_cost = 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
+        recompute_cost = req.num_computed_tokens / self.recompute_tokens_per_s
+        return swap_cost < recompute_cost
+
+    def _drain_copies(self, ops: list[tuple[str, int, int]]) -> None:
+        ops.extend(("copy", src, dst) for src, dst in self.kv.take_copies())
+
+    def _preempt(self, victim: Request, preempted: list[Request],
+                 ops: list[tuple[str, int, int]], stats: SchedulerStats) -> None:
+        self.running.remove(victim)
+        if self._choose_swap(victim):
+            ops.extend(("swap_out", g, c) for g, c in self.kv.swap_out(victim))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.append(victim)
+            stats.num_preempted_swap += 1
+            stats.num_swapped_out += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.append(victim)
+            stats.num_preempted_recompute += 1
+        victim.num_preemptions += 1
+        victim.last_preempted_step = self.step_id
+        stats.num_preempted += 1
+        preempted.append(victim)
+
+    def _preempt_for(self, req: Request, num_new: int, hits: list[int], num_hit: int,
+                     scheduled: dict[str, ScheduledRequest], preempted: list[Request],
+                     ops: list[tuple[str, int, int]], stats: SchedulerStats) -> int:
+        """Priority policy: evict strictly lower-priority running requests, worst first, but
+        only if together they can make room. Returns the token budget given back."""
+        victims = [r for r in reversed(self.running) if r.priority > req.priority]
+        need = _cdiv(num_hit + num_new, self.kv.block_size) - len(hits)
+        held = sum(len(self.kv.get_block_ids(v.request_id)) for v in victims)
+        if not victims or self.kv.num_free_blocks + held < need:
+            return 0
+        returned = 0
+        for victim in victims:
+            sr = scheduled.pop(victim.request_id, None)
+            if sr is not None:
+                returned += sr.num_tokens
+                self._count(stats, sr, -1)
+            self._preempt(victim, preempted, ops, stats)
+            if self.kv.num_free_blocks >= need:
+                break
+        return returned
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, fork n > 1 samples, finish by EOS / stop ids / length.
+
+        Returns the requests that got a new token (finished ones included).
+        """
+        now = self.clock()
+        touched: list[Request] = []
+        for sr in out.scheduled:
+            req = sr.request
+            if not sr.sample or req.is_finished:
+                continue
+            tokens = result.sampled[req.request_id]
+            logprobs = result.logprobs.get(req.request_id)
+            for k, child in enumerate(sr.fork_children, start=1):
+                if child.status != RequestStatus.WAITING_FOR_FORK:
+                    continue
+                self.kv.fork(req, child)
+                child.num_computed_tokens = req.num_computed_tokens
+                child.num_cached_tokens = req.num_cached_tokens
+                child.first_scheduled_time = req.first_scheduled_time
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+                self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
+                touched.append(child)
+            if sr.fork_children:
+                self.pending_forks.pop(req.request_id, None)
+            self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
+            touched.append(req)
+        return touched
+
+    def _append(self, req: Request, token: int, logprobs: dict[int, Logprob] | None,
+                now: float) -> None:
+        req.append_output_token(token)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        stop = stop_by_token(token, req.num_output_tokens, req.sampling_params,
+                             req.eos_token_ids, req.max_tokens)
+        if stop is not None:
+            reason, stop_token = stop
+            req.stop_reason = stop_token
+            status = (RequestStatus.FINISHED_STOPPED if reason == "stop"
+                      else RequestStatus.FINISHED_LENGTH)
+            self._finish(req, status)
+
+    def take_finished_ids(self) -> list[str]:
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
+
+    # ---- stats ---------------------------------------------------------------------------
+    def _kv_counters(self) -> tuple[int, ...]:
+        s = self.kv.stats
+        return tuple(getattr(s, name) for name in _KV_COUNTERS)
+
+    def _fill_stats(self, stats: SchedulerStats, before: tuple[int, ...]) -> None:
+        delta = dict(zip(_KV_COUNTERS, (a - b for a, b in zip(self._kv_counters(), before))))
+        stats.blocks_allocated = delta["blocks_allocated"]
+        stats.blocks_freed = delta["blocks_freed"]
+        stats.blocks_evicted = delta["blocks_evicted"]
+        stats.cow_copies = delta["cow_copies"]
+        stats.prefix_query_tokens = delta["prefix_queries"]
+        stats.prefix_hit_tokens = delta["prefix_hits"]
+        stats.kv_usage = self.kv.usage
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
+        stats.num_swapped = len(self.swapped)
+
+
+STATS_FIELDS = tuple(f.name for f in fields(SchedulerStats))

@@ -1,0 +1,227 @@
+"""The scheduler with a real KV-cache manager and a fake model: exact decisions step by step."""
+from __future__ import annotations
+
+from kvmesh.engine.request import RequestStatus
+
+
+def plan(out):
+    """(request id, start, num tokens, sample) for each scheduled request of one step."""
+    return [(sr.request.request_id, sr.start, sr.num_tokens, sr.sample) for sr in out.scheduled]
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget(harness):
+    h = harness(max_num_batched_tokens=8)
+    h.add(20, max_tokens=2)
+    steps = [plan(h.step()) for _ in range(4)]
+    assert steps == [
+        [("r0", 0, 8, False)],
+        [("r0", 8, 8, False)],
+        [("r0", 16, 4, True)],
+        [("r0", 20, 1, True)],
+    ]
+    assert not h.sched.has_unfinished_requests()
+    assert h.kv.num_free_blocks == 64
+
+
+def test_decodes_and_a_prefill_chunk_share_one_step(harness):
+    h = harness(max_num_batched_tokens=8)
+    h.add(4, max_tokens=3)
+    h.step()
+    h.add(10, max_tokens=1)
+    out = h.step()
+    assert plan(out) == [("r0", 4, 1, True), ("r1", 0, 7, False)]
+    assert (out.stats.num_decode_reqs, out.stats.num_prefill_reqs) == (1, 1)
+    assert out.stats.num_chunked_prefills == 1
+    assert out.stats.num_scheduled_tokens == 8
+
+
+def test_without_chunking_a_prefill_waits_for_a_step_with_room(harness):
+    h = harness(max_model_len=12, max_num_batched_tokens=12, enable_chunked_prefill=False)
+    h.add(10, max_tokens=2)
+    h.add(10, max_tokens=2)
+    assert plan(h.step()) == [("r0", 0, 10, True)]             # 2 tokens left: r1 must wait whole
+    assert plan(h.step()) == [("r0", 10, 1, True), ("r1", 0, 10, True)]
+    h.run_to_completion()
+
+
+def test_recompute_preemption_evicts_the_latest_arrival_and_resumes_it(harness):
+    h = harness(num_blocks=4, block_size=4, preemption_mode="recompute")
+    a = h.add(7, max_tokens=4)
+    b = h.add(7, max_tokens=4)
+    assert plan(h.step()) == [("r0", 0, 7, True), ("r1", 0, 7, True)]
+    assert plan(h.step()) == [("r0", 7, 1, True), ("r1", 7, 1, True)]
+    out = h.step()                       # r0 needs a third block: r1 (latest arrival) goes
+    assert plan(out) == [("r0", 8, 1, True)]
+    assert out.preempted_ids == ["r1"]
+    assert out.stats.num_preempted_recompute == 1 and out.block_ops == []
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert plan(h.step()) == [("r0", 9, 1, True)]     # r0 finishes; r1 still does not fit
+    assert a.is_finished and a.output_token_ids == [7, 7, 7, 7]
+    assert plan(h.step()) == [("r1", 0, 9, True)]     # prompt + 2 outputs recomputed at once
+    h.run_to_completion()
+    assert b.output_token_ids == [7, 7, 7, 7] and b.num_preemptions == 1
+    h.kv.check_invariants([])
+
+
+def test_swap_preemption_moves_blocks_to_cpu_and_back_before_new_admissions(harness):
+    h = harness(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
+    h.add(7, max_tokens=4)
+    b = h.add(7, max_tokens=4)
+    h.step()
+    h.step()
+    victim_blocks = h.kv.get_block_ids("r1")
+    out = h.step()
+    assert out.preempted_ids == ["r1"] and b.status == RequestStatus.SWAPPED
+    assert out.block_ops == [("swap_out", victim_blocks[0], 0), ("swap_out", victim_blocks[1], 1)]
+    assert b.num_computed_tokens == 8        # its KV survives on the CPU
+    h.add(3, max_tokens=1)                   # arrives while r1 is swapped: must wait for r1
+    out = h.step()
+    assert plan(out) == [("r0", 9, 1, True)]
+    out = h.step()                           # r0 is done: r1 swaps in and decodes, then r2
+    assert [op[0] for op in out.block_ops] == ["swap_in", "swap_in"]
+    assert [(c, g) for _, c, g in out.block_ops][0][0] == 0
+    assert plan(out)[0] == ("r1", 8, 1, True)
+    assert [p[0] for p in plan(out)] == ["r1", "r2"]
+    h.run_to_completion()
+    assert b.output_token_ids == [7, 7, 7, 7] and h.kv.num_free_cpu_blocks == 8
+
+
+def test_auto_mode_swaps_long_contexts_and_recomputes_short_ones(harness):
+    # 1 KiB blocks at 1 GB/s swap vs 2000 tokens/s recompute: 2 blocks (4 µs) beat 8 tokens (4 ms)
+    h = harness(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption_mode="auto",
+                swap_bytes_per_s=1e9)
+    h.add(7, max_tokens=4)
+    h.add(7, max_tokens=4)
+    for _ in range(3):
+        out = h.step()
+    assert out.stats.num_preempted_swap == 1
+    h2 = harness(num_blocks=4, block_size=4, num_cpu_blocks=8, preemption_mode="auto",
+                 swap_bytes_per_s=1.0)          # absurdly slow swap: recompute wins
+    h2.add(7, max_tokens=4)
+    h2.add(7, max_tokens=4)
+    for _ in range(3):
+        out = h2.step()
+    assert out.stats.num_preempted_recompute == 1
+
+
+def test_priority_policy_preempts_lower_priority_running_requests(harness):
+    h = harness(num_blocks=4, block_size=4, scheduling_policy="priority",
+                preemption_mode="recompute")
+    low = h.add(13, max_tokens=3, priority=5)        # all 4 blocks once its first token is out
+    h.step()
+    high = h.add(6, max_tokens=2, priority=0)
+    out = h.step()
+    assert plan(out) == [(high.request_id, 0, 6, True)]
+    assert out.preempted_ids == [low.request_id]
+    assert out.stats.num_decode_reqs == 0 and out.stats.num_scheduled_tokens == 6
+    assert low.status == RequestStatus.WAITING
+    h.run_to_completion()
+    assert high.is_finished and low.is_finished and low.num_preemptions == 1
+
+
+def test_fcfs_never_preempts_for_a_waiting_request(harness):
+    h = harness(num_blocks=4, block_size=4, scheduling_policy="fcfs")
+    low = h.add(13, max_tokens=3, priority=5)
+    h.step()
+    h.add(6, max_tokens=2, priority=0)
+    out = h.step()
+    assert plan(out) == [(low.request_id, 13, 1, True)] and out.preempted_ids == []
+
+
+def test_priority_orders_admission_and_ties_break_by_arrival(harness):
+    h = harness(max_num_seqs=1, scheduling_policy="priority")
+    h.add(3, max_tokens=1, priority=2, rid="late-low")
+    h.add(3, max_tokens=1, priority=1, rid="mid")
+    h.add(3, max_tokens=1, priority=1, rid="mid-later")
+    order = [plan(h.step())[0][0] for _ in range(3)]
+    assert order == ["mid", "mid-later", "late-low"]
+
+
+def test_sjf_runs_the_shortest_job_first_and_aging_prevents_starvation(harness):
+    h = harness(max_num_seqs=1, scheduling_policy="sjf", sjf_aging_tokens_per_s=0.0)
+    h.add(40, max_tokens=40, rid="long")
+    h.add(4, max_tokens=2, rid="short")
+    assert plan(h.step())[0][0] == "short"
+
+    h = harness(max_num_seqs=1, scheduling_policy="sjf", sjf_aging_tokens_per_s=10.0)
+    h.add(40, max_tokens=40, rid="long", arrival=0.0)
+    h.clock.t = 20.0                      # long has waited 20 s: 80 - 200 < 5 - 0
+    h.add(4, max_tokens=2, rid="short")
+    assert plan(h.step())[0][0] == "long"
+
+
+def test_dynamic_policy_prefers_requests_that_are_nearly_done(harness):
+    h = harness(num_blocks=5, block_size=4, max_num_seqs=8, scheduling_policy="dynamic",
+                preemption_mode="recompute")
+    h.add(3, max_tokens=4, rid="a")
+    h.step()
+    h.step()                               # a has 2 of 4 tokens: progress 0.5
+    h.sched.abort_requests([])             # no-op
+    a = h.sched.requests["a"]
+    from kvmesh.engine.policies import dynamic
+    from kvmesh.common.config import DynamicPriorityWeights
+    key = dynamic(DynamicPriorityWeights(priority=1.0, progress=2.0, waiting=0.0)).key
+    fresh = h.add(3, max_tokens=4, rid="b")
+    assert key(a, 0.0) < key(fresh, 0.0)
+    assert key(a, 0.0)[0] == -1.0 and key(fresh, 0.0)[0] == 0.0
+
+
+def test_abort_frees_every_block_at_once_wherever_the_request_is(harness):
+    h = harness(num_blocks=8, block_size=4, max_num_batched_tokens=4)
+    run = h.add(6, max_tokens=8)
+    wait = h.add(30, max_tokens=8)
+    h.step()
+    h.step()
+    assert h.kv.num_free_blocks < 8
+    h.sched.abort_requests([run.request_id, wait.request_id, "unknown-id"])
+    assert h.kv.num_free_blocks == 8
+    assert run.status == wait.status == RequestStatus.FINISHED_ABORTED
+    assert not h.sched.has_unfinished_requests()
+    h.kv.check_invariants([])
+
+
+def test_n_samples_fork_after_prefill_and_copy_the_shared_partial_block(harness):
+    h = harness(num_blocks=16, block_size=4)
+    parent = h.add(6, max_tokens=3, n=3)
+    out = h.step()
+    assert [len(sr.fork_children) for sr in out.scheduled] == [2]
+    kids = [h.sched.requests["r0#1"], h.sched.requests["r0#2"]]
+    assert parent.output_token_ids == [7] and [k.output_token_ids for k in kids] == [[8], [9]]
+    shared = h.kv.get_block_ids("r0")
+    assert all(h.kv.get_block_ids(k.request_id) == shared for k in kids)
+    out = h.step()                         # each sample writes position 6 of the shared block
+    copies = [op for op in out.block_ops if op[0] == "copy"]
+    assert len(copies) == 2 and all(src == shared[1] for _, src, _ in copies)
+    assert h.kv.get_block_ids("r0")[0] == shared[0]   # the full block stays shared
+    h.run_to_completion()
+    h.kv.check_invariants([])
+
+
+def test_eos_finishes_with_stop_and_max_tokens_with_length(harness):
+    h = harness()
+    h.next_token = h.EOS
+    r = h.add(3, max_tokens=5)
+    h.step()
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == h.EOS
+    h.next_token = 7
+    r2 = h.add(3, max_tokens=2)
+    h.run_to_completion()
+    assert r2.finish_reason == "length" and r2.num_output_tokens == 2
+
+
+def test_max_model_len_caps_generation(harness):
+    h = harness(max_model_len=8)
+    r = h.add(6, max_tokens=100)
+    h.run_to_completion()
+    assert r.num_output_tokens == 2 and r.finish_reason == "length"
+
+
+def test_prefix_cache_hits_skip_computed_tokens(harness):
+    h = harness(enable_prefix_caching=True, block_size=4)
+    shared = list(range(200, 212))            # three full blocks
+    h.add(0, prompt=shared + [1, 2], max_tokens=1)
+    h.run_to_completion()
+    b = h.add(0, prompt=shared + [3], max_tokens=1)
+    out = h.step()
+    assert plan(out) == [(b.request_id, 12, 1, True)]
+    assert out.stats.prefix_hit_tokens == 12 and b.num_cached_tokens == 12
