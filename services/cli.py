@@ -1,4 +1,4 @@
-"""The `kvmesh` command: serve, generate, operator (and more as they land)."""
+"""The `kvmesh` command: serve, generate, operator, router, bench."""
 from __future__ import annotations
 
 import argparse
@@ -35,11 +35,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_operator(args: argparse.Namespace, rest: list[str]) -> int:
-    from kvmesh.operator.main import main as operator_main
-    return operator_main(rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from kvmesh.common.config import add_engine_args
 
@@ -55,14 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="also print the result as JSON")
 
-    sub.add_parser("operator", help="run the Kubernetes operator (kopf)", add_help=False)
+    sub.add_parser("serve", help="serve the OpenAI-compatible API (kvmesh serve --help)", add_help=False)
+    sub.add_parser("operator", help="run the Kubernetes operator (kvmesh operator --help)", add_help=False)
     return parser
+
+
+# Sub-commands with their own argument parsers: `kvmesh NAME ...` -> module.main(argv).
+_DELEGATED = {
+    "serve": "kvmesh.api.server",
+    "operator": "kvmesh.operator.main",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "operator":
-        return _cmd_operator(argparse.Namespace(), argv[1:])
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -21,6 +21,7 @@ class DynamicPriorityWeights:
 class EngineConfig:
     model: str | None = None               # HF directory or .gguf file; None: built-in SmolLM2
     served_model_name: str | None = None   # name in the API; default from the model
+    tokenizer: str | None = None           # tokenizer directory overriding the model's own
     dtype: str = "auto"                    # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     attention_backend: str = "auto"        # auto | triton | reference
@@ -105,6 +106,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "reference"))

@@ -59,7 +59,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                           config.attention_backend)
+                                           config.attention_backend, config.tokenizer)
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
@@ -146,13 +146,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    prompt_text: str | None = None) -> None:
+        """Queue a request. `prompt` is text or token ids; with ids, `prompt_text` may carry the
+        text they came from (for outputs)."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, prompt_ids = self.tokenize_prompt(prompt)
+        text = text if text is not None else prompt_text
         self.check_request(prompt_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples: list[Request] = []

@@ -90,7 +90,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "auto", attention_backend: str = "auto") -> LoadedModel:
+               device: str | torch.device = "auto", attention_backend: str = "auto",
+               tokenizer_path: str | os.PathLike | None = None) -> LoadedModel:
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF)."""
     builtin = path is None
     p = builtin_model_path() if builtin else Path(path).expanduser()
@@ -112,6 +113,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     else:
         raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
                          "*.safetensors, tokenizer.json) or a .gguf file")
+    if tokenizer_path is not None:
+        # NOTE: an explicit tokenizer directory overrides the model's own (--tokenizer).
+        tok_dir = Path(tokenizer_path).expanduser()
+        if not tok_dir.is_dir():
+            raise ModelFileNotFoundError(f"tokenizer directory does not exist: {tok_dir}")
+        tokenizer = Tokenizer.from_dir(tok_dir, config.eos_token_ids)
 
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, get_ops(backend))

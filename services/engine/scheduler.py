@@ -345,7 +345,8 @@ class Scheduler:
                              req.eos_token_ids, req.max_tokens)
         if stop is not None:
             reason, stop_token = stop
-            req.stop_reason = stop_token
+            # NOTE: vLLM's convention: stop_reason names a stop token id, None for EOS.
+            req.stop_reason = None if stop_token in req.eos_token_ids else stop_token
             status = (RequestStatus.FINISHED_STOPPED if reason == "stop"
                       else RequestStatus.FINISHED_LENGTH)
             self._finish(req, status)

@@ -1,0 +1,204 @@
+"""create_app: the FastAPI application (routes, errors, auth, request ids)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvmesh.api.errors import APIError, error_body, error_response
+from kvmesh.api.metrics import EngineMetrics
+from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                 TokenizeRequest)
+from kvmesh.api.serving_chat import create_chat_completion
+from kvmesh.api.serving_common import ServingContext, now_s
+from kvmesh.api.serving_completions import create_completion
+from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+
+logger = logging.getLogger("kvmesh.api")
+
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+@dataclass
+class ServerState:
+    """What the routes need; the engine arrives once the model is loaded."""
+    api_key: str | None = None
+    engine: AsyncLLMEngine | None = None
+    metrics: EngineMetrics | None = None
+    model_name: str | None = None
+    max_model_len: int = 0
+    ready: bool = False                 # model loaded and a one-token generation succeeded
+    draining: bool = False              # shutting down: admit nothing new
+    load_error: str | None = None
+    created: int = field(default_factory=now_s)
+
+    def context(self) -> ServingContext:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.engine is None or not self.ready:
+            raise APIError(503, "the model is still loading", code="not_ready",
+                           headers={"Retry-After": "5"})
+        return ServingContext(self.engine, self.model_name or "", self.max_model_len)
+
+
+class RequestContextMiddleware:
+    """Pure ASGI (keeps client-disconnect detection of streams): echoes or assigns X-Request-Id
+    and enforces the bearer API key on everything but health, readiness and metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope["headers"]}
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        rid_header = (b"x-request-id", request_id.encode()[:256])
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        key = self.state.api_key
+        if key and not scope["path"].startswith(OPEN_PATHS):
+            auth = headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                msg = ("Incorrect API key provided." if token else
+                       "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
+                resp = JSONResponse(error_body(401, msg, code="invalid_api_key"), status_code=401)
+                await resp(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid":
+            return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"Unrecognized request argument supplied: {loc}")
+            continue
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="kvmesh", version="0.1.0", lifespan=lifespan)
+    app.state.kvmesh = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_req: Request, exc: RequestValidationError):
+        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_req: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(ValueError)
+    async def _on_value_error(_req: Request, exc: ValueError):
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(QueueFullError)
+    async def _on_queue_full(_req: Request, exc: QueueFullError):
+        if state.metrics is not None:
+            state.metrics.count_rejected()
+        return error_response(APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}))
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(_req: Request, exc: EngineDeadError):
+        return error_response(APIError(503, str(exc), code="engine_dead"))
+
+    @app.exception_handler(Exception)
+    async def _on_error(_req: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
+                           param="model")
+
+    @app.get("/health")
+    async def health():
+        if state.engine is not None and not state.engine.is_running:
+            return JSONResponse(error_body(500, "the engine thread is dead"), status_code=500)
+        if state.load_error:
+            return JSONResponse(error_body(500, state.load_error), status_code=500)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.ready and not state.draining:
+            return {"status": "ready"}
+        return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        data = []
+        if state.model_name:
+            data.append({"id": state.model_name, "object": "model", "created": state.created,
+                         "owned_by": "kvmesh", "max_model_len": state.max_model_len})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        return await create_completion(state.context(), body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        return await create_chat_completion(state.context(), body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        ctx = state.context()
+        if body.messages is not None:
+            ids = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                                    add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        ctx = state.context()
+        vocab = ctx.engine.engine.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           param="tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return RequestContextMiddleware(app, state)  # type: ignore[return-value]
+
+
+async def warm_up(engine: AsyncLLMEngine) -> None:
+    """One single-token generation: /ready turns green only after it succeeds."""
+    from kvmesh.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    async for _ in engine.generate("warmup-" + uuid.uuid4().hex, [1, 2, 3], params):
+        pass
+    await asyncio.sleep(0)

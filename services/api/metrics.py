@@ -1,0 +1,182 @@
+"""Prometheus metrics with vLLM's names and semantics, exported twice: `kvmesh:*` and `vllm:*`.
+
+NOTE: one collector owns each value and emits it under both prefixes, so existing vLLM
+dashboards and autoscaler triggers (vllm:num_requests_waiting, ...) work unchanged.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import RequestOutput
+
+PREFIXES = ("kvmesh", "vllm")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# name -> help; the vLLM name is the same suffix under the vllm: prefix
+GAUGES = {
+    "num_requests_running": "Requests in the running queue (scheduled this step or holding KV).",
+    "num_requests_waiting": "Requests waiting to be scheduled (never run, or preempted by recompute).",
+    "num_requests_swapped": "Requests preempted by swap, their KV in CPU swap space.",
+    "kv_cache_usage_perc": "Fraction of KV-cache blocks in use (1 = full).",
+}
+COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served by the prefix cache.",
+    "num_preemptions": "Preemptions (recompute or swap).",
+    "prompt_tokens": "Prompt tokens of finished requests.",
+    "generation_tokens": "Generated tokens.",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Arrival to first token.", TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("Time between consecutive tokens of a request.", ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("Arrival to finish.", LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("Arrival to first scheduled.", LATENCY_BUCKETS),
+}
+
+
+@dataclass(slots=True)
+class _Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            running += count
+            out.append((repr(float(bound)), running))
+        out.append(("+Inf", running + self.counts[-1]))
+        return out
+
+
+class EngineMetrics:
+    """Updated by the engine thread after every step; read by /metrics."""
+
+    def __init__(self, model_name: str, engine: LLMEngine | None = None) -> None:
+        self.model_name = model_name
+        self.engine = engine       # gauges are read live from it at scrape time
+        self._lock = threading.Lock()
+        self.gauges = dict.fromkeys(GAUGES, 0.0)
+        self.counters = dict.fromkeys(COUNTERS, 0.0)
+        self.success: dict[str, float] = {}
+        self.hists = {name: _Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
+        self.extra = {"kvmesh:engine_steps": 0.0, "kvmesh:kv_blocks_evicted": 0.0,
+                      "kvmesh:requests_swapped_out": 0.0, "kvmesh:requests_swapped_in": 0.0,
+                      "kvmesh:requests_rejected": 0.0}
+        self._last_token: dict[str, float] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    # ---- updates -------------------------------------------------------------------------
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], _t0: float) -> None:
+        s = engine.last_stats
+        now = time.monotonic()
+        self.engine = engine
+        with self._lock:
+            self.counters["prefix_cache_queries"] += s.prefix_query_tokens
+            self.counters["prefix_cache_hits"] += s.prefix_hit_tokens
+            self.counters["num_preemptions"] += s.num_preempted
+            self.extra["kvmesh:engine_steps"] += 1
+            self.extra["kvmesh:kv_blocks_evicted"] += s.blocks_evicted
+            self.extra["kvmesh:requests_swapped_out"] += s.num_swapped_out
+            self.extra["kvmesh:requests_swapped_in"] += s.num_swapped_in
+            for out in outputs:
+                self._on_output(out, now)
+
+    def _on_output(self, out: RequestOutput, now: float) -> None:
+        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        self.counters["generation_tokens"] += new_tokens
+        rid = out.request_id
+        arrival = out.metrics.get("arrival_time", now)
+        if new_tokens:
+            last = self._last_token.get(rid)
+            if last is None:
+                self.hists["time_to_first_token_seconds"].observe(now - arrival)
+            else:
+                self.hists["inter_token_latency_seconds"].observe(now - last)
+            self._last_token[rid] = now
+        if out.finished:
+            self._last_token.pop(rid, None)
+            self.counters["prompt_tokens"] += len(out.prompt_token_ids)
+            self.hists["e2e_request_latency_seconds"].observe(now - arrival)
+            scheduled = out.metrics.get("first_scheduled_time")
+            if scheduled is not None:
+                self.hists["request_queue_time_seconds"].observe(scheduled - arrival)
+            for c in out.outputs:
+                reason = c.finish_reason or "abort"
+                self.success[reason] = self.success.get(reason, 0.0) + 1
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request produces no final output: drop its per-request state."""
+        with self._lock:
+            self._last_token.pop(request_id, None)
+
+    def count_rejected(self) -> None:
+        with self._lock:
+            self.extra["kvmesh:requests_rejected"] += 1
+
+    def _read_gauges(self) -> None:
+        # NOTE: live reads (list lengths, a float) are safe from another thread and never stale,
+        # also after aborts that no step follows.
+        e = self.engine
+        if e is None:
+            return
+        sched = e.scheduler
+        self.gauges["num_requests_running"] = len(sched.running)
+        self.gauges["num_requests_waiting"] = (len(sched.waiting)
+                                               + sum(len(c) for c in sched.pending_forks.values()))
+        self.gauges["num_requests_swapped"] = len(sched.swapped)
+        self.gauges["kv_cache_usage_perc"] = e.kv_manager.usage
+
+    # ---- prometheus_client collector protocol ---------------------------------------------
+    def collect(self):
+        labels = ["model_name"]
+        values = [self.model_name]
+        with self._lock:
+            self._read_gauges()
+            for prefix in PREFIXES:
+                for name, help_ in GAUGES.items():
+                    g = GaugeMetricFamily(f"{prefix}:{name}", help_, labels=labels)
+                    g.add_metric(values, self.gauges[name])
+                    yield g
+                for name, help_ in COUNTERS.items():
+                    c = CounterMetricFamily(f"{prefix}:{name}", help_, labels=labels)
+                    c.add_metric(values, self.counters[name])
+                    yield c
+                c = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by reason.",
+                                        labels=labels + ["finished_reason"])
+                for reason, count in sorted(self.success.items()):
+                    c.add_metric(values + [reason], count)
+                yield c
+                for name, (help_, _) in HISTOGRAMS.items():
+                    h = self.hists[name]
+                    fam = HistogramMetricFamily(f"{prefix}:{name}", help_, labels=labels)
+                    fam.add_metric(values, h.buckets(), h.total)
+                    yield fam
+            for name, value in self.extra.items():
+                c = CounterMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=labels)
+                c.add_metric(values, value)
+                yield c
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,122 @@
+"""`kvmesh serve`: the OpenAI-compatible server on one engine.
+
+The HTTP server comes up at once (liveness answers while the model loads); /ready turns green
+after the model is loaded and a one-token generation has succeeded. SIGTERM: uvicorn stops
+accepting connections, in-flight requests get `--shutdown-timeout` seconds to finish, what is
+left is aborted (its blocks freed), and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+import uvicorn
+
+from kvmesh.api.app import ServerState, create_app, warm_up
+from kvmesh.api.metrics import EngineMetrics
+from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
+from kvmesh.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger("kvmesh.serve")
+
+# Called with the built AsyncLLMEngine before it starts: KV-event publishing and tracing
+# attach their step hooks here.
+EngineHook = Callable[[AsyncLLMEngine, argparse.Namespace], None]
+ENGINE_HOOKS: list[EngineHook] = []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh serve", description="OpenAI-compatible server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                   "(also from KVMESH_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", default=None)
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="reject new requests with 429 once this many are waiting")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    return p
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            return f.read().strip() or None
+    return os.environ.get("KVMESH_API_KEY") or None
+
+
+def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
+          loop: asyncio.AbstractEventLoop) -> None:
+    """Build the engine off the event loop, then warm it up on the loop."""
+    from kvmesh.engine.engine import LLMEngine
+    try:
+        engine = LLMEngine(config)
+        metrics = EngineMetrics(engine.model_name, engine)
+        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting,
+                                      step_hooks=[metrics.on_step])
+        async_engine.abort_hooks.append(metrics.forget)
+        for hook in ENGINE_HOOKS:
+            hook(async_engine, args)
+        async_engine.start()
+        state.metrics, state.model_name = metrics, engine.model_name
+        state.max_model_len = engine.max_model_len
+        state.engine = async_engine
+        asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
+        state.ready = True
+        logger.info("ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
+    except Exception as e:  # noqa: BLE001 - shown by /health; the pod restarts
+        logger.exception("model loading failed")
+        state.load_error = f"model loading failed: {e}"
+
+
+def make_lifespan(state: ServerState, config: EngineConfig, args: argparse.Namespace):
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        loop = asyncio.get_running_loop()
+        loader = threading.Thread(target=_load, args=(state, config, args, loop),
+                                  name="kvmesh-load", daemon=True)
+        loader.start()
+        yield
+        state.draining = True
+        state.ready = False
+        if state.engine is not None:
+            state.engine.shutdown()
+        logger.info("shut down")
+    return lifespan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"kvmesh serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.model is not None and not os.path.exists(args.model):
+        print(f"kvmesh serve: error: model path does not exist: {args.model}", file=sys.stderr)
+        return 2
+    state = ServerState(api_key=_api_key(args))
+    app = create_app(state, lifespan=make_lifespan(state, config, args))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+    # NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done, with the
+    # previous handler restored; a no-op handler there turns a clean SIGTERM into exit code 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0

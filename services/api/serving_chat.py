@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions (the model's chat template)."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from kvmesh.api.errors import bad_request
+from kvmesh.api.protocol import ChatCompletionRequest
+from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
+                                       chat_logprobs, final_outputs, make_params, new_id, now_s,
+                                       sse, usage)
+from kvmesh.engine.outputs import RequestOutput
+
+
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_dict() for m in req.messages]
+    try:
+        return ctx.tokenizer.apply_chat_template(messages,
+                                                 add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+    except Exception as e:  # noqa: BLE001 - template errors (jinja) are the client's messages
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
+                                 http: HTTPRequest):
+    request_id = new_id("chatcmpl")
+    ctx.engine.check_capacity(1)
+    ids = render_prompt(ctx, req)
+    params = make_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens,
+                         req.num_logprobs)
+    gen = ctx.engine.generate(request_id, ids, params, req.priority, req.cache_salt,
+                              prompt_ids=ids)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, request_id, gen, len(ids)),
+                                 media_type="text/event-stream")
+    (out,) = await cancel_on_disconnect(http, final_outputs([gen]))
+    return JSONResponse(_full_response(ctx, req, request_id, out))
+
+
+def _logprobs(ctx, req, token_ids, steps):
+    if not req.logprobs:
+        return None
+    return chat_logprobs(ctx.tokenizer, token_ids, steps, req.top_logprobs or 0)
+
+
+def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                   out: RequestOutput) -> dict[str, Any]:
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs or []),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    } for c in out.outputs]
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"id": request_id, "object": "chat.completion", "created": now_s(),
+            "model": ctx.model_name, "choices": choices,
+            "usage": usage(len(out.prompt_token_ids), completion, out.num_cached_tokens)}
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                  gen: AsyncIterator[RequestOutput], prompt_len: int) -> AsyncIterator[str]:
+    created = now_s()
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": ctx.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    for i in range(req.n):
+        yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+    finished: set[int] = set()
+    completion, cached = 0, 0
+    async for out in gen:
+        for c in out.outputs:
+            if c.index in finished:
+                continue
+            completion += len(c.delta_token_ids)
+            lps = None
+            if req.logprobs and c.delta_token_ids:
+                steps = (c.logprobs or [])[-len(c.delta_token_ids):]
+                lps = chat_logprobs(ctx.tokenizer, c.delta_token_ids, steps, req.top_logprobs or 0)
+            if c.delta_text or lps:
+                yield chunk(c.index, {"content": c.delta_text}, lps, None)
+            if c.finished:
+                finished.add(c.index)
+                yield chunk(c.index, {}, None, c.finish_reason)
+        if out.finished:
+            cached = out.num_cached_tokens
+    if include_usage:
+        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                   "model": ctx.model_name, "choices": [],
+                   "usage": usage(prompt_len, completion, cached)})
+    yield SSE_DONE

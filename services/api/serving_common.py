@@ -1,0 +1,173 @@
+"""Pieces shared by the completions and chat endpoints."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+
+from kvmesh.api.errors import APIError, bad_request
+from kvmesh.api.protocol import _SamplingFields
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.request import Logprob
+from kvmesh.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServingContext:
+    engine: AsyncLLMEngine
+    model_name: str
+    max_model_len: int
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def context_error(limit: int, prompt_len: int, max_tokens: int | None) -> APIError:
+    if max_tokens is None:
+        msg = (f"This model's maximum context length is {limit} tokens. However, your prompt has "
+               f"{prompt_len} tokens; at least one token must be left for the completion. "
+               "Please reduce the length of the prompt.")
+    else:
+        msg = (f"This model's maximum context length is {limit} tokens. However, you requested "
+               f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+               "the completion). Please reduce the length of the prompt or max_tokens.")
+    return APIError(400, msg, code="context_length_exceeded",
+                    param="messages" if max_tokens is None else "max_tokens")
+
+
+def make_params(req: _SamplingFields, prompt_len: int, max_model_len: int,
+                max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """SamplingParams for one prompt, with OpenAI's context-length errors."""
+    if prompt_len >= max_model_len:
+        raise context_error(max_model_len, prompt_len, None)
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise context_error(max_model_len, prompt_len, max_tokens)
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.hf.decode([token_id])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], steps: list[dict[int, Logprob]],
+                        offset: int) -> dict[str, Any]:
+    """The legacy completions logprobs object for a run of tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for tid, step in zip(token_ids, steps):
+        text = token_text(tokenizer, tid)
+        tokens.append(text)
+        token_lps.append(step[tid].logprob)
+        tops.append({token_text(tokenizer, t): lp.logprob for t, lp in step.items()})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], steps: list[dict[int, Logprob]],
+                  top_n: int) -> dict[str, Any]:
+    content = []
+    for tid, step in zip(token_ids, steps):
+        text = token_text(tokenizer, tid)
+        ranked = sorted(step.values(), key=lambda lp: lp.rank)[:top_n]
+        content.append({
+            "token": text, "logprob": step[tid].logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": (t := token_text(tokenizer, lp.token_id)),
+                              "logprob": lp.logprob, "bytes": list(t.encode())} for lp in ranked],
+        })
+    return {"content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive: yields (stream index, item)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    sentinel = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, sentinel))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is sentinel:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            aclose = getattr(s, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except RuntimeError:
+                    pass
+
+
+async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Consume every stream; the last output of each (finished) is returned in order."""
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        last[i] = out
+    return [o for o in last if o is not None]
+
+
+async def cancel_on_disconnect(http: HTTPRequest, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

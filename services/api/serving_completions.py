@@ -1,0 +1,112 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from kvmesh.api.errors import bad_request
+from kvmesh.api.protocol import CompletionRequest
+from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
+                                       completion_logprobs, final_outputs, make_params,
+                                       merge_streams, new_id, now_s, sse, usage)
+from kvmesh.engine.outputs import RequestOutput
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HTTPRequest):
+    request_id = new_id("cmpl")
+    prompts = req.prompts()
+    streams, prompt_texts, prompt_lens = [], [], []
+    ctx.engine.check_capacity(len(prompts))
+    for i, prompt in enumerate(prompts):
+        try:
+            text, ids = ctx.engine.engine.tokenize_prompt(prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from None
+        params = make_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs)
+        prompt_texts.append(text if text is not None else ctx.tokenizer.decode(ids))
+        prompt_lens.append(len(ids))
+        streams.append((f"{request_id}-{i}", prompt, ids, params))
+    gens = [ctx.engine.generate(rid, prompt, params, req.priority, req.cache_salt, prompt_ids=ids)
+            for rid, prompt, ids, params in streams]
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, request_id, gens, prompt_texts, prompt_lens),
+                                 media_type="text/event-stream")
+    outs = await cancel_on_disconnect(http, final_outputs(gens))
+    return JSONResponse(_full_response(ctx, req, request_id, outs, prompt_texts))
+
+
+def _choice_logprobs(ctx, req, token_ids, steps, offset):
+    if req.logprobs is None:
+        return None
+    return completion_logprobs(ctx.tokenizer, token_ids, steps, offset)
+
+
+def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
+                   outs: list[RequestOutput], prompt_texts: list[str]) -> dict[str, Any]:
+    choices, completion_tokens, prompt_tokens, cached = [], 0, 0, 0
+    for p, out in enumerate(outs):
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        prefix = prompt_texts[p] if req.echo else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": p * req.n + c.index,
+                "text": prefix + c.text,
+                "logprobs": _choice_logprobs(ctx, req, c.token_ids, c.logprobs or [], len(prefix)),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+    return {"id": request_id, "object": "text_completion", "created": now_s(),
+            "model": ctx.model_name, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached)}
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
+                  gens: list[AsyncIterator[RequestOutput]], prompt_texts: list[str],
+                  prompt_lens: list[int]) -> AsyncIterator[str]:
+    created = now_s()
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    started: set[int] = set()
+    finished: set[int] = set()
+    offsets: dict[int, int] = {}
+    completion_tokens, cached = 0, 0
+
+    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": ctx.model_name,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    async for p, out in merge_streams(gens):
+        for c in out.outputs:
+            index = p * req.n + c.index
+            if index in finished:
+                continue
+            text = c.delta_text
+            if req.echo and index not in started:
+                text = prompt_texts[p] + text
+            started.add(index)
+            completion_tokens += len(c.delta_token_ids)
+            lps = None
+            if req.logprobs is not None and c.delta_token_ids:
+                steps = (c.logprobs or [])[-len(c.delta_token_ids):]
+                lps = completion_logprobs(ctx.tokenizer, c.delta_token_ids, steps,
+                                          offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
+            if c.finished:
+                finished.add(index)
+            if text or lps or c.finished:
+                yield chunk(index, text, lps, c.finish_reason)
+        if out.finished:
+            cached += out.num_cached_tokens
+    if include_usage:
+        yield sse({"id": request_id, "object": "text_completion", "created": created,
+                   "model": ctx.model_name, "choices": [],
+                   "usage": usage(sum(prompt_lens), completion_tokens, cached)})
+    yield SSE_DONE

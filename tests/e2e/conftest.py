@@ -1,0 +1,95 @@
+"""Real server processes on free loopback ports."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"server did not exit on SIGTERM:\n{self.log()[-3000:]}")
+
+
+def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> ServerProcess:
+    port = free_port()
+    log_path = str(tmp_path / f"server-{port}.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+             *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(f"{server.url}/ready", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise AssertionError(f"server not ready in {ready_timeout}s:\n{server.log()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One engine server for the e2e tests (API key on, room for 64 concurrent clients)."""
+    srv = start_server(tmp_path_factory.mktemp("server"), "--api-key", API_KEY,
+                       "--num-kv-blocks", "768", "--max-num-seqs", "64", "--max-model-len", "2048",
+                       "--max-waiting", "256")
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"exit code {code}:\n{srv.log()[-3000:]}"
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def async_client(server):
+    from openai import AsyncOpenAI
+    return AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of one un-labelled-by-reason sample (model_name label) in a Prometheus page."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

@@ -1,0 +1,108 @@
+"""Readiness, back-pressure and graceful shutdown of a real server process."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import free_port
+
+BODY = {"prompt": "Tell me a long story.", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+
+def test_ready_waits_for_the_model_then_back_pressure_then_graceful_shutdown(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--port", str(port),
+                             "--num-kv-blocks", "128", "--max-model-len", "512", "--max-num-seqs", "1",
+                             "--max-waiting", "2", "--shutdown-timeout", "60"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        # 1) alive before ready: /health answers while the model loads, /ready says 503
+        seen = set()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"{url}/health", timeout=1).status_code
+                ready = httpx.get(f"{url}/ready", timeout=1).status_code
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            seen.add((health, ready))
+            if ready == 200:
+                break
+            r = httpx.post(f"{url}/v1/completions", json=BODY)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+            time.sleep(0.05)
+        assert (200, 503) in seen and (200, 200) in seen, seen
+
+        # 2) one running stream, two waiting requests, then the waiting queue is full: 429
+        results: dict[str, object] = {}
+
+        def stream_a():
+            with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True},
+                              timeout=120) as r:
+                lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            results["a"] = lines
+
+        def plain(name):
+            results[name] = httpx.post(f"{url}/v1/completions", json=BODY, timeout=120)
+
+        a = threading.Thread(target=stream_a)
+        a.start()
+        _wait_for(lambda: _gauge(url, "kvmesh:num_requests_running") == 1)
+        waiting = [threading.Thread(target=plain, args=(n,)) for n in ("b", "c")]
+        for t in waiting:
+            t.start()
+        _wait_for(lambda: _gauge(url, "kvmesh:num_requests_waiting") == 2)
+        r = httpx.post(f"{url}/v1/completions", json=BODY)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
+
+        # 3) SIGTERM: no new connections, in-flight requests finish, exit code 0
+        proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _refused(url))
+        for t in (a, *waiting):
+            t.join(120)
+        assert results["a"][-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in results["a"][-2]
+        for name in ("b", "c"):
+            assert results[name].status_code == 200
+            assert results[name].json()["usage"]["completion_tokens"] == 40
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _gauge(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=0.5)
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+    return False
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    pytest.fail("condition not reached in time")

@@ -1,0 +1,217 @@
+"""The official openai client against a real `kvmesh serve` process over a real socket."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
+
+from .conftest import API_KEY, metric
+
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def offline_greedy(smollm, prompt, max_tokens):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=128, max_model_len=2048), loaded=smollm)
+    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0]
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_greedy_completion_is_identical_to_the_offline_llm(client, smollm):
+    prompt = "The three primary colours are"
+    expected = offline_greedy(smollm, prompt, 24)
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert res.choices[0].text == expected.text
+    assert res.usage.completion_tokens == len(expected.token_ids)
+    assert res.usage.prompt_tokens == len(smollm.tokenizer.encode(prompt))
+    assert res.choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_completion_uses_the_chat_template(client, smollm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    res = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    ids = smollm.tokenizer.apply_chat_template(messages)
+    expected = offline_greedy(smollm, ids, 24)
+    assert res.choices[0].message.content == expected.text == "The capital of France is Paris."
+    assert res.choices[0].finish_reason == "stop"
+    assert res.usage.prompt_tokens == len(ids)
+    assert res.usage.total_tokens == len(ids) + len(expected.token_ids)
+
+
+def test_streaming_chat_with_usage_equals_the_full_response(client):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3   # real streaming
+
+
+def test_n_2_returns_two_choices(client):
+    res = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=8, n=2,
+                                    temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in res.choices) == [0, 1]
+    assert res.usage.completion_tokens == 16
+
+
+def test_stop_string_cuts_the_output(client):
+    prompt = "Count: 1, 2, 3,"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    stop = full[6:9]
+    assert stop.strip(), full
+    res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert res.choices[0].text == full[:full.index(stop)]
+    assert res.choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="Write a word:", max_tokens=12, temperature=1.0, top_p=0.95,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=4321, **kw).choices[0].text
+    assert a == b and a != c
+
+
+def test_completion_logprobs(client):
+    res = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                                    logprobs=3)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == res.choices[0].text
+    for chosen, tops in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 3 <= len(tops) <= 4
+        assert chosen == pytest.approx(max(tops.values()))      # greedy picks the top token
+
+
+def test_chat_logprobs(client):
+    res = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+
+
+async def _one_client(ac, i: int, rng: random.Random) -> str:
+    disconnect_after = rng.randint(1, 6) if i % 3 == 0 else None
+    stream = await ac.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=24,
+                                         temperature=0.8, seed=i, stream=True,
+                                         extra_body={"ignore_eos": True})
+    received, finish = 0, None
+    async for chunk in stream:
+        received += 1
+        finish = chunk.choices[0].finish_reason or finish
+        if disconnect_after is not None and received >= disconnect_after:
+            await stream.close()
+            return "disconnected"
+    assert finish == "length"
+    return "completed"
+
+
+def test_64_concurrent_streams_with_disconnects_leave_nothing_behind(server, async_client):
+    rng = random.Random(0)
+
+    async def run():
+        return await asyncio.gather(*[_one_client(async_client, i, rng) for i in range(64)])
+
+    results = asyncio.run(run())
+    assert results.count("disconnected") == 22 and results.count("completed") == 42
+    text = ""
+    for _ in range(100):                      # aborts are applied between engine steps
+        text = httpx.get(f"{server.url}/metrics").text
+        if (metric(text, "kvmesh:num_requests_running") == 0
+                and metric(text, "kvmesh:num_requests_waiting") == 0
+                and metric(text, "kvmesh:kv_cache_usage_perc") == 0):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(text, "vllm:num_requests_running") == 0
+    assert metric(text, "vllm:num_requests_waiting") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
+    assert metric(text, "vllm:generation_tokens_total") >= 42 * 24
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "Invalid JSON body"),
+    (b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens: Input should be a valid integer"),
+    (b'{"prompt": 5}', 400, "prompt"),
+    (b'{"prompt": "x", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "x", "max_tokens": 1000000}', 400, "maximum context length is 2048 tokens"),
+    (b'{"prompt": "x", "bogus_field": 1}', 400, "Unrecognized request argument supplied: bogus_field"),
+    (b'{"prompt": "x", "model": "gpt-4"}', 404, "The model `gpt-4` does not exist."),
+    (b'{"prompt": ""}', 400, "prompt must not be empty"),
+    (b'{"prompt": [1, 2, 99999999]}', 400, "outside the vocabulary"),
+    (b'{"prompt": "x", "logit_bias": {"1": 5}}', 400, "logit_bias is not supported"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server, body, status, message):
+    r = httpx.post(f"{server.url}/v1/completions", content=body,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["type"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_over_long_prompt_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="word " * 2100, max_tokens=4)
+    assert exc.value.body["code"] == "context_length_exceeded"
+
+
+def test_chat_errors(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
+                   json={"messages": [], "max_tokens": 4})
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "hi"}],
+                         "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+
+
+def test_api_key_is_enforced_except_on_health_ready_and_metrics(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_request_id_is_echoed_or_generated(server):
+    r = httpx.get(f"{server.url}/health", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = httpx.get(f"{server.url}/health")
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_tokenize_and_detokenize_round_trip(server, smollm):
+    r = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": "Hello world"})
+    assert r.json()["tokens"] == smollm.tokenizer.encode("Hello world")
+    r2 = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": r.json()["tokens"]})
+    assert r2.json()["prompt"] == "Hello world"
+    r3 = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                    json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert r3.json()["tokens"] == smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
