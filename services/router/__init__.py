@@ -1,0 +1,1 @@
+"""The KV-aware router: prefix index (Redis), pure routing policy, OpenAI-compatible proxy."""

@@ -1,0 +1,350 @@
+"""The router: an OpenAI-compatible reverse proxy that picks an engine per request.
+
+    request ─▶ auth ─▶ tokenize (chat template) ─▶ block hashes ─▶ Redis lookup (1 round trip)
+            ─▶ policy.choose(backends, hits, load) ─▶ forward ─▶ stream the backend's bytes back
+
+A backend that refuses the connection is marked unhealthy and the request goes to another one
+(nothing was sent to the client yet). Backend responses, errors included, pass through with their
+status. With Redis unreachable the kv-aware strategy falls back to least-loaded.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import random
+import time
+from contextlib import asynccontextmanager, suppress
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvmesh.router.backends import BackendPool
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.metrics import RouterMetrics
+from kvmesh.router.policy import BackendState, choose
+from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
+
+logger = logging.getLogger("kvmesh.router")
+
+_HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+               "trailer", "upgrade", "proxy-authorization", "proxy-connection",
+               "accept-encoding"}
+_PASS_BACK = ("content-type", "x-request-id", "retry-after")
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+_INLINE_TOKENIZE_BYTES = 16 * 1024
+
+
+def error_response(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
+                                   "code": code}}, status_code=status)
+
+
+class _Release:
+    """Close a streamed backend response and drop its in-flight count, exactly once."""
+
+    def __init__(self, resp: httpx.Response, backend: BackendState) -> None:
+        self.resp = resp
+        self.backend = backend
+        self.done = False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.backend.in_flight -= 1
+        await self.resp.aclose()
+
+
+class RouterState:
+    """Everything one router instance owns: backends, index, metrics, background loops."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer=None, model_name: str | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name or cfg.model or ""
+        self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port)
+        self.metrics = RouterMetrics()
+        self.rr = itertools.count()
+        self.rng = random.Random()
+        self.redis = None
+        self.index: PrefixIndex | None = None
+        self.redis_ok = False
+        self._redis_warned = False
+        self.http: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=self.cfg.connect_timeout_s, read=None, write=60.0,
+                                  pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        if self.cfg.redis_url:
+            import redis.asyncio as aioredis  # noqa: PLC0415
+            from redis.backoff import NoBackoff  # noqa: PLC0415
+            from redis.asyncio.retry import Retry  # noqa: PLC0415
+
+            self.redis = aioredis.from_url(
+                self.cfg.redis_url, password=self.cfg.redis_password, decode_responses=True,
+                socket_timeout=self.cfg.lookup_timeout_s,
+                socket_connect_timeout=self.cfg.lookup_timeout_s, retry=Retry(NoBackoff(), 0))
+            self.index = PrefixIndex(self.redis, self.cfg.namespace, self.cfg.service)
+        await self.pool.discover_now()
+        await self.refresh_load()
+        self._tasks = [asyncio.create_task(self._health_loop()),
+                       asyncio.create_task(self._load_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.http is not None:
+            await self.http.aclose()
+        if self.redis is not None:
+            with suppress(Exception):
+                await self.redis.aclose()
+
+    # ---- background loops ------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        next_discover = time.monotonic() + self.cfg.discover_interval_s
+        while True:
+            try:
+                if time.monotonic() >= next_discover:
+                    await self.pool.discover_now()
+                    next_discover = time.monotonic() + self.cfg.discover_interval_s
+                await self.pool.check_health(self.http, scrape_load=not self.redis_ok)
+                self._export_health()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def _load_loop(self) -> None:
+        next_purge = 0.0
+        while True:
+            await asyncio.sleep(self.cfg.load_interval_s)
+            await self.refresh_load()
+            if self.redis_ok and time.monotonic() >= next_purge:
+                next_purge = time.monotonic() + 5.0
+                with suppress(Exception):
+                    purged = await self.index.purge_dead_pods()
+                    if purged:
+                        logger.info("purged expired pods from the prefix index: %s", purged)
+
+    async def refresh_load(self) -> None:
+        if self.index is None:
+            return
+        try:
+            pods = await asyncio.wait_for(self.index.live_pods(), self.cfg.lookup_timeout_s * 4)
+        except Exception as e:  # noqa: BLE001 - any Redis failure means: route by load
+            self._set_redis(False, e)
+            return
+        self.pool.apply_heartbeats(pods)
+        self._set_redis(True)
+
+    def _set_redis(self, ok: bool, error: Exception | None = None) -> None:
+        if ok and not self.redis_ok and self._redis_warned:
+            logger.info("Redis prefix index reachable again: kv-aware routing resumes")
+            self._redis_warned = False
+        if not ok and not self._redis_warned:
+            logger.warning("Redis prefix index unreachable (%s: %s): routing by least load "
+                           "until it returns", type(error).__name__, error)
+            self._redis_warned = True
+        self.redis_ok = ok
+        self.metrics.redis_up.set(1 if ok else 0)
+
+    def _export_health(self) -> None:
+        g = self.metrics.backend_healthy
+        for b in self.pool.states():
+            g.labels(b.url).set(1 if b.healthy else 0)
+
+    # ---- one request -----------------------------------------------------------------------
+    async def lookup(self, model: str, hashes: list[bytes]) -> tuple[dict[str, int], bool]:
+        """(prefix hits per pod, whether the index answered)."""
+        if self.index is None or not self.redis_ok:
+            return {}, False
+        if not hashes:
+            return {}, True
+        t0 = time.perf_counter()
+        try:
+            hits = await asyncio.wait_for(self.index.lookup(model, hashes),
+                                          self.cfg.lookup_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self._set_redis(False, e)
+            return {}, False
+        self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
+        return hits, True
+
+    async def proxy(self, request: Request, endpoint: str, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error_response(400, f"request body is not valid JSON: {e}",
+                                  "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object",
+                                  "invalid_request_error")
+        cfg = self.cfg
+        session_key = request.headers.get(cfg.session_header) if cfg.session_header else None
+        hits: dict[str, int] = {}
+        num_blocks = 0
+        redis_ok = True
+        if cfg.strategy == "kv-aware" and not session_key:
+            if len(raw) > _INLINE_TOKENIZE_BYTES:
+                # NOTE: a long prompt would stall every other request on the event loop.
+                ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, endpoint, body)
+            else:
+                ids = prompt_token_ids(self.tokenizer, endpoint, body)
+            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed,
+                                         body.get("cache_salt"))
+            num_blocks = len(hashes)
+            model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
+            hits, redis_ok = await self.lookup(model, hashes)
+            if not redis_ok:
+                self.metrics.fallbacks.inc()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        stream = body.get("stream") is True
+        tried: set[str] = set()
+        while True:
+            candidates = [b for b in self.pool.states() if b.url not in tried]
+            decision = choose(candidates, hits, num_blocks, cfg.strategy, next(self.rr),
+                              self.rng, session_key, redis_ok, cfg.policy)
+            if decision is None:
+                return error_response(503, "no healthy backend to serve the request",
+                                      "service_unavailable", "no_healthy_backend")
+            b = decision.backend
+            b.in_flight += 1
+            try:
+                req = self.http.build_request("POST", b.url + path, content=raw, headers=headers)
+                resp = await self.http.send(req, stream=True)
+            except _RETRYABLE as e:
+                b.in_flight -= 1
+                tried.add(b.url)
+                self.pool.mark_unhealthy(b.url, f"{type(e).__name__}: {e}")
+                self._export_health()
+                self.metrics.retries.inc()
+                continue
+            except BaseException:
+                b.in_flight -= 1
+                raise
+            break
+        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.prefix_hit_blocks.observe(decision.prefix_blocks)
+        out_headers = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
+        out_headers["x-kvmesh-backend"] = b.url
+        out_headers["x-kvmesh-route-reason"] = decision.reason
+        if stream and resp.status_code == 200:
+            done = _Release(resp, b)
+            # NOTE: the background task releases the backend even if the client disconnects
+            # before the body generator ever starts (its `finally` would never run).
+            return StreamingResponse(self._relay(resp, b, done), status_code=resp.status_code,
+                                     headers=out_headers, background=BackgroundTask(done))
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            return error_response(502, f"backend {b.url} failed mid-response: {e}",
+                                  "bad_gateway")
+        finally:
+            await resp.aclose()
+            b.in_flight -= 1
+        return Response(content, status_code=resp.status_code, headers=out_headers)
+
+    async def _relay(self, resp: httpx.Response, b: BackendState, done: _Release):
+        """The backend's bytes, chunk by chunk, as they arrive."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            logger.warning("stream from %s broke: %s", b.url, e)
+        finally:
+            await done()
+
+    async def models(self, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        seen: dict[str, dict] = {}
+        last_error: Response | None = None
+        for b in self.pool.healthy():
+            try:
+                r = await self.http.get(f"{b.url}/v1/models", headers=headers, timeout=5.0)
+            except httpx.HTTPError as e:
+                self.pool.mark_unhealthy(b.url, f"{type(e).__name__}: {e}")
+                continue
+            if r.status_code != 200:
+                last_error = Response(r.content, status_code=r.status_code,
+                                      media_type=r.headers.get("content-type"))
+                continue
+            for m in r.json().get("data", []):
+                seen.setdefault(m.get("id"), m)
+        if not seen:
+            return last_error or error_response(503, "no healthy backend answered /v1/models",
+                                                "service_unavailable", "no_healthy_backend")
+        return JSONResponse({"object": "list", "data": list(seen.values())})
+
+
+def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None) -> FastAPI:
+    """The router app; `tokenizer` (an engine `Tokenizer`) enables prefix-aware routing."""
+    state = RouterState(cfg, tokenizer, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="kvmesh router", lifespan=lifespan)
+    app.state.router = state
+
+    def unauthorized(request: Request) -> Response | None:
+        if not cfg.api_key:
+            return None
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              cfg.api_key.encode()):
+            return None
+        return error_response(401, "Incorrect or missing API key; send 'Authorization: Bearer "
+                              "<key>'", "invalid_request_error", "invalid_api_key")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return unauthorized(request) or await state.proxy(request, "completion",
+                                                          "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return unauthorized(request) or await state.proxy(request, "chat",
+                                                          "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return unauthorized(request) or await state.models(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        n = len(state.pool.healthy())
+        body = {"ready": n > 0, "healthy_backends": n, "backends": len(state.pool.backends),
+                "redis": state.redis_ok}
+        return JSONResponse(body, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state._export_health()
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,47 @@
+"""Router settings: one frozen, validated dataclass (built from the CLI in main.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.router.policy import STRATEGIES, PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    redis_url: str | None = None            # the prefix index; None: route by load only
+    backends: tuple[str, ...] = ()          # static engine URLs
+    discover: str | None = None             # headless Service name resolved for engine IPs
+    backend_port: int = 8000                # engine port for discovered IPs
+    strategy: str = "kv-aware"
+    model: str | None = None                # model path or name, for the tokenizer
+    tokenizer: str | None = None            # tokenizer directory (overrides model)
+    block_size: int = 16                    # must equal the engines' --block-size
+    hash_seed: str = "kvmesh"               # must equal the engines' hash seed
+    api_key: str | None = None              # clients must send "Authorization: Bearer KEY"
+    session_header: str | None = None       # e.g. X-Session-Id: sticky routing per value
+    namespace: str | None = None            # Redis key space; default $POD_NAMESPACE / default
+    service: str | None = None              # Redis key space; default $KVMESH_SERVICE / kvmesh
+    redis_password: str | None = None
+    health_interval_s: float = 1.0          # GET /health period
+    load_interval_s: float = 0.25           # heartbeat (load) refresh period
+    discover_interval_s: float = 5.0        # DNS re-resolution period
+    lookup_timeout_s: float = 0.25          # a slower prefix lookup counts as Redis down
+    connect_timeout_s: float = 2.0          # backend connect timeout (then try another)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"got {self.strategy!r}")
+        if bool(self.backends) == bool(self.discover):
+            raise ValueError("give exactly one of --backends URL ... or "
+                             "--discover-headless-service NAME")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"--block-size must be a power of two from 1 to 128 (the engines' "
+                             f"value), got {self.block_size}")
+        if not 0 < self.backend_port < 65536:
+            raise ValueError(f"--backend-port must be a TCP port, got {self.backend_port}")
+        for name in ("health_interval_s", "load_interval_s", "discover_interval_s",
+                     "lookup_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")

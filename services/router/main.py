@@ -1,0 +1,91 @@
+"""`kvmesh router`: argv -> RouterConfig -> tokenizer -> uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.policy import STRATEGIES
+
+logger = logging.getLogger("kvmesh.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh router",
+                                description="KV-aware OpenAI-compatible router over kvmesh engines")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--redis-url", required=True, help="the shared prefix index, redis://host:port/db "
+                   "(password from $KVMESH_REDIS_PASSWORD when set)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--backends", nargs="+", metavar="URL", help="engine base URLs")
+    where.add_argument("--discover-headless-service", metavar="NAME",
+                       help="resolve this DNS name (a headless Service) for engine pod IPs")
+    p.add_argument("--backend-port", type=int, default=8000, help="engine port for discovered IPs")
+    p.add_argument("--strategy", choices=STRATEGIES, default="kv-aware")
+    p.add_argument("--model", default=None, help="model path (HF dir or .gguf) or the built-in "
+                   "model's name: the tokenizer the engines use (default: built-in)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (overrides --model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name for requests that name none (default: from --model)")
+    p.add_argument("--block-size", type=int, default=16, help="must equal the engines' value")
+    p.add_argument("--hash-seed", default="kvmesh", help="must equal the engines' value")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
+                   "(default: $KVMESH_API_KEY)")
+    p.add_argument("--session-header", default=None, metavar="NAME",
+                   help="sticky routing by this header's value, e.g. X-Session-Id")
+    p.add_argument("--namespace", default=None, help="Redis key space (default $POD_NAMESPACE)")
+    p.add_argument("--service", default=None, help="Redis key space (default $KVMESH_SERVICE)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        redis_url=args.redis_url, backends=tuple(args.backends or ()),
+        discover=args.discover_headless_service, backend_port=args.backend_port,
+        strategy=args.strategy, model=args.model, tokenizer=args.tokenizer,
+        block_size=args.block_size, hash_seed=args.hash_seed,
+        api_key=args.api_key or os.environ.get("KVMESH_API_KEY") or None,
+        session_header=args.session_header, namespace=args.namespace, service=args.service,
+        redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"kvmesh router: error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = None
+    if cfg.strategy == "kv-aware":
+        from kvmesh.router.prompt import load_tokenizer  # noqa: PLC0415
+        try:
+            tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            # NOTE: keep serving: without a tokenizer every request is routed by load.
+            logger.warning("no tokenizer (%s): prefix-aware routing is off", e)
+    model_name = args.served_model_name or _default_model_name(cfg.model)
+    import uvicorn  # noqa: PLC0415
+
+    from kvmesh.router.app import create_app  # noqa: PLC0415
+    uvicorn.run(create_app(cfg, tokenizer, model_name), host=args.host, port=args.port,
+                log_level=args.log_level.lower())
+    return 0
+
+
+def _default_model_name(model: str | None) -> str:
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path  # noqa: PLC0415
+    p = Path(model)
+    return p.stem if p.suffix.lower() == ".gguf" else p.name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The router's Prometheus metrics, in a registry of their own (one per app instance)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvmesh.router.policy import REASONS
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("kvmesh_router_decisions_total",
+                                 "Routing decisions by reason", ["reason"], registry=r)
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        self.prefix_hit_blocks = Histogram(
+            "kvmesh_router_prefix_hit_blocks",
+            "Consecutive prompt blocks cached on the chosen backend", registry=r,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+        self.lookup_seconds = Histogram(
+            "kvmesh_router_lookup_seconds", "Redis prefix lookup latency", registry=r,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5))
+        self.fallbacks = Counter("kvmesh_router_fallbacks_total",
+                                 "Requests routed without the prefix index (Redis unreachable)",
+                                 registry=r)
+        self.backend_healthy = Gauge("kvmesh_router_backend_healthy",
+                                     "1 when the backend passes health checks", ["backend"],
+                                     registry=r)
+        self.retries = Counter("kvmesh_router_retries_total",
+                               "Requests re-sent to another backend after a connection error",
+                               registry=r)
+        self.redis_up = Gauge("kvmesh_router_redis_up", "1 while the prefix index is reachable",
+                              registry=r)

@@ -1,0 +1,37 @@
+"""Shared helpers for the router tests (sync wrappers over the async PrefixIndex)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import redis.asyncio as aioredis
+
+from kvmesh.router.prefix_index import PrefixIndex
+
+NS, SVC = "testns", "testsvc"
+
+
+def h(i: int | str) -> bytes:
+    """A fake 32-byte block hash."""
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def index_call(url: str, method: str, *args):
+    """Run one PrefixIndex coroutine method with a fresh async client."""
+    async def go():
+        client = aioredis.from_url(url, decode_responses=True)
+        try:
+            return await getattr(PrefixIndex(client, NS, SVC), method)(*args)
+        finally:
+            await client.aclose()
+    return asyncio.run(go())
+
+
+def wait_until(cond, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()

@@ -1,0 +1,121 @@
+"""A real LLMEngine feeding the publisher: the Redis index equals the engine's prefix cache, and the
+router hashes prompts exactly as the engine does."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.kv_publisher import (KVEventPublisher, cached_hashes, publish_engine_state,
+                                        step_hook)
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+
+from .helpers import NS, SVC, index_call, wait_until
+
+POD = "engine-0"
+
+
+def publisher_for(engine: LLMEngine, url: str) -> KVEventPublisher:
+    return KVEventPublisher(url, POD, engine.model_name, "http://127.0.0.1:8000", NS, SVC,
+                            flush_interval_s=0.01, heartbeat_interval_s=0.1, heartbeat_ttl_s=2.0,
+                            snapshot_fn=lambda: cached_hashes(engine.kv_manager))
+
+
+def step_and_publish(engine: LLMEngine, pub: KVEventPublisher) -> None:
+    """What the engine server does after every step (AsyncEngine.step_hooks + step_hook)."""
+    outputs = engine.step()
+    step_hook(pub)(engine, outputs, 0.0)
+
+
+def engine_view(engine: LLMEngine) -> dict[str, set[bytes]]:
+    cached = set(engine.kv_manager.pool.cached)
+    return {POD: cached} if cached else {}
+
+
+def test_index_equals_engine_cache_through_a_random_run_and_a_redis_restart(smollm,
+                                                                              redis_server):
+    """Adds, aborts, evictions from a 14-block cache, a prefix-cache reset, and Redis killed and
+    restarted (empty) mid-run: the index equals the engine's cached hashes at each check."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=14, block_size=4, max_model_len=48, enable_kv_events=True,
+                                    max_num_seqs=4, swap_space=0), loaded=smollm)
+    pub = publisher_for(engine, redis_server.url)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(3)]
+    evictions = 0
+    try:
+        for it in range(14):
+            if it == 6:
+                # drain, check, then reset the prefix cache (the engine's AllBlocksCleared)
+                while engine.has_unfinished_requests():
+                    step_and_publish(engine, pub)
+                assert pub.flush(timeout=10)
+                assert index_call(redis_server.url, "dump", engine.model_name) == \
+                    engine_view(engine)
+                assert engine_view(engine) and engine.reset_prefix_cache()
+                publish_engine_state(pub, engine)
+                assert pub.flush(timeout=10)
+                assert index_call(redis_server.url, "dump", engine.model_name) == {}
+                redis_server.stop()
+            if it == 10:
+                redis_server.start()
+            for _ in range(rng.randrange(1, 4)):
+                prompt = rng.choice(prefixes)[:rng.randrange(4, 13)] + [
+                    rng.randrange(100, 5000) for _ in range(rng.randrange(0, 14))]
+                engine.add_request(f"r{it}-{len(engine._groups)}", prompt,
+                                   SamplingParams(max_tokens=rng.randrange(1, 3), ignore_eos=True))
+            if rng.random() < 0.2:
+                engine.abort_request(rng.choice(sorted(engine._groups)))
+            if engine.has_unfinished_requests():
+                before = engine.kv_manager.stats.blocks_evicted
+                step_and_publish(engine, pub)
+                evictions += engine.kv_manager.stats.blocks_evicted > before
+        while engine.has_unfinished_requests():
+            step_and_publish(engine, pub)
+        assert pub.flush(timeout=10)
+        assert index_call(redis_server.url, "dump", engine.model_name) == engine_view(engine)
+        assert evictions > 0 and engine_view(engine)
+        assert pub.redis_errors > 0 and pub.resyncs >= 2 and pub.events_published > 0
+        assert wait_until(lambda: index_call(redis_server.url, "live_pods")[POD].running == 0)
+    finally:
+        pub.close()
+    assert index_call(redis_server.url, "dump", engine.model_name) == {}
+
+
+def test_router_hashes_equal_engine_hashes(smollm, redis_server):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=16, max_model_len=512,
+                                    enable_kv_events=True),
+                       loaded=smollm)
+    pub = publisher_for(engine, redis_server.url)
+    router_tok = load_tokenizer(None)          # the router's light path: no weights
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 8},
+                {"role": "user", "content": "Name three prime numbers."}]
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    try:
+        chat_ids = engine.tokenizer.apply_chat_template(messages)   # what the API server sends
+        engine.add_request("chat", chat_ids, SamplingParams(max_tokens=1), cache_salt="tenant-1")
+        engine.add_request("text", text, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            step_and_publish(engine, pub)
+        assert pub.flush()
+        cached = set(engine.kv_manager.pool.cached)
+        cases = [("chat", {"model": engine.model_name, "messages": messages,
+                           "cache_salt": "tenant-1"}, chat_ids),
+                 ("completion", {"model": engine.model_name, "prompt": text},
+                  engine.tokenizer.encode(text))]
+        for endpoint, body, engine_ids in cases:
+            ids = prompt_token_ids(router_tok, endpoint, body)
+            assert ids == engine_ids
+            hashes = prompt_block_hashes(ids, 16, engine.config.hash_seed, body.get("cache_salt"))
+            assert len(hashes) == len(ids) // 16 >= 3
+            assert set(hashes) <= cached
+            assert index_call(redis_server.url, "lookup", engine.model_name,
+                              hashes) == {POD: len(hashes)}
+            salted = prompt_block_hashes(ids, 16, engine.config.hash_seed, "other-tenant")
+            assert not set(salted) & cached
+            assert index_call(redis_server.url, "lookup", engine.model_name, salted) == {}
+        assert wait_until(lambda: POD in index_call(redis_server.url, "live_pods"))
+    finally:
+        pub.close()

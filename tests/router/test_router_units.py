@@ -1,0 +1,117 @@
+"""Small pure pieces of the router: URL matching, /metrics parsing, prompt extraction, CLI."""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.common.redis_keys import (KeySpace, parse_block_member, parse_pod_block_member,
+                                      pod_block_member)
+from kvmesh.router.backends import BackendPool, normalize_url, parse_load_metrics
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.main import config_from_args, build_parser, main
+from kvmesh.router.prefix_index import PodLoad
+from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+
+
+def test_key_layout(monkeypatch):
+    monkeypatch.setenv("POD_NAMESPACE", "prod")
+    monkeypatch.setenv("KVMESH_SERVICE", "llama")
+    k = KeySpace.from_env()
+    assert k.prefix == "kvmesh:prod/llama:"
+    assert k.block("m", "ab") == "kvmesh:prod/llama:blk:m:ab"
+    assert k.pod("p-1") == "kvmesh:prod/llama:pod:p-1"
+    assert k.pod_blocks("p-1") == "kvmesh:prod/llama:podblk:p-1"
+    assert k.pods == "kvmesh:prod/llama:pods"
+    assert KeySpace.from_env("ns", None).prefix == "kvmesh:ns/llama:"
+    monkeypatch.delenv("POD_NAMESPACE")
+    monkeypatch.delenv("KVMESH_SERVICE")
+    assert KeySpace.from_env().prefix == "kvmesh:default/kvmesh:"
+    assert KeySpace("a", "b").block_pattern("m*[x]") == r"kvmesh:a/b:blk:m\*\[x\]:*"
+    assert parse_block_member("pod|with|bars|gpu") == ("pod|with|bars", "gpu")
+    member = pod_block_member("cpu", "org|model", "ff")
+    assert parse_pod_block_member(member) == ("cpu", "org|model", "ff")
+
+
+def test_normalize_url():
+    assert normalize_url("http://LOCALHOST:8000/") == "http://127.0.0.1:8000"
+    assert normalize_url("10.0.0.5:8000") == "http://10.0.0.5:8000"
+    assert normalize_url("https://engine") == "https://engine:443"
+    assert normalize_url("http://[fd00::1]:8000") == "http://[fd00::1]:8000"
+
+
+def test_parse_load_metrics():
+    text = ('# HELP x\nkvmesh:num_requests_running{model_name="m"} 3.0\n'
+            'kvmesh:num_requests_waiting{model_name="m"} 7\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\nother 1\n')
+    assert parse_load_metrics(text) == (3, 7, 0.5)
+    assert parse_load_metrics("nothing here 1\n") is None
+
+
+def test_heartbeats_map_pods_to_backends():
+    pool = BackendPool(["http://localhost:8001", "http://127.0.0.1:8002"])
+    pool.apply_heartbeats({"p1": PodLoad("p1", "http://127.0.0.1:8001/", "m", 2, 3, 0, 0.4, 0.0)})
+    a, b = pool.states()
+    assert (a.pod_id, a.running, a.waiting, a.kv_usage, a.load) == ("p1", 2, 3, 0.4, 5)
+    assert (b.pod_id, b.load) == (None, 0)
+    a.in_flight = 9
+    assert a.load == 9
+    with pytest.raises(ValueError):
+        BackendPool()
+
+
+def test_prompt_token_ids_shapes():
+    class Tok:
+        def encode(self, text):
+            return [len(text)]
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            self.seen = messages
+            return [len(messages), int(add_generation_prompt)]
+
+    t = Tok()
+    assert prompt_token_ids(t, "completion", {"prompt": "abc"}) == [3]
+    assert prompt_token_ids(t, "completion", {"prompt": ["ab", "c"]}) == [2]
+    assert prompt_token_ids(t, "completion", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert prompt_token_ids(t, "completion", {"prompt": [[1, 2], [3]]}) == [1, 2]
+    assert prompt_token_ids(t, "completion", {"prompt": ""}) is None
+    assert prompt_token_ids(t, "completion", {}) is None
+    assert prompt_token_ids(t, "chat", {"messages": [{"role": "user", "content": "x"}],
+                                        "add_generation_prompt": False}) == [1, 0]
+    assert prompt_token_ids(t, "chat", {"messages": "nope"}) is None
+    # rendered like the API server's ChatMessage.as_template_dict
+    prompt_token_ids(t, "chat", {"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"}]})
+    assert t.seen == [{"role": "system", "content": "a\nb"},
+                      {"role": "assistant", "content": "", "name": "bot"}]
+    assert prompt_token_ids(None, "completion", {"prompt": "abc"}) is None
+    assert prompt_block_hashes([1] * 33, 16, "kvmesh") == prompt_block_hashes([1] * 32, 16,
+                                                                               "kvmesh")
+    assert prompt_block_hashes(None, 16, "kvmesh") == []
+    assert prompt_block_hashes([1] * 16, 16, "kvmesh", "") == prompt_block_hashes([1] * 16, 16,
+                                                                                  "kvmesh")
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--tokenizer"):
+        load_tokenizer("some-served-name")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(None, str(tmp_path))
+
+
+def test_cli_and_config_validation(capsys):
+    args = build_parser().parse_args(["--redis-url", "redis://127.0.0.1:1/0", "--backends",
+                                      "http://127.0.0.1:9", "http://127.0.0.1:10",
+                                      "--session-header", "X-Session-Id"])
+    cfg = config_from_args(args)
+    assert cfg.backends == ("http://127.0.0.1:9", "http://127.0.0.1:10")
+    assert (cfg.strategy, cfg.block_size, cfg.hash_seed, cfg.session_header) == (
+        "kv-aware", 16, "kvmesh", "X-Session-Id")
+    with pytest.raises(SystemExit):
+        main(["--redis-url", "redis://x"])          # neither --backends nor discovery
+    with pytest.raises(SystemExit):
+        main(["--redis-url", "redis://x", "--backends", "u", "--discover-headless-service", "s"])
+    assert main(["--redis-url", "redis://x", "--backends", "u", "--block-size", "3"]) == 2
+    assert "--block-size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="strategy"):
+        RouterConfig(backends=("u",), strategy="nope")
