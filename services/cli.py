@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="also print the result as JSON")
 
     sub.add_parser("serve", help="serve the OpenAI-compatible API (kvmesh serve --help)", add_help=False)
+    sub.add_parser("router", help="run the KV-aware router (kvmesh router --help)", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator (kvmesh operator --help)", add_help=False)
     return parser
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Sub-commands with their own argument parsers: `kvmesh NAME ...` -> module.main(argv).
 _DELEGATED = {
     "serve": "kvmesh.api.server",
+    "router": "kvmesh.router.main",
     "operator": "kvmesh.operator.main",
 }
 

@@ -109,7 +109,10 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 
 def _common_env(svc: InferenceService, service_name: str) -> list[dict[str, Any]]:
-    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+    # NOTE: POD_IP is the address engines advertise to the router; KVMESH_SERVICE scopes the
+    # Redis keys to kvmesh:{namespace}/{name}:, the prefix the finalizer deletes.
+    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
+           _field_env("POD_IP", "status.podIP"), {"name": "KVMESH_SERVICE", "value": svc.name}]
     if svc.redis.password_secret is not None:
         env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
             "name": svc.redis.password_secret.name, "key": svc.redis.password_secret.key}}})
@@ -258,21 +261,35 @@ def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 # ---- router and the front Service ------------------------------------------------------------------
 def router_args(svc: InferenceService) -> list[str]:
-    return ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
+    """The router tokenizes like the engines: same model files (or tokenizer), same served name."""
+    args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
             "--discover-headless-service", engine_name(svc), "--strategy", svc.router.strategy,
-            "--model", svc.model.served_name]
+            "--served-model-name", svc.model.served_name]
+    if _model_arg(svc):
+        args += ["--model", _model_arg(svc)]
+    if svc.model.tokenizer is not None:
+        args += ["--tokenizer", svc.model.tokenizer]
+    return args
 
 
 def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
-    probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    alive = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    if svc.model.source == "pvc":
+        # the router reads the model's tokenizer files (never its weights) from the same volume
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
+                                                                  "readOnly": True}})
     container = {
         "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
         "args": router_args(svc), "env": _common_env(svc, router_name(svc)),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         "securityContext": _CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}],
+        "volumeMounts": mounts,
     }
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, router_name(svc), "router"),
             "spec": {"replicas": svc.router.replicas, "selector": {"matchLabels": selector(svc, "router")},
@@ -280,8 +297,7 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
                          "prometheus.io/path": "/metrics"}},
                          "spec": {"automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
-                                  "containers": [container],
-                                  "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+                                  "containers": [container], "volumes": volumes,
                                   "topologySpreadConstraints": [{
                                       "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                       "whenUnsatisfiable": "ScheduleAnyway",

@@ -55,6 +55,8 @@ class _SamplingFields(BaseModel):
     safety_identifier: str | None = None
 
     def _check_common(self) -> None:
+        if self.cache_salt == "":
+            self.cache_salt = None     # NOTE: the router treats an empty salt as none, too
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:

@@ -38,6 +38,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     seed: int = 0
     hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
+    enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
     dynamic_weights: DynamicPriorityWeights = field(default_factory=DynamicPriorityWeights)
     # NOTE: cost model for preemption mode "auto": recompute costs tokens / throughput, swap
@@ -46,6 +47,9 @@ class EngineConfig:
     swap_bytes_per_s: float = 4e9
 
     def __post_init__(self) -> None:
+        if self.model == "":
+            object.__setattr__(self, "model", None)   # "" (e.g. from a manifest) = the built-in model
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)

@@ -80,6 +80,8 @@ def test_engine_deployment_minimal() -> None:
     assert c["env"] == [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "KVMESH_SERVICE", "value": "smol"},
         {"name": "HF_HOME", "value": "/home/kvmesh/.cache/huggingface"}]
     assert c["resources"] == {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -127,7 +129,13 @@ def test_router_and_front_service() -> None:
     assert router["spec"]["replicas"] == 2
     assert router["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "rediss://redis.infra.svc:6380/2",
-        "--discover-headless-service", "llama-engine", "--strategy", "kv-aware", "--model", "llama-3.1-8b-instruct"]
+        "--discover-headless-service", "llama-engine", "--strategy", "kv-aware",
+        "--served-model-name", "llama-3.1-8b-instruct", "--model", "/models/Llama-3.1-8B-Instruct",
+        "--tokenizer", "meta-llama/Llama-3.1-8B-Instruct"]
+    pod_spec = router["spec"]["template"]["spec"]
+    assert pod_spec["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {
+        "claimName": svc.model.pvc_claim, "readOnly": True}}
+    assert pod_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
     front = R.build_front_service(svc, OWNER)
     assert front["spec"]["selector"] == {"kvmesh.io/inference-service": "llama", "app.kubernetes.io/component": "router"}
     assert front["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
