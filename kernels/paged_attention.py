@@ -21,6 +21,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, stride_kd,
+                 stride_vb, stride_vs, stride_vd, offs_d, d_mask, n0, end,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """Positions n0 .. n0+BLOCK_N of one sequence's K and V, read through its block table.
+
+    Returns (pos [BLOCK_N], valid [BLOCK_N], k [BLOCK_N, D], v [BLOCK_N, D]); invalid rows are 0.
+    Shared by the decode and the unified kernels.
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
+    block = block.to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return pos, valid, k, v
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -77,19 +102,9 @@ def _decode_split_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
 
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
-        block = block.to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
+                                        stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
+                                        n0, end, BLOCK_N, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

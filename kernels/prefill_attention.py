@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.paged_attention import check_attention_args, dot_precision, upcast_operands
+from kvmesh.kernels.paged_attention import (check_attention_args, dot_precision, load_kv_tile,
+                                            upcast_operands)
 
 _LOG2E = 1.4426950408889634
 
@@ -102,19 +103,9 @@ def _unified_attention_kernel(
     kv_end = tl.minimum(prefix + (q_tile + 1) * BLOCK_Q, seq_len)
 
     for n0 in range(0, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < kv_end
-        block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_btb, mask=valid, other=0)
-        block = block.to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
+                                        stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
+                                        n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         # NOTE: every row sees position 0, so no row is fully masked and m_i stays finite.
         allowed = valid[None, :] & (pos[None, :] <= row_pos[:, None])
