@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): offline throughput, scheduler step time, and the shared workload."""
