@@ -4,6 +4,8 @@ Cache layout (one tensor per layer and per K/V): [num_blocks, block_size, num_kv
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +84,120 @@ def _extend_one(
     return out.transpose(0, 1).to(q.dtype)
 
 
+# NOTE: the engine calls paged_attention once per layer with the same `meta`; what depends only
+# on `meta` (decode groups, their flattened block ids and masks, the prefill chunks) is computed
+# for the first layer and reused by the others. The cache holds a strong reference to the meta it
+# was built for, so an identity check (`is`) can never match a different, newer object.
+_plan_cache: list = [None, None]   # [meta, _Plan]
+
+# A decode group may hold at most this much padding: padded keys / real keys.
+_MAX_PADDING = 1.25
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    tokens: torch.Tensor        # [b] int64: the query rows (packed token index) of the group
+    blocks: torch.Tensor        # [b * num_blocks] int64: each sequence's first num_blocks block ids
+    num_blocks: int             # blocks gathered per sequence (the longest sequence's count)
+    ctx: int                    # keys per sequence after the gather (num_blocks * block_size, or
+                                # the exact length for a group of one)
+    mask: torch.Tensor | None   # [b, 1, 1, ctx] bool, True = attend; None when nothing is padded
+
+
+@dataclass(slots=True)
+class _Plan:
+    groups: list[_DecodeGroup]
+    prefills: list[tuple[int, int, int, int]]   # (seq, first token, last token + 1, seq_len)
+    identity: bool              # one group covering every token in order: its output is the output
+
+
+def _decode_groups(rows: list[int], tokens: list[int], seq_lens: list[int], tables: torch.Tensor,
+                   block_size: int, device: torch.device) -> list[_DecodeGroup]:
+    """Split decode sequences into groups of similar length, longest first, so padding a group
+    to its longest member wastes at most ~_MAX_PADDING x the real keys."""
+    order = sorted(range(len(rows)), key=lambda i: -seq_lens[i])
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        n = seq_lens[i]
+        if cur and seq_lens[cur[0]] * (len(cur) + 1) > _MAX_PADDING * (real + n):
+            groups.append(cur)
+            cur, real = [], 0
+        cur.append(i)
+        real += n
+    if cur:
+        groups.append(cur)
+    out = []
+    for g in groups:
+        longest = seq_lens[g[0]]
+        nb = (longest + block_size - 1) // block_size
+        row_idx = torch.tensor([rows[i] for i in g], dtype=torch.long)
+        blocks = tables.index_select(0, row_idx.to(tables.device))[:, :nb].reshape(-1).long()
+        lens = [seq_lens[i] for i in g]
+        if len(g) == 1:
+            ctx, mask = longest, None
+        else:
+            ctx = nb * block_size
+            if all(n == ctx for n in lens):
+                mask = None
+            else:
+                lens_t = torch.tensor(lens, device=device)
+                mask = (torch.arange(ctx, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        out.append(_DecodeGroup(torch.tensor([tokens[i] for i in g], dtype=torch.long, device=device),
+                                blocks, nb, ctx, mask))
+    return out
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    cached_meta, cached = _plan_cache
+    if cached_meta is meta and cached is not None and cached.block_size == block_size:
+        return cached.plan
+    if meta.is_all_decode:
+        rows = list(range(meta.num_seqs))
+        tokens = rows
+        prefills: list[tuple[int, int, int, int]] = []
+    else:
+        starts = meta.query_start_loc.tolist()
+        rows, tokens, prefills = [], [], []
+        for s, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len == 1:
+                rows.append(s)
+                tokens.append(starts[s])
+            elif q_len > 0:
+                prefills.append((s, starts[s], starts[s] + q_len, s_len))
+    lens = [meta.seq_lens_cpu[s] for s in rows]
+    groups = _decode_groups(rows, tokens, lens, meta.block_tables, block_size, device) if rows else []
+    identity = (not prefills and len(groups) == 1 and len(rows) == sum(meta.query_lens_cpu)
+                and groups[0].tokens.tolist() == list(range(len(rows))))
+    plan = _Plan(groups, prefills, identity)
+    _plan_cache[0], _plan_cache[1] = meta, _Cached(plan, block_size)
+    return plan
+
+
+@dataclass(slots=True)
+class _Cached:
+    plan: _Plan
+    block_size: int
+
+
+def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  g: _DecodeGroup, scale: float) -> torch.Tensor:
+    """[b, num_heads, head_dim] attention of one decode group over its gathered context."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    b = g.tokens.shape[0]
+    q = query.index_select(0, g.tokens).float().view(b, num_heads, 1, head_dim)
+    # [b, num_blocks * block_size, kv_heads, d] -> [b, kv_heads, ctx, d] (a strided view)
+    k = k_cache.index_select(0, g.blocks).view(b, g.num_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, g.blocks).view(b, g.num_blocks * block_size, num_kv_heads, head_dim)
+    k = k[:, :g.ctx].transpose(1, 2).float()
+    v = v[:, :g.ctx].transpose(1, 2).float()
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
+                                       enable_gqa=num_heads != num_kv_heads)
+    return o.view(b, num_heads, head_dim).to(query.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,        # [num_tokens, num_heads, head_dim], packed by meta.query_start_loc
     k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -91,34 +207,22 @@ def paged_attention(
 ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed batch (decodes and prefill chunks) over the paged cache.
 
-    The new tokens' K/V must already be in the cache (write_kv_cache first).
+    The new tokens' K/V must already be in the cache (write_kv_cache first). Decodes run
+    batched, in groups of similar context length (little padding); prefill chunks run one
+    sequence at a time.
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
-    if meta.is_all_decode:
-        return _decode_batch(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             meta.max_seq_len, scale)
+    plan = _plan(meta, k_cache.shape[1], query.device)
+    if plan.identity:
+        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale)
     out = torch.empty_like(query)
-    decode_rows = [s for s, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
-    starts = meta.query_start_loc.tolist()
-    if len(decode_rows) > 1:
-        # NOTE: decodes in a mixed batch still go through the batched path; only the
-        # prefill chunks pay a per-sequence loop.
-        idx = torch.tensor(decode_rows, device=query.device)
-        tok = torch.tensor([starts[s] for s in decode_rows], device=query.device)
-        max_len = max(meta.seq_lens_cpu[s] for s in decode_rows)
-        out[tok] = _decode_batch(query[tok], k_cache, v_cache, meta.block_tables[idx],
-                                 meta.seq_lens[idx], max_len, scale)
-        done = set(decode_rows)
-    else:
-        done = set()
-    for s, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if s in done or q_len == 0:
-            continue
+    for g in plan.groups:
+        out.index_copy_(0, g.tokens, _decode_group(query, k_cache, v_cache, g, scale))
+    for s, lo, hi, s_len in plan.prefills:
         table = meta.block_tables[s]
         k = _gather_context(k_cache, table, s_len)
         v = _gather_context(v_cache, table, s_len)
-        lo, hi = starts[s], starts[s] + q_len
         out[lo:hi] = _extend_one(query[lo:hi], k, v, scale)
     return out
 

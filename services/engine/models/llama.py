@@ -95,6 +95,45 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, new_residual)
 
 
+def _fused(module: nn.Module, linears: tuple[nn.Linear, ...], attr: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weight, bias) of `linears` concatenated along the output dim, built once and kept in sync.
+
+    NOTE: the first call concatenates the weights into one buffer and rebinds each Linear's
+    weight (and bias) to a view of it, so there is one copy in memory and the HF parameter
+    names, shapes and values of `state_dict()` are unchanged (the values are views sharing one
+    storage: clone them before saving with safetensors). In-place writes (`load_state_dict`,
+    `p.copy_`) land in the fused buffer; a parameter replaced by a new tensor (`assign`,
+    `.to(dtype)`) is noticed by its data pointer and the buffer is rebuilt. Meta weights are
+    not fused (returns None, None).
+    """
+    ws = [lin.weight for lin in linears]
+    cached = getattr(module, attr, None)
+    if cached is not None:
+        weight, bias, ptrs = cached
+        if ptrs == tuple(w.data_ptr() for w in ws):
+            return weight, bias
+    if any(w.is_meta for w in ws):
+        return None, None
+    has_bias = [lin.bias is not None for lin in linears]
+    # NOTE: a normal tensor even when first called under inference_mode, so later in-place
+    # updates outside inference mode (load_state_dict) stay legal.
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([w.detach() for w in ws], dim=0)
+        bias = None
+        if any(has_bias):
+            bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                              else weight.new_zeros(lin.out_features) for lin in linears])
+        lo = 0
+        for lin in linears:
+            hi = lo + lin.out_features
+            lin.weight = nn.Parameter(weight[lo:hi], requires_grad=lin.weight.requires_grad)
+            if lin.bias is not None:
+                lin.bias = nn.Parameter(bias[lo:hi], requires_grad=lin.bias.requires_grad)
+            lo = hi
+    setattr(module, attr, (weight, bias, tuple(lin.weight.data_ptr() for lin in linears)))
+    return weight, bias
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, ops: ModuleType):
         super().__init__()
@@ -108,18 +147,25 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        self._qkv = None   # (weight, bias, data pointers): q/k/v fused into one matmul (_fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        w, b = _fused(self, (self.q_proj, self.k_proj, self.v_proj), "_qkv")
+        if w is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        else:
+            qkv = F.linear(x, w, b)                                   # [T, nq + 2 * nkv]
+        q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, d]
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return F.linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -129,9 +175,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self._gate_up = None   # (weight, bias, data pointers): gate/up fused into one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        w, b = _fused(self, (self.gate_proj, self.up_proj), "_gate_up")
+        if w is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, w, b).chunk(2, dim=-1)               # [T, i] each
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,289 @@
+"""Offline throughput: kvmesh vs transformers static `generate` vs transformers continuous batching.
+
+    python benchmarks/offline_throughput.py --scenario medium --scale 10 --num-requests 64
+
+One fixed request list (the seeds' load scenario, scaled; see benchmarks/workload.py) is built
+once: exact prompt token ids and an exact output length per request. Every system generates
+exactly that many tokens per request, greedily and ignoring EOS:
+
+  kvmesh     LLMEngine on the built-in GGUF, SamplingParams(temperature=0, max_tokens=n,
+             min_tokens=n, ignore_eos=True); all requests are queued at once (offline).
+  hf-static  AutoModelForCausalLM.generate in static batches of --hf-batch-size requests, in
+             arrival order (a naive server: no sorting), left padding, max_new_tokens ==
+             min_new_tokens == the longest output of the batch. Only the requested tokens count
+             as output; the extra tokens a short request is forced to make are the price of
+             static batching.
+  hf-cb      transformers' continuous batching (the ContinuousBatchingManager behind
+             `generate_batch`, attn_implementation="paged|sdpa"), one add_request per request
+             with its own max_new_tokens and eos_token_id=-1 (no EOS).
+
+Both transformers systems use one model loaded by transformers from the same GGUF in float32.
+Each system is warmed up (a few short requests) before it is timed. Times are wall clock.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+if __package__ in (None, ""):
+    # NOTE: run as a script (`python benchmarks/offline_throughput.py`): make `benchmarks` importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workload import generate_requests, make_prompt_ids, summarize  # noqa: E402
+
+SYSTEMS = ("kvmesh", "hf-static", "hf-cb")
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    cpu_s: float          # process CPU time (all threads): robust to other load on a shared machine
+    note: str = ""
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def output_per_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
+    from kvmesh.common.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    block = 16
+    need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
+    cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
+                       swap_space=0.0, dtype="float32", device="cpu")
+    engine = LLMEngine(cfg, loaded=loaded)
+
+    def go(batch: list[BenchRequest], tag: str) -> list[list[int]]:
+        for i, r in enumerate(batch):
+            sp = SamplingParams(temperature=0.0, max_tokens=r.output_len, min_tokens=r.output_len,
+                                ignore_eos=True)
+            engine.add_request(f"{tag}{i}", r.prompt_ids, sp)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return [done[f"{tag}{i}"] for i in range(len(batch))]
+
+    go(_warmup_requests(reqs), "warm")
+    engine.reset_prefix_cache()
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = go(reqs, "r")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    note = (f"max_num_seqs={args.max_num_seqs}, budget={engine.scheduler.token_budget} tok/step, "
+            f"{engine.num_steps} steps")
+    return wall, cpu, outs, note
+
+
+def load_hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.engine.loader import builtin_model_path
+    path = builtin_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32,
+                                                 attn_implementation="paged|sdpa")
+    return model.eval()
+
+
+def run_hf_static(model, reqs: list[BenchRequest], args, pad_id: int) -> tuple[float, float, list[list[int]], str]:
+    bsz = args.hf_batch_size
+
+    def go(batch_reqs: list[BenchRequest]) -> list[list[int]]:
+        outs: list[list[int]] = []
+        for lo in range(0, len(batch_reqs), bsz):
+            chunk = batch_reqs[lo:lo + bsz]
+            width = max(len(r.prompt_ids) for r in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, r in enumerate(chunk):       # left padding
+                ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+                mask[i, width - len(r.prompt_ids):] = 1
+            n = max(r.output_len for r in chunk)
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id,
+                                     eos_token_id=None)
+            outs.extend(gen[i, width:width + r.output_len].tolist() for i, r in enumerate(chunk))
+        return outs
+
+    go(_warmup_requests(reqs))
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = go(reqs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    made = sum(max(r.output_len for r in reqs[lo:lo + bsz]) * len(reqs[lo:lo + bsz])
+               for lo in range(0, len(reqs), bsz))
+    return wall, cpu, outs, f"B={bsz}, {made} tokens generated for {sum(r.output_len for r in reqs)} requested"
+
+
+def run_hf_cb(model, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=16)
+
+    def go(batch: list[BenchRequest]) -> list[list[int]]:
+        # NOTE: generate_batch takes one max_new_tokens for all prompts; its manager takes one
+        # per request, which is what exact output lengths need. Same loop as generate_batch.
+        with model.continuous_batching_context_manager(generation_config=gen_cfg, block=True,
+                                                       timeout=5) as manager:
+            ids = [manager.add_request(r.prompt_ids, request_id=f"q{i}", max_new_tokens=r.output_len,
+                                       eos_token_id=-1) for i, r in enumerate(batch)]
+            results = {}
+            while len(results) < len(batch):
+                res = manager.get_result(timeout=1)
+                if res is not None and res.is_finished():
+                    if res.error is not None:
+                        raise RuntimeError(f"hf-cb request {res.request_id} failed: {res.error}")
+                    results[res.request_id] = res.generated_tokens
+                elif res is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+        return [results[i] for i in ids]
+
+    go(_warmup_requests(reqs))
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = go(reqs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, outs, f"attn={model.config._attn_implementation}, default ContinuousBatchingConfig"
+
+
+def _warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
+    return [BenchRequest(r.prompt_ids[:32], 4) for r in reqs[:4]]
+
+
+# ---------------------------------------------------------------------------------- driver
+
+
+def build_requests(tokenizer, args) -> tuple[list[BenchRequest], dict]:
+    work = generate_requests(args.scenario, seed=args.seed, scale=args.scale,
+                             max_total_len=args.max_total_len, prompt_fraction=args.prompt_fraction)
+    if args.num_requests:
+        work = work[:args.num_requests]
+    rng = np.random.default_rng(args.seed)
+    reqs = [BenchRequest(make_prompt_ids(tokenizer, w.prompt_len, rng), w.output_len) for w in work]
+    return reqs, summarize(work)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    """How many requests produced the same tokens (greedy float32: expect most, not all)."""
+    same = sum(x == y for x, y in zip(a, b))
+    return f"{same}/{len(a)}"
+
+
+def _machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in
+                     subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                     if line.startswith("Model name"))
+    except Exception:
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", default="medium", choices=("low", "medium", "high"))
+    p.add_argument("--scale", type=float, default=10.0, help="divide the class length means by this")
+    p.add_argument("--max-total-len", type=int, default=1024, help="cap of prompt + output tokens")
+    p.add_argument("--prompt-fraction", type=float, default=0.5)
+    p.add_argument("--num-requests", type=int, default=64, help="first N requests by arrival (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-static")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    from kvmesh.engine.loader import load_model
+    loaded = load_model(None, dtype="float32", device="cpu")
+    reqs, summary = build_requests(loaded.tokenizer, args)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}")
+    print(f"# load average at start: {os.getloadavg()}")
+    print(f"# workload: scenario={args.scenario} scale={args.scale} max_total_len={args.max_total_len} "
+          f"seed={args.seed}: {summary}")
+
+    results: list[Result] = []
+    outputs: dict[str, list[list[int]]] = {}
+    hf = None
+    n_prompt = sum(len(r.prompt_ids) for r in reqs)
+    n_out = sum(r.output_len for r in reqs)
+    for system in systems:
+        if system == "kvmesh":
+            wall, cpu, outs, note = run_kvmesh(loaded, reqs, args)
+        else:
+            if hf is None:
+                hf = load_hf_model()
+            if system == "hf-static":
+                wall, cpu, outs, note = run_hf_static(hf, reqs, args, loaded.tokenizer.eos_token_id or 0)
+            else:
+                wall, cpu, outs, note = run_hf_cb(hf, reqs, args)
+        assert [len(o) for o in outs] == [r.output_len for r in reqs], f"{system}: wrong output lengths"
+        outputs[system] = outs
+        results.append(Result(system, len(reqs), n_prompt, n_out, wall, cpu, note))
+        print(f"# {system}: {wall:.1f} s wall, {cpu:.1f} s CPU ({note}); load average {os.getloadavg()[0]:.2f}", flush=True)
+
+    print()
+    print("| system | requests | prompt tokens | output tokens | wall s | output tok/s | total tok/s "
+          "| CPU s | output tok / CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r.system} | {r.requests} | {r.prompt_tokens} | {r.output_tokens} | {r.wall_s:.1f} "
+              f"| {r.output_tps:.1f} | {r.total_tps:.1f} | {r.cpu_s:.1f} | {r.output_per_cpu_s:.1f} |")
+    base = next((r for r in results if r.system == "kvmesh"), None)
+    if base is not None:
+        print()
+        for r in results:
+            if r is not base:
+                print(f"kvmesh / {r.system}: {base.output_tps / r.output_tps:.2f}x output tok/s "
+                      f"({base.output_per_cpu_s / r.output_per_cpu_s:.2f}x per CPU second); "
+                      f"greedy outputs identical for {agreement(outputs['kvmesh'], outputs[r.system])} requests")
+    print(f"# load average at end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
