@@ -19,6 +19,7 @@ from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, Detok
 from kvmesh.api.serving_chat import create_chat_completion
 from kvmesh.api.serving_common import ServingContext, now_s
 from kvmesh.api.serving_completions import create_completion
+from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 
 logger = logging.getLogger("kvmesh.api")
@@ -80,6 +81,15 @@ class RequestContextMiddleware:
                 resp = JSONResponse(error_body(401, msg, code="invalid_api_key"), status_code=401)
                 await resp(scope, receive, send_with_id)
                 return
+        if get_tracer() is not None and not scope["path"].startswith(OPEN_PATHS):
+            # NOTE: the span is current while the route runs: serving_* hand its context to the
+            # engine, which parents the request's spans on it.
+            with server_span(scope, headers) as on_send:
+                async def send_traced(message) -> None:
+                    on_send(message)
+                    await send_with_id(message)
+                await self.app(scope, receive, send_traced)
+            return
         await self.app(scope, receive, send_with_id)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -19,17 +20,18 @@ from typing import Callable
 
 import uvicorn
 
+from kvmesh.api import kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
+from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("kvmesh.serve")
 
-# Called with the built AsyncLLMEngine before it starts: KV-event publishing and tracing
-# attach their step hooks here.
-EngineHook = Callable[[AsyncLLMEngine, argparse.Namespace], None]
-ENGINE_HOOKS: list[EngineHook] = []
+# Called with the built AsyncLLMEngine before it starts, to attach step / shutdown hooks.
+EngineHook = Callable[[AsyncLLMEngine, argparse.Namespace, EngineMetrics], None]
+ENGINE_HOOKS: list[EngineHook] = [kv_publishing.attach]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
+                   "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
+    kv_publishing.add_args(p)
     add_engine_args(p)
     return p
 
@@ -67,8 +73,11 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting,
                                       step_hooks=[metrics.on_step])
         async_engine.abort_hooks.append(metrics.forget)
+        if get_tracer() is not None:
+            from kvmesh.engine.tracing_hooks import EngineTracer
+            EngineTracer(get_tracer(), engine.model_name).attach(engine)
         for hook in ENGINE_HOOKS:
-            hook(async_engine, args)
+            hook(async_engine, args, metrics)
         async_engine.start()
         state.metrics, state.model_name = metrics, engine.model_name
         state.max_model_len = engine.max_model_len
@@ -93,6 +102,7 @@ def make_lifespan(state: ServerState, config: EngineConfig, args: argparse.Names
         state.ready = False
         if state.engine is not None:
             state.engine.shutdown()
+        shutdown_tracing()      # flushes the spans still queued
         logger.info("shut down")
     return lifespan
 
@@ -102,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = engine_config_from_args(args)
+        if args.kv_share and not args.redis_url:
+            raise ValueError("--kv-share redis needs --redis-url")
+        config = dataclasses.replace(engine_config_from_args(args),
+                                     enable_kv_events=bool(args.redis_url),
+                                     kv_share_url=args.redis_url if args.kv_share else None)
+        init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
         return 2

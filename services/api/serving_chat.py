@@ -11,6 +11,7 @@ from kvmesh.api.protocol import ChatCompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
                                        chat_logprobs, final_outputs, make_params, new_id, now_s,
                                        sse, usage)
+from kvmesh.common.tracing import current_context
 from kvmesh.engine.outputs import RequestOutput
 
 
@@ -33,7 +34,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = make_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens,
                          req.num_logprobs)
     gen = ctx.engine.generate(request_id, ids, params, req.priority, req.cache_salt,
-                              prompt_ids=ids)
+                              prompt_ids=ids, trace_context=current_context())
     if req.stream:
         return StreamingResponse(_stream(ctx, req, request_id, gen, len(ids)),
                                  media_type="text/event-stream")

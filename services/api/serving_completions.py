@@ -11,6 +11,7 @@ from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
                                        completion_logprobs, final_outputs, make_params,
                                        merge_streams, new_id, now_s, sse, usage)
+from kvmesh.common.tracing import current_context
 from kvmesh.engine.outputs import RequestOutput
 
 
@@ -28,7 +29,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
         prompt_texts.append(text if text is not None else ctx.tokenizer.decode(ids))
         prompt_lens.append(len(ids))
         streams.append((f"{request_id}-{i}", prompt, ids, params))
-    gens = [ctx.engine.generate(rid, prompt, params, req.priority, req.cache_salt, prompt_ids=ids)
+    trace_context = current_context()
+    gens = [ctx.engine.generate(rid, prompt, params, req.priority, req.cache_salt, prompt_ids=ids,
+                                trace_context=trace_context)
             for rid, prompt, ids, params in streams]
     if req.stream:
         return StreamingResponse(_stream(ctx, req, request_id, gens, prompt_texts, prompt_lens),

@@ -39,6 +39,8 @@ class EngineConfig:
     seed: int = 0
     hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
     enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
+    kv_share_url: str | None = None        # Redis holding other pods' KV bytes (--kv-share redis)
+    cpu_threads: int | None = None         # torch CPU threads; None: torch's default (all cores)
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
     dynamic_weights: DynamicPriorityWeights = field(default_factory=DynamicPriorityWeights)
     # NOTE: cost model for preemption mode "auto": recompute costs tokens / throughput, swap
@@ -74,6 +76,8 @@ class EngineConfig:
         need(self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         need(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s must be >= 0")
+        need(self.cpu_threads is None or self.cpu_threads >= 1,
+             f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget once the model's context length is known."""
@@ -127,6 +131,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--hash-seed", default="kvmesh")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch CPU threads (default: all cores); 1 when processes share few cores")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -39,6 +39,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    trace_context: object = None     # OpenTelemetry context parenting the request's spans
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class AsyncLLMEngine:
         self.max_waiting = max_waiting
         self.step_hooks = list(step_hooks or [])   # metrics, KV-event publishing, tracing
         self.abort_hooks: list[Callable[[str], None]] = []
+        self.shutdown_hooks: list[Callable[[], None]] = []   # after the engine thread stops
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -75,6 +77,8 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        for hook in self.shutdown_hooks:
+            hook()
 
     @property
     def is_running(self) -> bool:
@@ -103,8 +107,10 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       prompt_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; cancelling the iteration aborts the request."""
+                       prompt_ids: list[int] | None = None,
+                       trace_context=None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; cancelling the iteration aborts the request.
+        `trace_context` (the HTTP server span's context) parents its spans when tracing is on."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
         if prompt_ids is None:
@@ -118,7 +124,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._pending_adds += 1
         self._commands.put(_Add(request_id, prompt_ids, text, params, priority, cache_salt,
-                                time.monotonic()))
+                                time.monotonic(), trace_context))
         self._wakeup.set()
         finished = False
         try:
@@ -154,7 +160,8 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
                                             arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt, prompt_text=cmd.prompt_text)
+                                            cache_salt=cmd.cache_salt, prompt_text=cmd.prompt_text,
+                                            trace_context=cmd.trace_context)
                 except ValueError as e:
                     self._deliver(cmd.request_id, e)
             else:

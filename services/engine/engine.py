@@ -6,13 +6,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_share import RedisKVStore
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
@@ -20,6 +22,9 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvmesh.engine.tracing_hooks import EngineTracer
 
 logger = logging.getLogger("kvmesh.engine")
 
@@ -58,6 +63,10 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.cpu_threads is not None:
+            # NOTE: OpenMP threads of several processes on few cores spin-wait on each other;
+            # one thread each was 10x faster than two on a shared 2-core machine.
+            torch.set_num_threads(config.cpu_threads)
         self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                            config.attention_backend, config.tokenizer)
         mc = self.loaded.config
@@ -83,17 +92,26 @@ class LLMEngine:
         num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
-                                         hash_seed=config.hash_seed)
+                                         hash_seed=config.hash_seed,
+                                         enable_events=config.enable_kv_events)
         self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, mc.num_key_value_heads,
                                   mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
                                   self.loaded.dtype, self.loaded.device, seed=config.seed)
+        self.kv_share: RedisKVStore | None = None
+        if config.kv_share_url:
+            self.kv_share = RedisKVStore(config.kv_share_url, self.model_name,
+                                         str(self.loaded.dtype).removeprefix("torch."),
+                                         self.runner.block_layout,
+                                         password=os.environ.get("KVMESH_REDIS_PASSWORD"))
+            self.scheduler.kv_share = self.kv_share
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         self.last_stats = SchedulerStats()
         self.num_steps = 0
+        self.tracer: EngineTracer | None = None   # set by EngineTracer.attach when tracing is on
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%d tokens) "
                     "swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
                     self.loaded.device, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
@@ -147,9 +165,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    prompt_text: str | None = None) -> None:
+                    prompt_text: str | None = None, trace_context=None) -> None:
         """Queue a request. `prompt` is text or token ids; with ids, `prompt_text` may carry the
-        text they came from (for outputs)."""
+        text they came from (for outputs). `trace_context` (an OpenTelemetry context, e.g. the
+        HTTP server span's) parents the request's spans when tracing is on."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -176,6 +195,8 @@ class LLMEngine:
             self.scheduler.add_fork(samples[0], child)
         detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, params) for _ in samples]
         self._groups[request_id] = _Group(request_id, text, samples, detoks, [0] * len(samples))
+        if self.tracer is not None:
+            self.tracer.on_add(request_id, samples, trace_context)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         if isinstance(request_ids, str):
@@ -184,6 +205,8 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort_requests([r.request_id for r in group.samples])
+                if self.tracer is not None:
+                    self.tracer.on_abort(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -194,13 +217,44 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        tracer = self.tracer          # NOTE: None unless tracing is on: these checks are its whole cost
+        if tracer is not None:
+            tracer.step_started()
         sched = self.scheduler.schedule()
+        if tracer is not None:
+            tracer.scheduled()
         result = self.runner.execute(sched)
+        if tracer is not None:
+            tracer.executed()
+        if self.kv_share is not None:
+            self._share_prompt_blocks(sched)
         touched = self.scheduler.update_from_output(sched, result)
         self.last_stats = sched.stats
         self.num_steps += 1
         self._learn_prefill_rate(sched.num_scheduled_tokens, result.model_time_s)
-        return self._postprocess(touched)
+        outputs = self._postprocess(touched)
+        if tracer is not None:
+            tracer.step_finished(sched, outputs)
+        return outputs
+
+    def _share_prompt_blocks(self, sched) -> None:
+        """--kv-share: offer the full blocks of every prompt completed this step to other pods.
+
+        NOTE: runs before update_from_output, while each ScheduledRequest still names its blocks
+        (a request may finish, and free them, in this very step)."""
+        bs = self.block_size
+        for sr in sched.scheduled:
+            req = sr.request
+            if not sr.sample or req.num_output_tokens or req.sample_index:
+                continue                  # only a prompt's first completion; forks share it
+            full = req.num_prompt_tokens // bs
+            if len(req.block_hashes) < full:      # prefix caching off: nobody hashed them yet
+                extend_block_hashes(req.block_hashes, req.all_token_ids, bs,
+                                    self.config.hash_seed, req.cache_salt)
+            for i in range(full):
+                h = req.block_hashes[i]
+                if self.kv_share.wants(h):
+                    self.kv_share.store(h, self.runner.block_data(sr.block_ids[i]))
 
     def _learn_prefill_rate(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:

@@ -39,8 +39,24 @@ class ModelRunner:
         self.sampler = Sampler(generator=torch.Generator().manual_seed(seed))
 
     # ---- block movement ------------------------------------------------------------------
-    def apply_block_ops(self, ops: list[tuple[str, int, int]]) -> None:
-        """Replay copy / swap_out / swap_in in decision order, batching runs of one kind."""
+    @property
+    def block_layout(self) -> tuple[int, ...]:
+        """Shape of one block across layers, K and V, plus the item size: names shared KV bytes."""
+        layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        return (layers, two, block_size, kv_heads, head_dim, self.kv_cache.element_size())
+
+    def block_data(self, block: int) -> bytes:
+        """One block's K/V of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim])."""
+        return self.kv_cache[:, :, block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def _blocks_from_bytes(self, chunks: list[bytes]) -> torch.Tensor:
+        layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+        t = raw.view(self.kv_cache.dtype).view(len(chunks), layers, two, block_size, kv_heads, head_dim)
+        return t.permute(1, 2, 0, 3, 4, 5).to(self.device)      # [layers, 2, n, bs, kvh, d]
+
+    def apply_block_ops(self, ops: list[tuple[str, int, int]], loads: list[bytes] = ()) -> None:
+        """Replay copy / swap_out / swap_in / load in decision order, batching runs of one kind."""
         start = 0
         while start < len(ops):
             kind = ops[start][0]
@@ -56,6 +72,9 @@ class ModelRunner:
                 self.swap_cache[:, :, b] = self.kv_cache[:, :, a.to(self.device)].to("cpu")
             elif kind == "swap_in":
                 self.kv_cache[:, :, b.to(self.device)] = self.swap_cache[:, :, a].to(self.device)
+            elif kind == "load":
+                data = self._blocks_from_bytes([loads[i] for i in a.tolist()])
+                self.kv_cache[:, :, b.to(self.device)] = data
             else:
                 raise ValueError(f"unknown block op {kind!r}")
             start = end
@@ -63,7 +82,7 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.apply_block_ops(out.block_ops)
+        self.apply_block_ops(out.block_ops, out.kv_loads)
         if not out.scheduled:
             return ModelRunnerOutput(sampled={}, logprobs={})
         t0 = time.perf_counter()

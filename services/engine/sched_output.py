@@ -41,6 +41,7 @@ class SchedulerStats:
     cow_copies: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    external_hit_tokens: int = 0       # prompt tokens whose KV was loaded from another pod (kv-share)
     kv_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
@@ -52,12 +53,14 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest]
     # NOTE: block moves in the order the scheduler decided them: ("copy", src, dst) for
-    # copy-on-write, ("swap_out", gpu, cpu), ("swap_in", cpu, gpu). No fixed order of kinds is
-    # safe: a copy-on-write may target a block a swap-out freed earlier in the step, and a
-    # swap-out may carry a block whose copy-on-write was decided before it.
+    # copy-on-write, ("swap_out", gpu, cpu), ("swap_in", cpu, gpu), ("load", i, gpu) for KV
+    # bytes kv_loads[i] from another pod. No fixed order of kinds is safe: a copy-on-write may
+    # target a block a swap-out freed earlier in the step, and a swap-out may carry a block
+    # whose copy-on-write was decided before it.
     block_ops: list[tuple[str, int, int]]
     preempted_ids: list[str]
     stats: SchedulerStats
+    kv_loads: list[bytes] = field(default_factory=list)   # data of the "load" block ops
 
     @property
     def num_scheduled_tokens(self) -> int:

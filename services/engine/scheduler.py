@@ -12,7 +12,9 @@ from dataclasses import fields
 from typing import Callable, Iterable
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_share import RedisKVStore
 from kvmesh.engine.policies import Policy, make_policy
 from kvmesh.engine.request import Logprob, Request, RequestStatus
 from kvmesh.engine.sampler import stop_by_token
@@ -36,6 +38,7 @@ class Scheduler:
         block_bytes: int,                       # bytes of one block across all layers (K and V)
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
+        kv_share: RedisKVStore | None = None,   # cross-pod KV bytes (--kv-share redis)
     ) -> None:
         self.config = config
         self.kv = kv
@@ -43,6 +46,7 @@ class Scheduler:
         self.block_bytes = block_bytes
         self.clock = clock
         self.policy = policy or make_policy(config)
+        self.kv_share = kv_share
         self.token_budget = config.token_budget(max_model_len)
         self.chunked = config.enable_chunked_prefill
         self.waiting: list[Request] = []
@@ -124,6 +128,7 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
         ops: list[tuple[str, int, int]] = []   # block moves in decision order
+        loads: list[bytes] = []                # KV bytes of the "load" ops
         stats = SchedulerStats(step=self.step_id, policy=self.policy.name, token_budget=budget)
 
         # 1) Running requests, best first. When blocks run out, the worst running request is
@@ -181,23 +186,33 @@ class Scheduler:
                     idx += 1          # NOTE: never re-admit a request in the step that evicted it
                     continue
                 hits, num_hit = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit
+                remote = self._remote_blocks(req, num_hit)
+                num_remote = len(remote) * self.kv.block_size
+                num_new = req.num_tokens - num_hit - num_remote
                 if num_new > budget:
                     if not self.chunked:
                         break
                     num_new = budget
                 # NOTE: a waiting request has computed nothing; the prefix hits are counted
-                # by allocate_slots and committed only once it succeeds.
-                allocated = self.kv.allocate_slots(req, num_new, hits, num_hit)
+                # by allocate_slots and committed only once it succeeds. Remote blocks need
+                # slots like computed tokens but cost no budget: their KV is loaded.
+                allocated = self.kv.allocate_slots(req, num_remote + num_new, hits, num_hit)
                 if allocated is None and self.policy.preempts_for_waiting:
-                    budget += self._preempt_for(req, num_new, hits, num_hit, scheduled,
-                                                preempted, ops, stats)
-                    allocated = self.kv.allocate_slots(req, num_new, hits, num_hit)
+                    budget += self._preempt_for(req, num_remote + num_new, hits, num_hit,
+                                                scheduled, preempted, ops, stats)
+                    allocated = self.kv.allocate_slots(req, num_remote + num_new, hits, num_hit)
                 if allocated is None:
                     break
                 self._drain_copies(ops)
+                if remote:
+                    table = self.kv.get_block_ids(req.request_id)
+                    first = num_hit // self.kv.block_size
+                    for i, data in enumerate(remote):
+                        ops.append(("load", len(loads), table[first + i]))
+                        loads.append(data)
+                    stats.external_hit_tokens += num_remote
                 self.waiting.pop(idx)
-                req.num_computed_tokens = num_hit
+                req.num_computed_tokens = num_hit + num_remote
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 if req.first_scheduled_time is None:
@@ -215,9 +230,23 @@ class Scheduler:
             step=self.step_id,
             scheduled=list(scheduled.values()),
             block_ops=ops,
+            kv_loads=loads,
             preempted_ids=[r.request_id for r in preempted],
             stats=stats,
         )
+
+    def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
+        """KV bytes of the full blocks after the local prefix hits that another pod stored."""
+        if self.kv_share is None:
+            return []
+        bs = self.kv.block_size
+        limit = (req.num_tokens - 1) // bs          # at least one token is left to compute
+        if num_hit // bs >= limit:
+            return []
+        if len(req.block_hashes) < limit:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.kv.hash_seed,
+                                req.cache_salt)
+        return self.kv_share.lookup(req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens

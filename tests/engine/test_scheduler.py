@@ -202,7 +202,11 @@ def test_eos_finishes_with_stop_and_max_tokens_with_length(harness):
     h.next_token = h.EOS
     r = h.add(3, max_tokens=5)
     h.step()
-    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == h.EOS
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None   # vLLM: None for EOS
+    h.next_token = 9
+    r1 = h.add(3, max_tokens=5, stop_token_ids=[9])
+    h.step()
+    assert r1.status == RequestStatus.FINISHED_STOPPED and r1.stop_reason == 9
     h.next_token = 7
     r2 = h.add(3, max_tokens=2)
     h.run_to_completion()

@@ -1,0 +1,76 @@
+"""`kvmesh serve --redis-url`: publish this pod's KV events and load to the Redis prefix index."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvmesh.api.metrics import EngineMetrics
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.kv_publisher import KVEventPublisher, cached_hashes, publish_engine_state, step_hook
+
+logger = logging.getLogger("kvmesh.kv_publishing")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prefix index")
+    g.add_argument("--redis-url", default=None,
+                   help="publish KV events to this Redis (password from KVMESH_REDIS_PASSWORD)")
+    g.add_argument("--pod-id", default=None, help="this engine's id in the index (default: POD_NAME "
+                   "or the host name)")
+    g.add_argument("--advertise-url", default=None, help="URL the router reaches this engine at "
+                   "(default: http://$POD_IP:PORT, or the listen address)")
+    g.add_argument("--kv-share", choices=("redis",), default=None,
+                   help="also store full prefix blocks' KV bytes in Redis and load other pods' "
+                   "blocks instead of recomputing them (needs --redis-url)")
+
+
+def _advertise_url(args: argparse.Namespace) -> str:
+    if args.advertise_url:
+        return args.advertise_url.rstrip("/")
+    host = os.environ.get("POD_IP") or args.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"http://{host}:{args.port}"
+
+
+class PublisherCollector:
+    """The publisher's health on /metrics: Redis reachable, errors, resyncs, events."""
+
+    def __init__(self, publisher: KVEventPublisher, model_name: str) -> None:
+        self.publisher = publisher
+        self.model_name = model_name
+
+    def collect(self):
+        p, labels = self.publisher, ["model_name"]
+        up = GaugeMetricFamily("kvmesh:kv_index_connected", "1 while Redis is reachable.", labels=labels)
+        up.add_metric([self.model_name], 1.0 if p.connected else 0.0)
+        yield up
+        for name in ("events_published", "resyncs", "redis_errors", "batches_dropped"):
+            c = CounterMetricFamily(f"kvmesh:kv_index_{name}", name.replace("_", " "), labels=labels)
+            c.add_metric([self.model_name], float(getattr(p, name)))
+            yield c
+
+
+def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: EngineMetrics) -> None:
+    """An ENGINE_HOOK: with --redis-url, publish after every step; clear the pod's entries on exit."""
+    if not getattr(args, "redis_url", None):
+        return
+    engine = async_engine.engine
+    publisher = KVEventPublisher(
+        args.redis_url,
+        pod_id=args.pod_id or os.environ.get("POD_NAME") or socket.gethostname(),
+        model=engine.model_name,
+        pod_url=_advertise_url(args),
+        password=os.environ.get("KVMESH_REDIS_PASSWORD"),
+        snapshot_fn=lambda: cached_hashes(engine.kv_manager),
+    )
+    async_engine.step_hooks.append(step_hook(publisher))
+    async_engine.shutdown_hooks.append(publisher.close)
+    metrics.registry.register(PublisherCollector(publisher, engine.model_name))
+    publish_engine_state(publisher, engine)
+    logger.info("publishing KV events to the prefix index as pod %s (%s)", publisher.pod_id,
+                publisher.pod_url)

@@ -1,0 +1,67 @@
+"""--kv-share redis: a second engine loads the first engine's prefix blocks instead of computing
+them, and its greedy output is unchanged (real redis-server, real engines, separate KV caches)."""
+from __future__ import annotations
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
+
+NEW = 12
+TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the "
+        "fall of Constantinople. Its legacy includes law, language, architecture and roads. Historians "
+        "often divide it into periods: the Kingdom, the Republic and the Empire. The")
+
+
+def make_engine(smollm, url: str | None, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=512, kv_share_url=url, **kw),
+                     loaded=smollm)
+
+
+def run(engine: LLMEngine, prompt, salt=None):
+    """Greedy tokens, prompt tokens the engine computed itself, tokens loaded from other pods."""
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
+                       cache_salt=salt)
+    tokens, scheduled, loaded = None, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+        scheduled += engine.last_stats.num_scheduled_tokens
+        loaded += engine.last_stats.external_hit_tokens
+    return tokens, scheduled - (NEW - 1), loaded
+
+
+def test_a_second_pod_reuses_the_first_pods_blocks_with_identical_output(smollm, redis_server,
+                                                                          hf_greedy):
+    prompt = smollm.tokenizer.encode(TEXT)
+    full_blocks = len(prompt) // 16
+    a = make_engine(smollm, redis_server.url)
+    out_a, computed_a, loaded_a = run(a, prompt)
+    a.kv_share.flush()
+    assert (computed_a, loaded_a) == (len(prompt), 0)
+    assert a.kv_share.blocks_stored == full_blocks >= 3
+    keys = redis_server.client().keys("kvmesh:default/kvmesh:kv:SmolLM2-135M-Instruct:*")
+    assert len(keys) == full_blocks
+
+    b = make_engine(smollm, redis_server.url)            # another pod: its own, empty KV cache
+    out_b, computed_b, loaded_b = run(b, prompt)
+    usable = (len(prompt) - 1) // 16 * 16                  # the last token is always computed
+    assert loaded_b == usable and computed_b == len(prompt) - usable
+    assert out_b == out_a == hf_greedy(prompt, NEW)
+    b.kv_manager.check_invariants([])
+
+    # a different tenant (cache salt) shares nothing
+    c = make_engine(smollm, redis_server.url)
+    out_c, computed_c, loaded_c = run(c, prompt, salt="tenant-b")
+    assert (computed_c, loaded_c) == (len(prompt), 0) and out_c == out_a
+
+
+def test_with_redis_down_the_engine_computes_locally(smollm, redis_server, hf_greedy):
+    prompt = smollm.tokenizer.encode(TEXT)
+    redis_server.stop()
+    e = make_engine(smollm, redis_server.url)
+    out, computed, loaded = run(e, prompt)
+    e.kv_share.flush()
+    assert (computed, loaded) == (len(prompt), 0)
+    assert out == hf_greedy(prompt, NEW)
+    assert e.kv_share.errors >= 1 and e.kv_share.blocks_stored == 0
