@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import Callable
@@ -24,6 +23,7 @@ from kvmesh.api import kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
+from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 
@@ -126,12 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = ServerState(api_key=_api_key(args))
     app = create_app(state, lifespan=make_lifespan(state, config, args))
-    server = uvicorn.Server(uvicorn.Config(
+    run_until_signal(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
-    # NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done, with the
-    # previous handler restored; a no-op handler there turns a clean SIGTERM into exit code 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
     return 0

@@ -37,7 +37,9 @@ _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-e
                "trailer", "upgrade", "proxy-authorization", "proxy-connection",
                "accept-encoding"}
 _PASS_BACK = ("content-type", "x-request-id", "retry-after")
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# NOTE: only failures before any byte reached the client are retried on another backend; a
+# reset before the response headers (ReadError) is one of them.
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 _INLINE_TOKENIZE_BYTES = 16 * 1024
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from kvmesh.common.http_server import run_until_signal
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.policy import STRATEGIES
 
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415
 
     from kvmesh.router.app import create_app  # noqa: PLC0415
-    uvicorn.run(create_app(cfg, tokenizer, model_name), host=args.host, port=args.port,
-                log_level=args.log_level.lower())
+    run_until_signal(uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
+                                    port=args.port, log_level=args.log_level.lower()))
     return 0
 
 

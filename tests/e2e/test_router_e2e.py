@@ -54,6 +54,7 @@ def cluster(tmp_path_factory):
     c = start_cluster(tmp_path_factory.mktemp("router-e2e"), 3, engine_args=ENGINE_ARGS)
     yield c
     codes = c.stop()
+    assert codes[0] == 0, f"router exit code {codes[0]}"      # a clean SIGTERM exits 0
     # every engine the tests did not SIGKILL shut down cleanly on SIGTERM
     assert [code for e, code in zip(c.engines, codes[1:]) if not e.killed] == \
         [0] * sum(not e.killed for e in c.engines), codes
