@@ -17,6 +17,8 @@ from kvmesh.engine.block_pool import BlockPool, KVCacheStats
 
 __all__ = ["KVCacheManager", "KVCacheStats", "swap_blocks_from_gib"]
 
+_NO_BLOCKS: list[int] = []
+
 
 def swap_blocks_from_gib(swap_space_gib: float, bytes_per_block: int) -> int:
     """CPU swap blocks that fit in `swap_space_gib` GiB (bytes_per_block: K+V, all layers)."""
@@ -73,6 +75,10 @@ class KVCacheManager:
         """A copy of the request's GPU block table ([] when it has none)."""
         table = self._tables.get(request_id)
         return list(table) if table else []
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The live block table (no copy), for readers within the current step only."""
+        return self._tables.get(request_id, _NO_BLOCKS)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
@@ -285,7 +291,11 @@ class KVCacheManager:
 
     # ---- drains for the runner and the event publisher ---------------------------------------
     def take_copies(self) -> list[tuple[int, int]]:
-        copies, self._copies = self._copies, []
+        """Pending copy-on-write (src, dst) pairs, drained. NOTE: called after every allocation;
+        with nothing pending it returns the (empty) internal list without allocating."""
+        copies = self._copies
+        if copies:
+            self._copies = []
         return copies
 
     def take_events(self) -> list:

@@ -261,7 +261,8 @@ class Scheduler:
         children = []
         if sample and req.num_output_tokens == 0:
             children = self.pending_forks.get(req.request_id, [])
-        sr = ScheduledRequest(req, start, num_new, self.kv.get_block_ids(req.request_id),
+        # NOTE: the live table, not a copy: the runner reads it within this step only.
+        sr = ScheduledRequest(req, start, num_new, self.kv.block_table(req.request_id),
                               sample, list(children))
         self._count(stats, sr, +1)
         return sr
@@ -289,7 +290,9 @@ class Scheduler:
         return swap_cost < recompute_cost
 
     def _drain_copies(self, ops: list[tuple[str, int, int]]) -> None:
-        ops.extend(("copy", src, dst) for src, dst in self.kv.take_copies())
+        copies = self.kv.take_copies()
+        if copies:            # rare (copy-on-write after a fork): keep the common path cheap
+            ops.extend(("copy", src, dst) for src, dst in copies)
 
     def _preempt(self, victim: Request, preempted: list[Request],
                  ops: list[tuple[str, int, int]], stats: SchedulerStats) -> None:
