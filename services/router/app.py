@@ -30,6 +30,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policy import BackendState, choose
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
+from kvmesh.router.recent import RecentRoutes
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -76,6 +77,7 @@ class RouterState:
         self.metrics = RouterMetrics()
         self.rr = itertools.count()
         self.rng = random.Random()
+        self.recent = RecentRoutes()
         self.redis = None
         self.index: PrefixIndex | None = None
         self.redis_ok = False
@@ -199,6 +201,7 @@ class RouterState:
         cfg = self.cfg
         session_key = request.headers.get(cfg.session_header) if cfg.session_header else None
         hits: dict[str, int] = {}
+        hashes: list[bytes] = []
         num_blocks = 0
         redis_ok = True
         if cfg.strategy == "kv-aware" and not session_key:
@@ -214,6 +217,9 @@ class RouterState:
             hits, redis_ok = await self.lookup(model, hashes)
             if not redis_ok:
                 self.metrics.fallbacks.inc()
+            else:
+                for pod, n in self.recent.hits(hashes, time.monotonic()).items():
+                    hits[pod] = max(hits.get(pod, 0), n)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         stream = body.get("stream") is True
         tried: set[str] = set()
@@ -225,6 +231,8 @@ class RouterState:
                 return error_response(503, "no healthy backend to serve the request",
                                       "service_unavailable", "no_healthy_backend")
             b = decision.backend
+            if hashes and b.pod_id is not None:
+                self.recent.record(b.pod_id, hashes, time.monotonic())
             b.in_flight += 1
             try:
                 req = self.http.build_request("POST", b.url + path, content=raw, headers=headers)
