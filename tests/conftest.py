@@ -7,6 +7,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# NOTE: tests/ is no package (pytest --import-mode=importlib); helpers shared by several test
+# folders live in tests/support and are imported by module name.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
 import functools  # noqa: E402
 
 import pytest  # noqa: E402

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,50 +17,9 @@ from pathlib import Path
 
 import httpx
 import redis
+from processes import RedisServer, free_port
 
-REDIS_BIN = shutil.which("redis-server") or "/usr/bin/redis-server"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """redis-server on 127.0.0.1:<port>, no persistence; kill() / start() keep the port."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        assert self.proc is None
-        self.proc = subprocess.Popen(
-            [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
-                        raise RuntimeError("redis-server did not start") from None
-                    time.sleep(0.02)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(5)
-            self.proc = None
 
 
 @dataclass
@@ -131,7 +88,7 @@ class Cluster:
             if p.alive():
                 p.proc.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout) for p in procs]
-        self.redis.kill()
+        self.redis.stop()
         return codes
 
 
@@ -163,7 +120,7 @@ def start_cluster(log_dir: Path, num_engines: int = 3, engine_args: tuple[str, .
     except BaseException:
         for p in [*engines, *([router] if router else [])]:
             p.kill()
-        rs.kill()
+        rs.stop()
         raise
 
 

@@ -230,7 +230,7 @@ async def test_redis_killed_mid_run_loses_no_request_and_routing_resumes(cluster
                           delay=0.15 * i) for i in range(9)]
     first = asyncio.gather(*before)
     await asyncio.sleep(0.8)                 # a batch is in flight and more are being sent
-    cluster.redis.kill()
+    cluster.redis.stop()
     killed_at = time.monotonic()
     after = [stream_chat(aclient, systems[i % 3], f"After {i}: where is my order?", max_tokens,
                          delay=0.25 * i) for i in range(9)]

@@ -2,28 +2,13 @@
 from __future__ import annotations
 
 import http.server
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
                                                                       ExportTraceServiceResponse)
-
-
-def _e2e_helpers():
-    """tests/e2e/conftest.py's server helpers, loaded by path (tests/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "e2e" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("kvmesh_e2e_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-start_server = _e2e_helpers().start_server
+from servers import start_server  # tests/support
 
 TRACE_ID = "5b8efff798038103d269b633813fc60c"
 PARENT_ID = "eee19b7ec3c1b174"
