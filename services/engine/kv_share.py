@@ -45,8 +45,7 @@ class RedisKVStore:
         self._stored_cap = 65536
         self._outage_logged = False
         # counters for metrics and tests
-        self.blocks_stored = 0
-        self.blocks_loaded = 0
+        self.blocks_stored = 0          # (loads are counted by the scheduler: external_hit_tokens)
         self.stores_dropped = 0
         self.errors = 0
         self._stop = threading.Event()
@@ -72,7 +71,6 @@ class RedisKVStore:
             if v is None or len(v) != self.block_bytes:
                 break
             found.append(v)
-        self.blocks_loaded += len(found)
         return found
 
     def wants(self, block_hash: bytes) -> bool:
@@ -90,7 +88,7 @@ class RedisKVStore:
             self.stores_dropped += 1
             self._stored.pop(block_hash, None)
 
-    def flush(self, timeout: float = 5.0) -> None:
+    def flush(self) -> None:
         """Wait until queued stores are written (tests)."""
         self._pending.join()
 

@@ -30,7 +30,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policy import BackendState, choose
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
-from kvmesh.router.recent import RecentRoutes
+from kvmesh.router.recent import RecentRoutes, merge_hits
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -218,8 +218,7 @@ class RouterState:
             if not redis_ok:
                 self.metrics.fallbacks.inc()
             else:
-                for pod, n in self.recent.hits(hashes, time.monotonic()).items():
-                    hits[pod] = max(hits.get(pod, 0), n)
+                hits = merge_hits(hits, self.recent.hits(hashes, time.monotonic()))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         stream = body.get("stream") is True
         tried: set[str] = set()

@@ -9,8 +9,8 @@ class RecentRoutes:
 
     NOTE: the Redis index learns a prefix only once its first request has been prefilled and
     published; until then a tenant's next requests would look cold and scatter over the pods.
-    Remembering where the router just sent each block bridges that gap. One pod per hash (the
-    latest), so a prefix the load guard spilled to a second pod follows it there.
+    Remembering where the router just sent each block bridges that gap; the router consults it
+    only for blocks the index does not know yet. One pod per hash (the latest).
     """
 
     def __init__(self, ttl_s: float = 10.0, max_entries: int = 200_000) -> None:
@@ -37,3 +37,14 @@ class RecentRoutes:
             pod = entry[0]
             count += 1
         return {pod: count} if pod is not None else {}
+
+
+def merge_hits(index_hits: dict[str, int], recent_hits: dict[str, int]) -> dict[str, int]:
+    """Prefix hits per pod: the index's, plus the router's memory where it knows more blocks
+    than any pod the index reports (it only bridges the gap until the index learns a prefix)."""
+    known = max(index_hits.values(), default=0)
+    merged = dict(index_hits)
+    for pod, n in recent_hits.items():
+        if n > known:
+            merged[pod] = n
+    return merged

@@ -1,5 +1,5 @@
 """The router's short memory of where it just sent each prefix."""
-from kvmesh.router.recent import RecentRoutes
+from kvmesh.router.recent import RecentRoutes, merge_hits
 
 H = [bytes([i]) * 32 for i in range(6)]
 
@@ -21,3 +21,12 @@ def test_entries_expire_and_the_table_is_bounded():
     assert r.hits(H, 5.1) == {}
     r.record("pod-a", H[:5], now=10.0)
     assert len(r._entries) == 3 and r.hits(H, 10.0) == {}   # the oldest (blocks 0, 1) evicted
+
+
+
+def test_memory_counts_only_for_prefixes_the_index_does_not_know_yet():
+    recent = {"pod-a": 4}
+    assert merge_hits({}, recent) == {"pod-a": 4}                        # brand-new prefix
+    assert merge_hits({"pod-b": 2}, recent) == {"pod-b": 2, "pod-a": 4}  # memory knows more
+    assert merge_hits({"pod-b": 4}, recent) == {"pod-b": 4}              # index knows a holder
+    assert merge_hits({"pod-a": 1}, recent) == {"pod-a": 4}
