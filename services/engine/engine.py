@@ -1,7 +1,6 @@
 """LLMEngine: add_request / step / abort. step() is schedule -> run -> postprocess."""
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -108,7 +107,6 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self._groups: dict[str, _Group] = {}
-        self._ids = itertools.count()
         self.last_stats = SchedulerStats()
         self.num_steps = 0
         self.tracer: EngineTracer | None = None   # set by EngineTracer.attach when tracing is on

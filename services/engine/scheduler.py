@@ -8,7 +8,6 @@ scheduler -> KVCacheManager -> BlockPool.
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from typing import Callable, Iterable
 
 from kvmesh.common.config import EngineConfig
@@ -405,5 +404,3 @@ class Scheduler:
         stats.num_waiting = len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
         stats.num_swapped = len(self.swapped)
 
-
-STATS_FIELDS = tuple(f.name for f in fields(SchedulerStats))

@@ -9,6 +9,7 @@ router's decisions depend only on what the test itself sends.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import redis
+from waiting import wait_until
 
 from .router_fixtures import MODEL, Cluster, metric_sum, scrape, start_cluster
 
@@ -164,13 +166,9 @@ def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
     return metric_sum(scrape(cluster.router.url), name, **labels)
 
 
-def wait_for(cond, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
+# NOTE: the cluster's endpoints are polled every 0.1 s, not the default 0.02 s: three engines
+# share two cores with the test.
+wait_for = functools.partial(wait_until, interval=0.1)
 
 
 # ---- (a) prefix families ----------------------------------------------------------------------

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 import redis.asyncio as aioredis
+from waiting import wait_until  # noqa: F401  (tests/support; re-exported)
 
 from kvmesh.router.prefix_index import PrefixIndex
 
@@ -26,12 +26,3 @@ def index_call(url: str, method: str, *args):
         finally:
             await client.aclose()
     return asyncio.run(go())
-
-
-def wait_until(cond, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
