@@ -99,7 +99,11 @@ class RouterState:
             self.redis = aioredis.from_url(
                 self.cfg.redis_url, password=self.cfg.redis_password, decode_responses=True,
                 socket_timeout=self.cfg.lookup_timeout_s,
-                socket_connect_timeout=self.cfg.lookup_timeout_s, retry=Retry(NoBackoff(), 0))
+                socket_connect_timeout=self.cfg.lookup_timeout_s,
+                # NOTE: one immediate retry: after Redis restarts, every pooled connection is
+                # stale and fails once; without a retry each of them would flip routing to the
+                # no-Redis fallback. The lookup's own deadline still bounds the whole call.
+                retry=Retry(NoBackoff(), 1))
             self.index = PrefixIndex(self.redis, self.cfg.namespace, self.cfg.service)
         await self.pool.discover_now()
         await self.refresh_load()

@@ -36,11 +36,11 @@ class Cluster:
         self.tokenizer = tokenizer
         self.apps = {n: make_fake_backend(n) for n in names}
         self.servers = {n: UvicornThread(app).start() for n, app in self.apps.items()}
+        self.held: dict[str, set[bytes]] = {n: set() for n in names}
         self.pubs = {n: KVEventPublisher(redis_server.url, n, "m", self.servers[n].url, NS, SVC,
                                          flush_interval_s=0.01, heartbeat_interval_s=0.05,
                                          heartbeat_ttl_s=1.0, snapshot_fn=self._snapshot(n))
                      for n in names}
-        self.held: dict[str, set[bytes]] = {n: set() for n in names}
         self.seqs = {n: KVEventSequencer() for n in names}
         self.routers: list[UvicornThread] = []
 
@@ -190,6 +190,32 @@ def test_redis_down_falls_back_to_least_loaded_and_recovers(cluster, redis_serve
     cluster.set_load("a")
     assert wait_until(lambda: _route(url, body) == "prefix-hit", timeout=10)
     assert cluster.apps["a"].state.requests[-1][1] == body
+
+
+def test_a_restarted_redis_does_not_flap_routing_back_to_the_fallback(cluster, redis_server):
+    """Pooled connections from before the restart are stale: none of them may fail a lookup."""
+    body = chat_body("Status report please.")
+    cluster.cache("a", "chat", body)
+    url = cluster.router()
+    assert wait_until(lambda: _route(url, body) == "prefix-hit")
+
+    def burst(n: int) -> list[str]:
+        async def go() -> list[str]:
+            async with httpx.AsyncClient() as c:
+                rs = await asyncio.gather(*(c.post(f"{url}/v1/chat/completions", json=body)
+                                            for _ in range(n)))
+            return [r.headers["x-kvmesh-route-reason"] for r in rs]
+        return asyncio.run(go())
+
+    assert "fallback-no-redis" not in burst(12)             # several pooled connections
+    redis_server.stop()
+    redis_server.start()                                    # empty: the pod resyncs
+    assert cluster.pubs["a"].flush(timeout=10)
+    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["redis"]
+                      and _route(url, body) == "prefix-hit", timeout=10)
+    reasons = burst(12) + burst(12)
+    assert "fallback-no-redis" not in reasons and "prefix-hit" in reasons, reasons
+    assert metric(url, "kvmesh_router_redis_up") == 1
 
 
 def test_dead_backend_is_routed_around_within_seconds(cluster):
