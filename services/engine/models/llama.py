@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.engine.model_config import ModelConfig
+from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, num_kv_heads, head_dim]) x 2
@@ -157,7 +158,7 @@ class LlamaAttention(nn.Module):
         if w is None:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         else:
-            qkv = F.linear(x, w, b)                                   # [T, nq + 2 * nkv]
+            qkv = linear(x, w, b)                                     # [T, nq + 2 * nkv]
         q = qkv[:, :nq].view(t, self.num_heads, self.head_dim)
         k = qkv[:, nq:nq + nkv].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, nq + nkv:].view(t, self.num_kv_heads, self.head_dim)
@@ -165,7 +166,7 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, d]
-        return F.linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
+        return linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -181,8 +182,8 @@ class LlamaMLP(nn.Module):
         w, b = _fused(self, (self.gate_proj, self.up_proj), "_gate_up")
         if w is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, w, b).chunk(2, dim=-1)               # [T, i] each
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = linear(x, w, b).chunk(2, dim=-1)                 # [T, i] each
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -250,4 +251,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] float32 (R: the rows to sample from, e.g. last token per seq)."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()

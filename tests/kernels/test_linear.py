@@ -1,0 +1,66 @@
+"""kernels.linear: F.linear's results on the oneDNN path, and F.linear itself wherever oneDNN cannot run."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmesh.kernels import linear as lin
+
+
+@pytest.mark.parametrize("m", [1, 9, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_matches_f_linear(m, bias):
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 96, generator=g), torch.randn(160, 96, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert lin.uses_onednn(x, w) == lin._ONEDNN
+
+
+def test_bfloat16_matches_f_linear():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    y = lin.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
+
+
+def test_the_cpu_oneDNN_path_is_taken_on_this_torch():
+    # the pinned CPU build ships oneDNN: the fast path must not silently fall back
+    assert torch.backends.mkldnn.is_available()
+    assert lin._ONEDNN
+    assert lin.uses_onednn(torch.ones(2, 4), torch.ones(3, 4))
+
+
+def test_falls_back_to_f_linear_where_onednn_cannot_run():
+    w = torch.randn(8, 6)
+    assert not lin.uses_onednn(torch.randn(0, 6), w)                     # no rows
+    assert not lin.uses_onednn(torch.randn(2, 3, 6), w)                  # not 2-D
+    assert not lin.uses_onednn(torch.randn(2, 6, dtype=torch.float64), w.double())
+    assert not lin.uses_onednn(torch.randn(2, 6), torch.randn(6, 8).t())  # strided weight
+    assert lin.linear(torch.randn(0, 6), w).shape == (0, 8)
+    x3 = torch.randn(2, 3, 6)
+    torch.testing.assert_close(lin.linear(x3, w), F.linear(x3, w))
+    wt = torch.randn(6, 8).t()
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(lin.linear(x, wt), F.linear(x, wt))
+
+
+def test_autograd_still_works_when_grad_is_wanted():
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(3, 6)
+    assert not lin.uses_onednn(x, w)
+    lin.linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(8, 6))
+    with torch.inference_mode():
+        assert lin.uses_onednn(x, w) == lin._ONEDNN
+
+
+def test_non_contiguous_input_and_mismatched_bias():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 12, generator=g)
+    x = torch.randn(12, 5, generator=g).t()                              # [5, 12], strided
+    b = torch.randn(32, generator=g)[::2]                                # strided bias
+    torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
