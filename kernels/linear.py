@@ -31,7 +31,8 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN (CPU, float32 / bfloat16, dense, 2-D)."""
     return (_ONEDNN and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and x.dim() == 2
-            and x.shape[0] > 0 and weight.dim() == 2 and weight.is_contiguous()
+            and x.shape[0] > 0 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 

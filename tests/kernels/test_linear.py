@@ -40,6 +40,8 @@ def test_falls_back_to_f_linear_where_onednn_cannot_run():
     assert not lin.uses_onednn(torch.randn(2, 3, 6), w)                  # not 2-D
     assert not lin.uses_onednn(torch.randn(2, 6, dtype=torch.float64), w.double())
     assert not lin.uses_onednn(torch.randn(2, 6), torch.randn(6, 8).t())  # strided weight
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        lin.linear(torch.randn(2, 5), w)                                 # F.linear's own error
     assert lin.linear(torch.randn(0, 6), w).shape == (0, 8)
     x3 = torch.randn(2, 3, 6)
     torch.testing.assert_close(lin.linear(x3, w), F.linear(x3, w))
