@@ -350,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="shared-prefix requests "
                    "(default: rate x 70 s)")
     p.add_argument("--rate", type=float, default=None, help="shared-prefix arrivals per second "
-                   "(default: from a calibration, 1.0x round-robin's estimated capacity)")
+                   "(default: from a calibration, --overload x round-robin's estimated capacity)")
+    p.add_argument("--overload", type=float, default=None, help="shared-prefix rate / round-robin's "
+                   "estimated capacity when --rate is not given (default 1.0)")
     p.add_argument("--skip-unique", action="store_true", help="only the shared-prefix workload")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout", type=float, default=300.0, help="seconds per replay")
@@ -362,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown strategies {sorted(unknown)}; use {', '.join(STRATEGIES)}")
     base = QUICK if args.quick else FULL
     over = {"engines": args.engines} if args.engines else {}
+    if args.overload is not None:
+        if args.overload <= 0:
+            p.error("--overload must be positive")
+        over["overload"] = args.overload
     s = Settings(**{**asdict(base), **over, "seed": args.seed})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
