@@ -63,9 +63,11 @@ print(json.dumps({"cold_s": min(cold), "hit_s": hit}))
 '''
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    # NOTE: run as a script: make `benchmarks` and the e2e cluster launcher importable.
-    sys.path.insert(0, str(ROOT))
+# NOTE: run as a script: make `benchmarks`, the e2e cluster launcher and the process helpers it
+# imports (tests/support, which the tests get from their conftest) importable.
+for _p in (ROOT, ROOT / "tests" / "support"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 from benchmarks.load_stats import percentile, replay  # noqa: E402
 from tests.e2e.router_fixtures import MODEL, Cluster, metric_sum, scrape, start_cluster  # noqa: E402
