@@ -17,8 +17,15 @@ exactly that many tokens per request, greedily and ignoring EOS:
              `generate_batch`, attn_implementation="paged|sdpa"), one add_request per request
              with its own max_new_tokens and eos_token_id=-1 (no EOS).
 
-Both transformers systems use one model loaded by transformers from the same GGUF in float32.
-Each system is warmed up (a few short requests) before it is timed. Times are wall clock.
+Both transformers systems use one model loaded by transformers from the same files (the GGUF
+for the built-in model), in the same dtype on the same device. Each system is warmed up (a few
+short requests) before it is timed. Times are wall clock.
+
+On a GPU (`--device cuda --dtype bfloat16`) and with another model (`--model random-1b`, a seeded
+random 1B-class Llama, or an HF directory; see benchmarks/models.py):
+
+    python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --model random-1b \
+        --systems kvmesh,hf-cb --max-num-seqs 256 --max-num-batched-tokens 8192
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ if __package__ in (None, ""):
     # NOTE: run as a script (`python benchmarks/offline_throughput.py`): make `benchmarks` importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.models import RANDOM_MODELS, resolve_model  # noqa: E402
 from benchmarks.workload import generate_requests, make_prompt_ids, summarize  # noqa: E402
 
 SYSTEMS = ("kvmesh", "hf-static", "hf-cb")
@@ -88,7 +96,7 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, li
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype="float32", device="cpu")
+                       swap_space=0.0, dtype=args.dtype, device=args.device)
     engine = LLMEngine(cfg, loaded=loaded)
 
     def go(batch: list[BenchRequest], tag: str) -> list[list[int]]:
@@ -113,15 +121,17 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, li
     return wall, cpu, outs, note
 
 
-def load_hf_model():
+def load_hf_model(model_path: str | None, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     from kvmesh.engine.loader import builtin_model_path
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32,
-                                                 attn_implementation="paged|sdpa")
-    return model.eval()
+    kw = dict(dtype=getattr(torch, dtype), attn_implementation="paged|sdpa")
+    if model_path is None:
+        path = builtin_model_path()
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
+    return model.to(device).eval()
 
 
 def run_hf_static(model, reqs: list[BenchRequest], args, pad_id: int) -> tuple[float, float, list[list[int]], str]:
@@ -138,6 +148,7 @@ def run_hf_static(model, reqs: list[BenchRequest], args, pad_id: int) -> tuple[f
                 ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
                 mask[i, width - len(r.prompt_ids):] = 1
             n = max(r.output_len for r in chunk)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             with torch.inference_mode():
                 gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                      max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id,
@@ -214,7 +225,9 @@ def _machine() -> str:
                      if line.startswith("Model name"))
     except Exception:
         model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{model}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,20 +243,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
+                   "HF model directory (see benchmarks/models.py)")
+    p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"),
+                   help="where random models are written once")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
     from kvmesh.engine.loader import load_model
-    loaded = load_model(None, dtype="float32", device="cpu")
+    model_path = resolve_model(args.model, Path(args.model_cache))
+    loaded = load_model(model_path, dtype=args.dtype, device=args.device)
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
+    print(f"# model: {args.model} ({loaded.path}), {args.dtype} on {args.device}")
     print(f"# workload: scenario={args.scenario} scale={args.scale} max_total_len={args.max_total_len} "
           f"seed={args.seed}: {summary}")
 
@@ -257,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             wall, cpu, outs, note = run_kvmesh(loaded, reqs, args)
         else:
             if hf is None:
-                hf = load_hf_model()
+                hf = load_hf_model(model_path, args.dtype, args.device)
             if system == "hf-static":
                 wall, cpu, outs, note = run_hf_static(hf, reqs, args, loaded.tokenizer.eos_token_id or 0)
             else:

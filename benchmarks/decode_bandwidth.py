@@ -1,0 +1,142 @@
+"""Decode-step memory-bandwidth utilisation of the whole engine (issue 7's engine target).
+
+    python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64
+    python benchmarks/decode_bandwidth.py                  # built-in model, float32 on this CPU
+
+B requests with C-token prompts are prefilled; then S engine steps, each one decode token for all
+B sequences, are timed (CUDA synchronised). Per step the engine must read every weight once (a
+tied embedding / lm_head matrix counted once) and every sequence's K/V context of every layer:
+
+    utilisation = (weight bytes + K/V bytes read per step) / step time / copy bandwidth
+
+where copy bandwidth is measured on the same device just before: (read + write bytes) / time of
+one large tensor copy. A decode step cannot read faster than that, so the ratio says how much of
+the step is spent moving the bytes that must move. The step time is the engine's (`LLMEngine.step`:
+scheduling, the model, sampling, detokenisation), not the forward pass alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.models import RANDOM_MODELS, resolve_model  # noqa: E402
+from benchmarks.offline_throughput import _machine  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Bytes per second moved by `dst.copy_(src)` (read + write), best of `reps`."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct parameter storages (a tied matrix counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.untyped_storage().nbytes()
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
+                   "HF model directory")
+    p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--batch", type=int, default=64, help="sequences decoding together")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (default: 1024 on "
+                   "CUDA, 256 on CPU)")
+    args = p.parse_args(argv)
+    for name in ("batch", "context", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
+
+    from kvmesh.common.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.loader import load_model
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = load_model(resolve_model(args.model, Path(args.model_cache)), dtype=args.dtype,
+                        device=args.device)
+    device, mc = loaded.device, loaded.config
+    block = 16
+    warm = 2
+    total_len = args.context + warm + args.steps + 1
+    blocks = args.batch * -(-total_len // block) + 8
+    cfg = EngineConfig(num_kv_blocks=blocks, block_size=block, max_num_seqs=args.batch,
+                       max_num_batched_tokens=max(2048, args.context), max_model_len=total_len + block,
+                       swap_space=0.0, dtype=args.dtype, device=args.device)
+    engine = LLMEngine(cfg, loaded=loaded)
+    g = torch.Generator().manual_seed(0)
+    for i in range(args.batch):
+        ids = torch.randint(100, min(mc.vocab_size, 30000), (args.context,), generator=g).tolist()
+        engine.add_request(f"d{i}", ids, SamplingParams(temperature=0.0, max_tokens=total_len - args.context,
+                                                        ignore_eos=True))
+    sched = engine.scheduler
+    # prefill everything, then a couple of untimed decode steps
+    while len(sched.running) < args.batch or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                 for r in sched.running):
+        engine.step()
+    for _ in range(warm):
+        engine.step()
+    contexts = [r.num_computed_tokens for r in sched.running]
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    _sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+
+    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
+    # the mean context over the timed steps: each step adds one token per sequence
+    kv_bytes = sum(c + (args.steps + 1) / 2 for c in contexts) * kv_per_token
+    w_bytes = weight_bytes(loaded.model)
+    bw = copy_bandwidth(device, (args.copy_mib or (1024 if device.type == "cuda" else 256)) << 20)
+    moved = (w_bytes + kv_bytes) / step_s
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}; load average {os.getloadavg()[0]:.2f}")
+    print(f"# model {args.model} ({loaded.path.name}), {args.dtype} on {dev_name}: "
+          f"{w_bytes / 1e9:.3f} GB of weights; batch {args.batch}, prompt {args.context}, "
+          f"{args.steps} timed steps")
+    print("| batch | context | step ms | tokens/s | weights GB/step | K/V GB/step | GB/s moved "
+          "| copy GB/s | utilisation |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {args.batch} | {args.context} | {step_s * 1e3:.2f} | {args.batch / step_s:.0f} "
+          f"| {w_bytes / 1e9:.3f} | {kv_bytes / 1e9:.3f} | {moved / 1e9:.1f} | {bw / 1e9:.1f} "
+          f"| {moved / bw:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

