@@ -105,9 +105,14 @@ def main(argv: list[str] | None = None) -> None:
                                                         ignore_eos=True))
     sched = engine.scheduler
     # prefill everything, then a couple of untimed decode steps
+    limit = args.batch * args.context // cfg.max_num_batched_tokens + args.batch + 16
     while len(sched.running) < args.batch or any(r.num_computed_tokens < r.num_prompt_tokens
                                                  for r in sched.running):
         engine.step()
+        limit -= 1
+        if limit < 0:
+            sys.exit(f"the {args.batch} prompts were not all prefilled and running together "
+                     f"(running {len(sched.running)}, waiting {len(sched.waiting)})")
     for _ in range(warm):
         engine.step()
     contexts = [r.num_computed_tokens for r in sched.running]
