@@ -2,7 +2,7 @@
 
 On CPU, PyTorch's `F.linear` runs float32 through the BLAS it was built with (MKL), which on
 some x86 CPUs (AMD EPYC here) takes a path that reaches half of what oneDNN does for the same
-shapes: `docs/BENCHMARKS.md` ("CPU GEMM") has the numbers. oneDNN's linear primitive takes the
+shapes: `docs/BENCHMARKS.md` ("Optimisations made", oneDNN GEMMs) has the numbers. oneDNN's linear primitive takes the
 dense weight as it is (no repacked copy, no extra memory), so CPU float32 / bfloat16 go there;
 everything else (CUDA, other dtypes, a torch built without oneDNN) uses `F.linear`.
 """
@@ -12,19 +12,29 @@ import torch
 import torch.nn.functional as F
 
 
-def _onednn_linear_available() -> bool:
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes for which oneDNN's linear runs here and agrees with F.linear on a probe.
+
+    NOTE: probed per dtype: a CPU without the instructions oneDNN wants for bfloat16 may refuse
+    to create the primitive, and then bfloat16 must stay on F.linear.
+    """
     if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w = torch.ones(2, 4), torch.ones(3, 4)
-        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return torch.equal(y, F.linear(x, w))
+        return ()
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.arange(8, dtype=torch.float32).view(2, 4).to(dtype)
+        w = torch.ones(3, 4, dtype=dtype)
+        try:
+            y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+        except (AttributeError, RuntimeError):
+            continue
+        if torch.equal(y, F.linear(x, w)):
+            ok.append(dtype)
+    return tuple(ok)
 
 
-_ONEDNN = _onednn_linear_available()
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_ONEDNN_DTYPES = _onednn_dtypes()
+_ONEDNN = bool(_ONEDNN_DTYPES)
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -28,9 +28,17 @@ def test_bfloat16_matches_f_linear():
 
 
 def test_the_cpu_oneDNN_path_is_taken_on_this_torch():
-    # the pinned CPU build ships oneDNN: the fast path must not silently fall back
+    # the pinned CPU build ships oneDNN: the float32 fast path must not silently fall back
     assert torch.backends.mkldnn.is_available()
-    assert lin._ONEDNN
+    assert lin._ONEDNN and torch.float32 in lin._ONEDNN_DTYPES
+    assert lin.uses_onednn(torch.ones(2, 4), torch.ones(3, 4))
+
+
+def test_a_dtype_the_probe_refused_stays_on_f_linear(monkeypatch):
+    monkeypatch.setattr(lin, "_ONEDNN_DTYPES", (torch.float32,))
+    x, w = torch.ones(2, 4).bfloat16(), torch.ones(3, 4).bfloat16()
+    assert not lin.uses_onednn(x, w)
+    torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
     assert lin.uses_onednn(torch.ones(2, 4), torch.ones(3, 4))
 
 
