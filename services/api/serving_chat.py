@@ -10,7 +10,7 @@ from kvmesh.api.errors import bad_request
 from kvmesh.api.protocol import ChatCompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
                                        chat_logprobs, final_outputs, make_params, new_id, now_s,
-                                       sse, usage)
+                                       sse, sse_chunk, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.outputs import RequestOutput
 
@@ -69,13 +69,9 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     include_usage = req.stream_options is not None and req.stream_options.include_usage
 
     def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": ctx.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": finish_reason}]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        return sse_chunk(request_id, "chat.completion.chunk", created, ctx.model_name,
+                         {"index": index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason}, include_usage)
 
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""}, None, None)

@@ -112,6 +112,17 @@ def sse(obj: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_chunk(request_id: str, obj: str, created: int, model: str, choice: dict[str, Any],
+              include_usage: bool) -> str:
+    """One streamed chunk with one choice; `usage` is null on every chunk but the last when the
+    client asked for usage (stream_options.include_usage), as OpenAI does."""
+    body = {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    return sse(body)
+
+
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as items arrive: yields (stream index, item)."""
     queue: asyncio.Queue = asyncio.Queue()

@@ -10,7 +10,7 @@ from kvmesh.api.errors import bad_request
 from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
                                        completion_logprobs, final_outputs, make_params,
-                                       merge_streams, new_id, now_s, sse, usage)
+                                       merge_streams, new_id, now_s, sse, sse_chunk, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.outputs import RequestOutput
 
@@ -78,13 +78,9 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
     completion_tokens, cached = 0, 0
 
     def chunk(index: int, text: str, logprobs, finish_reason) -> str:
-        body = {"id": request_id, "object": "text_completion", "created": created,
-                "model": ctx.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": finish_reason}]}
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        return sse_chunk(request_id, "text_completion", created, ctx.model_name,
+                         {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": finish_reason}, include_usage)
 
     async for p, out in merge_streams(gens):
         for c in out.outputs:
