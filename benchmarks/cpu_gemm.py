@@ -24,7 +24,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.offline_throughput import _machine  # noqa: E402
+from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear, uses_onednn  # noqa: E402
 
 HIDDEN, INTER, LAYERS, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 30, 49152, 64, 9, 3
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("oneDNN's linear is not available in this torch build: nothing to compare")
     diff = max((linear(probes[w.shape[1]], w) - F.linear(probes[w.shape[1]], w)).abs().max().item()
                for w in weights[:4] + weights[-1:])
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}, load average {os.getloadavg()[0]:.2f}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}, load average {os.getloadavg()[0]:.2f}")
     print(f"# max |oneDNN - F.linear| on the probe: {diff:.2e}")
     print("| rows | F.linear ms / step | oneDNN ms / step | speed-up |")
     print("|---:|---:|---:|---:|")

@@ -28,7 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import RANDOM_MODELS, resolve_model  # noqa: E402
-from benchmarks.offline_throughput import _machine  # noqa: E402
+from benchmarks.offline_throughput import describe_machine  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth(device, (args.copy_mib or (1024 if device.type == "cuda" else 256)) << 20)
     moved = (w_bytes + kv_bytes) / step_s
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}; load average {os.getloadavg()[0]:.2f}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}; load average {os.getloadavg()[0]:.2f}")
     print(f"# model {args.model} ({loaded.path.name}), {args.dtype} on {dev_name}: "
           f"{w_bytes / 1e9:.3f} GB of weights; batch {args.batch}, prompt {args.context}, "
           f"{args.steps} timed steps")

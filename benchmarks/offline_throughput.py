@@ -218,7 +218,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{same}/{len(a)}"
 
 
-def _machine() -> str:
+def describe_machine() -> str:
     try:
         model = next(line.split(":", 1)[1].strip() for line in
                      subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model(args.model, Path(args.model_cache))
     loaded = load_model(model_path, dtype=args.dtype, device=args.device)
     reqs, summary = build_requests(loaded.tokenizer, args)
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine()}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
     print(f"# model: {args.model} ({loaded.path}), {args.dtype} on {args.device}")
     print(f"# workload: scenario={args.scenario} scale={args.scale} max_total_len={args.max_total_len} "
