@@ -2,9 +2,9 @@
 
 On CPU, PyTorch's `F.linear` runs float32 through the BLAS it was built with (MKL), which on
 some x86 CPUs (AMD EPYC here) takes a path that reaches half of what oneDNN does for the same
-shapes: `docs/BENCHMARKS.md` ("Optimisations made", oneDNN GEMMs) has the numbers. oneDNN's linear primitive takes the
-dense weight as it is (no repacked copy, no extra memory), so CPU float32 / bfloat16 go there;
-everything else (CUDA, other dtypes, a torch built without oneDNN) uses `F.linear`.
+shapes (`docs/BENCHMARKS.md`, "Optimisations made": oneDNN GEMMs). oneDNN's linear primitive
+takes the dense weight as it is (no repacked copy, no extra memory), so CPU float32 / bfloat16
+go there; everything else (CUDA, other dtypes, a torch built without oneDNN) uses `F.linear`.
 """
 from __future__ import annotations
 
