@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
@@ -98,8 +99,10 @@ class RouterState:
 
             self.redis = aioredis.from_url(
                 self.cfg.redis_url, password=self.cfg.redis_password, decode_responses=True,
-                socket_timeout=self.cfg.lookup_timeout_s,
-                socket_connect_timeout=self.cfg.lookup_timeout_s,
+                # NOTE: the socket waits as long as the slowest caller (the heartbeat read);
+                # each prefix lookup is cut short by its own, tighter deadline.
+                socket_timeout=self.cfg.heartbeat_timeout_s,
+                socket_connect_timeout=self.cfg.heartbeat_timeout_s,
                 # NOTE: one immediate retry: after Redis restarts, every pooled connection is
                 # stale and fails once; without a retry each of them would flip routing to the
                 # no-Redis fallback. The lookup's own deadline still bounds the whole call.
@@ -152,7 +155,7 @@ class RouterState:
         if self.index is None:
             return
         try:
-            pods = await asyncio.wait_for(self.index.live_pods(), self.cfg.lookup_timeout_s * 4)
+            pods = await asyncio.wait_for(self.index.live_pods(), self.cfg.heartbeat_timeout_s)
         except Exception as e:  # noqa: BLE001 - any Redis failure means: route by load
             self._set_redis(False, e)
             return
@@ -176,21 +179,29 @@ class RouterState:
             g.labels(b.url).set(1 if b.healthy else 0)
 
     # ---- one request -----------------------------------------------------------------------
-    async def lookup(self, model: str, hashes: list[bytes]) -> tuple[dict[str, int], bool]:
-        """(prefix hits per pod, whether the index answered)."""
+    async def lookup(self, model: str, hashes: list[bytes]) -> tuple[dict[str, int], str]:
+        """(prefix hits per pod, how the index answered: "ok", "down" or "slow").
+
+        A lookup that only misses its deadline ("slow") falls back for this request alone: a
+        burst on a busy event loop can delay a healthy Redis' reply, and that must not switch
+        every other request to the fallback. Redis counts as down on a connection error, or when
+        the heartbeat read (with its longer deadline) fails."""
         if self.index is None or not self.redis_ok:
-            return {}, False
+            return {}, "down"
         if not hashes:
-            return {}, True
+            return {}, "ok"
         t0 = time.perf_counter()
         try:
             hits = await asyncio.wait_for(self.index.lookup(model, hashes),
                                           self.cfg.lookup_timeout_s)
-        except Exception as e:  # noqa: BLE001
+        except (TimeoutError, RedisTimeoutError):
+            self.metrics.lookup_timeouts.inc()
+            return {}, "slow"
+        except Exception as e:  # noqa: BLE001 - any other Redis failure: route by load
             self._set_redis(False, e)
-            return {}, False
+            return {}, "down"
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
-        return hits, True
+        return hits, "ok"
 
     async def proxy(self, request: Request, endpoint: str, path: str) -> Response:
         raw = await request.body()
@@ -207,7 +218,7 @@ class RouterState:
         hits: dict[str, int] = {}
         hashes: list[bytes] = []
         num_blocks = 0
-        redis_ok = True
+        index = "ok"
         if cfg.strategy == "kv-aware" and not session_key:
             if len(raw) > _INLINE_TOKENIZE_BYTES:
                 # NOTE: a long prompt would stall every other request on the event loop.
@@ -218,8 +229,8 @@ class RouterState:
                                          body.get("cache_salt"))
             num_blocks = len(hashes)
             model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
-            hits, redis_ok = await self.lookup(model, hashes)
-            if not redis_ok:
+            hits, index = await self.lookup(model, hashes)
+            if index != "ok":
                 self.metrics.fallbacks.inc()
             else:
                 hits = merge_hits(hits, self.recent.hits(hashes, time.monotonic()))
@@ -229,7 +240,8 @@ class RouterState:
         while True:
             candidates = [b for b in self.pool.states() if b.url not in tried]
             decision = choose(candidates, hits, num_blocks, cfg.strategy, next(self.rr),
-                              self.rng, session_key, redis_ok, cfg.policy)
+                              self.rng, session_key, index == "ok", cfg.policy,
+                              "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
             if decision is None:
                 return error_response(503, "no healthy backend to serve the request",
                                       "service_unavailable", "no_healthy_backend")

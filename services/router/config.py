@@ -25,7 +25,8 @@ class RouterConfig:
     health_interval_s: float = 1.0          # GET /health period
     load_interval_s: float = 0.25           # heartbeat (load) refresh period
     discover_interval_s: float = 5.0        # DNS re-resolution period
-    lookup_timeout_s: float = 0.25          # a slower prefix lookup counts as Redis down
+    lookup_timeout_s: float = 0.25          # a slower prefix lookup: this request routes by load
+    heartbeat_timeout_s: float = 1.0        # a slower heartbeat read counts as Redis down
     connect_timeout_s: float = 2.0          # backend connect timeout (then try another)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -41,7 +42,9 @@ class RouterConfig:
                              f"value), got {self.block_size}")
         if not 0 < self.backend_port < 65536:
             raise ValueError(f"--backend-port must be a TCP port, got {self.backend_port}")
+        if not self.lookup_timeout_s > 0:
+            raise ValueError(f"--lookup-timeout must be > 0 seconds, got {self.lookup_timeout_s}")
         for name in ("health_interval_s", "load_interval_s", "discover_interval_s",
-                     "lookup_timeout_s", "connect_timeout_s"):
+                     "heartbeat_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sticky routing by this header's value, e.g. X-Session-Id")
     p.add_argument("--namespace", default=None, help="Redis key space (default $POD_NAMESPACE)")
     p.add_argument("--service", default=None, help="Redis key space (default $KVMESH_SERVICE)")
+    p.add_argument("--lookup-timeout", type=float, default=0.25, metavar="SECONDS",
+                   help="a prefix lookup slower than this routes its request by load "
+                        "(reason fallback-slow-lookup)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -51,6 +54,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         block_size=args.block_size, hash_seed=args.hash_seed,
         api_key=args.api_key or os.environ.get("KVMESH_API_KEY") or None,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
+        lookup_timeout_s=args.lookup_timeout,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
 
 

@@ -22,8 +22,12 @@ class RouterMetrics:
             "kvmesh_router_lookup_seconds", "Redis prefix lookup latency", registry=r,
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5))
+        self.lookup_timeouts = Counter(
+            "kvmesh_router_lookup_timeouts_total",
+            "Prefix lookups that missed their deadline (that request was routed by load)",
+            registry=r)
         self.fallbacks = Counter("kvmesh_router_fallbacks_total",
-                                 "Requests routed without the prefix index (Redis unreachable)",
+                                 "Requests routed without the prefix index (Redis unreachable or slow)",
                                  registry=r)
         self.backend_healthy = Gauge("kvmesh_router_backend_healthy",
                                      "1 when the backend passes health checks", ["backend"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 STRATEGIES = ("kv-aware", "round-robin", "least-loaded", "random")
 REASONS = ("prefix-hit", "load-guard", "least-loaded", "round-robin", "random",
-           "session-affinity", "fallback-no-redis", "no-prefix")
+           "session-affinity", "fallback-no-redis", "fallback-slow-lookup", "no-prefix")
 
 
 @dataclass(slots=True)
@@ -96,8 +96,13 @@ def score(b: BackendState, hits: int, num_blocks: int, max_load: int,
 
 def choose(backends: list[BackendState], prefix_hits: dict[str, int], num_blocks: int,
            strategy: str, rr_counter: int, rng: random.Random, session_key: str | None = None,
-           redis_ok: bool = True, config: PolicyConfig = PolicyConfig()) -> Decision | None:
-    """The backend for one request, or None when no backend is healthy."""
+           redis_ok: bool = True, config: PolicyConfig = PolicyConfig(),
+           fallback_reason: str = "fallback-no-redis") -> Decision | None:
+    """The backend for one request, or None when no backend is healthy.
+
+    redis_ok False: the prefix index gave no answer for this request; kv-aware routes by least
+    load and reports `fallback_reason` ("fallback-no-redis", or "fallback-slow-lookup" when only
+    this lookup missed its deadline)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown routing strategy {strategy!r}; use one of {STRATEGIES}")
     healthy = [b for b in backends if b.healthy]
@@ -114,7 +119,7 @@ def choose(backends: list[BackendState], prefix_hits: dict[str, int], num_blocks
         return Decision(b, "random", _hits(b, prefix_hits))
     if strategy == "least-loaded" or not redis_ok:
         b = _least_loaded(healthy, rr_counter)
-        return Decision(b, "least-loaded" if redis_ok else "fallback-no-redis", 0)
+        return Decision(b, "least-loaded" if redis_ok else fallback_reason, 0)
     return _kv_aware(healthy, prefix_hits, num_blocks, rr_counter, config)
 
 

@@ -112,7 +112,10 @@ def start_cluster(log_dir: Path, num_engines: int = 3, engine_args: tuple[str, .
         router = _spawn("router", [
             "router", "--host", "127.0.0.1", "--port", str(rport), "--redis-url", rs.url,
             "--backends", *[e.url for e in engines], "--strategy", strategy,
-            "--log-level", "warning", *router_args], rport, log_dir, None)
+            # NOTE: three CPU engines share this machine's cores with the router; a lookup
+            # delayed past the production deadline would change a decision the test checks.
+            "--lookup-timeout", "2", "--log-level", "warning", *router_args], rport, log_dir,
+            None)
         _wait_ready([*engines, router], ready_timeout)
         cluster = Cluster(rs, engines, router)
         _wait_heartbeats(cluster, timeout=15.0)

@@ -113,6 +113,8 @@ def test_round_robin_random_least_loaded():
 def test_redis_down_falls_back_to_least_loaded():
     bs = [B("a"), B("b", waiting=3)]
     assert pick(bs, {}, redis_ok=False) == ("a", "fallback-no-redis", 0)
+    assert pick(bs, {}, redis_ok=False, fallback_reason="fallback-slow-lookup") == (
+        "a", "fallback-slow-lookup", 0)
     # only the kv-aware strategy needs Redis
     assert pick(bs, redis_ok=False, strategy="round-robin", rr=1)[:2] == ("b", "round-robin")
 

@@ -7,6 +7,7 @@ import time
 import httpx
 import openai
 import pytest
+import redis
 
 from kvmesh.common.kv_events import BlockStored, KVEventSequencer
 from kvmesh.engine.kv_publisher import KVEventPublisher
@@ -66,6 +67,9 @@ class Cluster:
 
     def router(self, **kw) -> str:
         kw.setdefault("backends", tuple(s.url for s in self.servers.values()))
+        # NOTE: these tests check routing decisions; on a loaded CI machine a burst can delay a
+        # lookup past the production deadline (0.25 s). The slow-lookup test sets its own.
+        kw.setdefault("lookup_timeout_s", 5.0)
         cfg = RouterConfig(redis_url=self.redis.url, namespace=NS, service=SVC, block_size=BS,
                            health_interval_s=0.1, load_interval_s=0.05, **kw)
         r = UvicornThread(create_app(cfg, self.tokenizer, "m")).start()
@@ -190,6 +194,26 @@ def test_redis_down_falls_back_to_least_loaded_and_recovers(cluster, redis_serve
     cluster.set_load("a")
     assert wait_until(lambda: _route(url, body) == "prefix-hit", timeout=10)
     assert cluster.apps["a"].state.requests[-1][1] == body
+
+
+def test_a_slow_lookup_falls_back_for_that_request_only(cluster, redis_server):
+    body = chat_body("Status report please.")
+    cluster.cache("a", "chat", body)
+    url = cluster.router(lookup_timeout_s=0.1)          # heartbeat reads still wait 1 s
+    assert wait_until(lambda: _route(url, body) == "prefix-hit")
+    before = metric(url, "kvmesh_router_fallbacks_total")
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        admin.client_pause(600, all=True)                   # Redis answers nothing for 0.6 s
+        assert _route(url, body) == "fallback-slow-lookup"  # still served, by least load
+    finally:
+        admin.close()
+    assert metric(url, "kvmesh_router_lookup_timeouts_total") == 1
+    assert metric(url, "kvmesh_router_fallbacks_total") == before + 1
+    # Redis never counted as down: the next request is kv-aware again
+    assert metric(url, "kvmesh_router_redis_up") == 1
+    assert wait_until(lambda: _route(url, body) == "prefix-hit")
+    assert metric(url, "kvmesh_router_decisions_total", reason="fallback-no-redis") == 0
 
 
 def test_a_restarted_redis_does_not_flap_routing_back_to_the_fallback(cluster, redis_server):

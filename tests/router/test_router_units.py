@@ -113,5 +113,10 @@ def test_cli_and_config_validation(capsys):
         main(["--redis-url", "redis://x", "--backends", "u", "--discover-headless-service", "s"])
     assert main(["--redis-url", "redis://x", "--backends", "u", "--block-size", "3"]) == 2
     assert "--block-size" in capsys.readouterr().err
+    assert config_from_args(build_parser().parse_args(
+        ["--redis-url", "redis://x", "--backends", "u", "--lookup-timeout", "0.5"])
+    ).lookup_timeout_s == 0.5
+    assert main(["--redis-url", "redis://x", "--backends", "u", "--lookup-timeout", "0"]) == 2
+    assert "--lookup-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="strategy"):
         RouterConfig(backends=("u",), strategy="nope")
