@@ -54,6 +54,9 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}   # sample 0 id -> samples 1..n-1
         self.requests: dict[str, Request] = {}              # every live request, forks included
         self.step_id = 0
+        # NOTE: block counters at the end of the last step: every block operation, aborts
+        # between steps and frees at finish included, is counted in exactly one step's stats.
+        self._kv_mark = self._kv_counters()
         self.finished_ids: list[str] = []                   # finished since the last step, drained
         # NOTE: the auto preemption mode compares these two rates; the engine refines them
         # from measured prefill throughput.
@@ -122,7 +125,6 @@ class Scheduler:
         self.step_id += 1
         now = self.clock()
         key = lambda r: self.policy.key(r, now)  # noqa: E731
-        kv_before = self._kv_counters()
         budget = self.token_budget
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
@@ -224,7 +226,7 @@ class Scheduler:
         # Commit: the scheduled tokens will be computed by this step's forward pass.
         for sr in scheduled.values():
             sr.request.num_computed_tokens = sr.start + sr.num_tokens
-        self._fill_stats(stats, kv_before)
+        self._fill_stats(stats)
         return SchedulerOutput(
             step=self.step_id,
             scheduled=list(scheduled.values()),
@@ -363,6 +365,7 @@ class Scheduler:
                 self.pending_forks.pop(req.request_id, None)
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
+        self._add_block_counters(out.stats)
         return touched
 
     def _append(self, req: Request, token: int, logprobs: dict[int, Logprob] | None,
@@ -391,14 +394,25 @@ class Scheduler:
         s = self.kv.stats
         return tuple(getattr(s, name) for name in _KV_COUNTERS)
 
-    def _fill_stats(self, stats: SchedulerStats, before: tuple[int, ...]) -> None:
-        delta = dict(zip(_KV_COUNTERS, (a - b for a, b in zip(self._kv_counters(), before))))
-        stats.blocks_allocated = delta["blocks_allocated"]
-        stats.blocks_freed = delta["blocks_freed"]
-        stats.blocks_evicted = delta["blocks_evicted"]
-        stats.cow_copies = delta["cow_copies"]
-        stats.prefix_query_tokens = delta["prefix_queries"]
-        stats.prefix_hit_tokens = delta["prefix_hits"]
+    def _counters_since_mark(self) -> dict[str, int]:
+        now = self._kv_counters()
+        delta = dict(zip(_KV_COUNTERS, (a - b for a, b in zip(now, self._kv_mark))))
+        self._kv_mark = now
+        return delta
+
+    def _add_block_counters(self, stats: SchedulerStats) -> None:
+        """Add the block operations since the last mark (those of schedule() and of
+        update_from_output: a finished request frees its blocks) to this step's stats."""
+        delta = self._counters_since_mark()
+        stats.blocks_allocated += delta["blocks_allocated"]
+        stats.blocks_freed += delta["blocks_freed"]
+        stats.blocks_evicted += delta["blocks_evicted"]
+        stats.cow_copies += delta["cow_copies"]
+        stats.prefix_query_tokens += delta["prefix_queries"]
+        stats.prefix_hit_tokens += delta["prefix_hits"]
+
+    def _fill_stats(self, stats: SchedulerStats) -> None:
+        self._add_block_counters(stats)
         stats.kv_usage = self.kv.usage
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting) + sum(len(c) for c in self.pending_forks.values())

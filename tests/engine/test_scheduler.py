@@ -229,3 +229,17 @@ def test_prefix_cache_hits_skip_computed_tokens(harness):
     out = h.step()
     assert plan(out) == [(b.request_id, 12, 1, True)]
     assert out.stats.prefix_hit_tokens == 12 and b.num_cached_tokens == 12
+
+
+def test_step_stats_count_every_block_operation_once(harness):
+    h = harness(num_blocks=8, block_size=4)
+    h.add(8, max_tokens=1)
+    s = h.step().stats                   # 2 blocks for the prompt; the request finishes at once
+    assert (s.blocks_allocated, s.blocks_freed, s.num_running) == (2, 2, 1)
+    h.add(6, max_tokens=4)
+    s = h.step().stats
+    assert (s.blocks_allocated, s.blocks_freed) == (2, 0)
+    h.sched.abort_requests(["r1"])      # between steps: counted in the next step
+    s = h.step().stats
+    assert (s.blocks_allocated, s.blocks_freed, s.num_scheduled_tokens) == (0, 2, 0)
+    assert h.kv.num_free_blocks == 8
