@@ -30,11 +30,11 @@ class SecretRef:
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     source: str  # builtin | uri | pvc
-    uri: str | None  # model id / URL / path when source is uri
+    uri: str | None  # absolute path inside the image (HF directory or .gguf) when source is uri
     pvc_claim: str | None  # claim mounted read-only at /models when source is pvc
     pvc_path: str  # model directory inside the claim
     served_name: str  # what clients send as `model`; the resource name by default
-    tokenizer: str | None  # when the tokenizer is not next to the weights
+    tokenizer: str | None  # absolute path of a tokenizer directory, when not next to the weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,7 @@ class AutoscalingSpec:
 class TracingSpec:
     otlp_endpoint: str | None  # None: tracing off
     sampling_ratio: float
+    protocol: str  # grpc | http/protobuf (OTEL_EXPORTER_OTLP_PROTOCOL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +199,16 @@ def _secret(reader: _Reader, key: str) -> SecretRef | None:
     return SecretRef(name=name, key=sub.get("key"))
 
 
+def _local_path_problem(where: str, value: Any, what: str) -> str | None:
+    """The engine and router open local files only (services/engine/loader.py): no ids, no URLs."""
+    if not isinstance(value, str) or value.startswith("/"):
+        return None
+    kind = "a URL" if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) else "not an absolute path"
+    return (f"{where} {value!r} is {kind}: it must be an absolute path to {what}; Hugging Face ids and "
+            f"URLs are not downloaded (bake the files into the image, or use source: pvc and a path under "
+            f"/models)")
+
+
 def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     """Parse and validate a spec; raises SpecError listing every problem."""
     problems: list[str] = []
@@ -213,6 +224,11 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                       pvc_claim=pvc.get("claimName") if pvc else None,
                       pvc_path=(pvc.get("path") if pvc else "") or "",
                       served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"))
+    for where, value, what in (("spec.model.uri", model.uri, "an HF-format directory or a .gguf file inside "
+                                                             "the image"),
+                               ("spec.model.tokenizer", model.tokenizer, "a tokenizer directory")):
+        if (problem := _local_path_problem(where, value, what)) is not None:
+            problems.append(problem)
     if model.source == "uri" and model.uri is None:
         problems.append("spec.model.uri is required when spec.model.source is uri")
     if model.source == "pvc" and model.pvc_claim is None:
@@ -261,7 +277,8 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         problems.append("spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda")
 
     t = root.sub("tracing")
-    tracing = TracingSpec(otlp_endpoint=t.get("otlpEndpoint"), sampling_ratio=t.get("samplingRatio"))
+    tracing = TracingSpec(otlp_endpoint=t.get("otlpEndpoint"), sampling_ratio=t.get("samplingRatio"),
+                          protocol=t.get("protocol"))
 
     i = root.sub("ingress")
     ingress = IngressSpec(enabled=i.get("enabled"), class_name=i.get("className"), host=i.get("host"),

@@ -21,6 +21,8 @@ from .apply import apply
 from .kube import KubeClient, KubeError
 
 FINALIZER = "kvmesh.io/finalizer"
+# NOTE: not kopf's per-handler logger: that one posts warnings as Events on the resource.
+log = logging.getLogger("kvmesh.operator")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,12 @@ def _seconds_since(stamp: str | None) -> float | None:
     return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
 
 
+def _warned(memo: Any) -> set[str]:
+    if getattr(memo, "forbidden_warned", None) is None:
+        memo.forbidden_warned = set()
+    return memo.forbidden_warned
+
+
 def _kube(memo: Any) -> KubeClient:
     kube = getattr(memo, "kube", None)
     if kube is None:
@@ -61,36 +69,65 @@ def _parse(name: str, namespace: str, spec: Any, body: Any, patch: Any, status: 
         raise kopf.PermanentError(f"invalid spec: {err}") from err
 
 
+def is_forbidden_optional(err: KubeError, kind: str) -> bool:
+    """A 403 on a kind whose RBAC the chart makes optional: that kind is not managed here."""
+    return err.status == 403 and kind in R.OPTIONAL_KINDS
+
+
+def _note_forbidden(kind: str, warned: set[str]) -> None:
+    if kind not in warned:  # once per operator process, not once per resync
+        warned.add(kind)
+        log.warning("no RBAC for %s (chart value %s=false): not managing them", kind, R.OPTIONAL_KINDS[kind])
+
+
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
-               patch: Any, autoscaled: int | None) -> None:
-    """Make every child match the spec, delete the ones no longer wanted, then write status."""
+               patch: Any, autoscaled: int | None, warned: set[str] | None = None) -> None:
+    """Make every child match the spec, delete the ones no longer wanted, then write status.
+
+    `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
+    """
+    warned = set() if warned is None else warned
     owner = R.Owner(name=svc.name, uid=uid)
     replicas = R.engine_replicas(svc, autoscaled)
     desired = R.build_children(svc, owner, replicas)
     observed: S.Observed = {}
+    forbidden: set[str] = set()
     try:
         for child in desired:
-            result = await apply(kube, child)
+            try:
+                result = await apply(kube, child)
+            except KubeError as err:
+                if not is_forbidden_optional(err, child["kind"]):
+                    raise
+                forbidden.add(child["kind"])
+                _note_forbidden(child["kind"], warned)
+                continue
             observed[R.child_key(child)] = result.obj
             if result.action != "unchanged":
                 kopf.event(body, type="Normal", reason=result.action.capitalize(),
                           message=f"{result.action} {child['kind']} {child['metadata']['name']}")
         wanted = {R.child_key(c) for c in desired}
         for api_version, kind, name in R.possible_children(svc):
-            if (api_version, kind, name) in wanted:
+            if (api_version, kind, name) in wanted or kind in forbidden:
                 continue
-            live = await kube.get(api_version, kind, svc.namespace, name)
-            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
-            if any(o.get("uid") == uid for o in owners):  # only ever delete what we own
-                await kube.delete(api_version, kind, svc.namespace, name)
-                kopf.event(body, type="Normal", reason="Deleted", message=f"deleted {kind} {name} (no longer in the spec)")
+            try:
+                live = await kube.get(api_version, kind, svc.namespace, name)
+                owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+                if any(o.get("uid") == uid for o in owners):  # only ever delete what we own
+                    await kube.delete(api_version, kind, svc.namespace, name)
+                    kopf.event(body, type="Normal", reason="Deleted",
+                               message=f"deleted {kind} {name} (no longer in the spec)")
+            except KubeError as err:
+                if not is_forbidden_optional(err, kind):
+                    raise
+                _note_forbidden(kind, warned)
     except KubeError as err:
         kopf.event(body, type="Warning", reason="ApplyFailed", message=str(err))
         raise kopf.TemporaryError(str(err), delay=10) from err
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"),
-                                       list(status.get("conditions") or []), _now()))
+                                       list(status.get("conditions") or []), _now(), forbidden))
 
 
 async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any, status: Any, patch: Any,
@@ -176,7 +213,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                         patch: kopf.Patch, memo: Any, **_: Any) -> None:
         svc = _parse(name, namespace, spec, body, patch, status, meta)
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
-        await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled)
+        await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
 
     @kopf.timer(**on, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
     async def resync(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
@@ -189,11 +226,12 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         autoscaled = await autoscale_step(kube, svc, body, status, patch, config)
         if autoscaled is None and svc.autoscaling.enabled:
             autoscaled = status.get("replicas")
-        await sync(kube, svc, uid, body, meta, status, patch, autoscaled)
+        await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
 
     @kopf.on.delete(**on, id="redis-cleanup")
     async def delete(name: str, namespace: str, spec: Any, body: Any, retry: int, memo: Any,
-                     logger: logging.Logger, **_: Any) -> None:
+                     patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        patch.status["phase"] = "Terminating"
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:

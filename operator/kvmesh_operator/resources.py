@@ -18,7 +18,8 @@ ROUTER_PORT = 8080
 REDIS_PORT = 6379
 RUN_AS_USER = 10001  # the image's `kvmesh` user
 REDIS_RUN_AS_USER = 999  # the `redis` user of the official redis image
-CACHE_DIR = "/home/kvmesh/.cache"
+CACHE_DIR = "/home/kvmesh/.cache"  # an emptyDir in engine and router pods
+TRITON_CACHE_DIR = f"{CACHE_DIR}/triton"
 MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/kvmesh"
 MANAGED_BY = "kvmesh-operator"
@@ -108,7 +109,7 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def _common_env(svc: InferenceService, service_name: str) -> list[dict[str, Any]]:
+def _common_env(svc: InferenceService) -> list[dict[str, Any]]:
     # NOTE: POD_IP is the address engines advertise to the router; KVMESH_SERVICE scopes the
     # Redis keys to kvmesh:{namespace}/{name}:, the prefix the finalizer deletes.
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -116,14 +117,23 @@ def _common_env(svc: InferenceService, service_name: str) -> list[dict[str, Any]
     if svc.redis.password_secret is not None:
         env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
             "name": svc.redis.password_secret.name, "key": svc.redis.password_secret.key}}})
-    if svc.tracing.otlp_endpoint is not None:
-        env += [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": svc.tracing.otlp_endpoint},
-                {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
-                {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(svc.tracing.sampling_ratio)},
-                {"name": "OTEL_SERVICE_NAME", "value": service_name},
-                {"name": "OTEL_RESOURCE_ATTRIBUTES",
-                 "value": f"k8s.namespace.name={svc.namespace},kvmesh.inference_service={svc.name}"}]
     return env
+
+
+def tracing_env(svc: InferenceService) -> list[dict[str, Any]]:
+    """OpenTelemetry settings of the engines (the router has no tracing); empty when tracing is off."""
+    t = svc.tracing
+    if t.otlp_endpoint is None:
+        return []
+    # NOTE: the engines' exporter defaults to http/protobuf; the protocol must match the endpoint's
+    # port (4317 gRPC, 4318 HTTP), so it is always set explicitly.
+    return [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": t.otlp_endpoint},
+            {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol},
+            {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+            {"name": "OTEL_TRACES_SAMPLER_ARG", "value": str(t.sampling_ratio)},
+            {"name": "OTEL_SERVICE_NAME", "value": engine_name(svc)},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES",
+             "value": f"k8s.namespace.name={svc.namespace},kvmesh.inference_service={svc.name}"}]
 
 
 # ---- engine -----------------------------------------------------------------------------------------
@@ -187,7 +197,9 @@ def _engine_resources(svc: InferenceService) -> dict[str, Any]:
 
 def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int | None) -> dict[str, Any]:
     """The GPU engine pods. `replicas=None` leaves the count to an HPA / KEDA."""
-    env = _common_env(svc, engine_name(svc)) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    # NOTE: the root filesystem is read-only; Triton would write its kernel cache to ~/.triton.
+    env = _common_env(svc) + tracing_env(svc) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+                                                 {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
     if svc.api_key_secret is not None:
         env.append({"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}})
@@ -261,10 +273,12 @@ def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 # ---- router and the front Service ------------------------------------------------------------------
 def router_args(svc: InferenceService) -> list[str]:
-    """The router tokenizes like the engines: same model files (or tokenizer), same served name."""
+    """The router hashes prompts like the engines: same tokenizer, same block size, same served name."""
+    # NOTE: prefix-block hashes only match the engines' with the same --block-size; the hash seed
+    # is not configurable here, so engines and router both use their default ("kvmesh").
     args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
             "--discover-headless-service", engine_name(svc), "--strategy", svc.router.strategy,
-            "--served-model-name", svc.model.served_name]
+            "--served-model-name", svc.model.served_name, "--block-size", str(svc.engine.block_size)]
     if _model_arg(svc):
         args += ["--model", _model_arg(svc)]
     if svc.model.tokenizer is not None:
@@ -284,7 +298,7 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
                                                                   "readOnly": True}})
     container = {
         "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-        "args": router_args(svc), "env": _common_env(svc, router_name(svc)),
+        "args": router_args(svc), "env": _common_env(svc),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
@@ -365,6 +379,12 @@ def build_ingress(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 
 # ---- autoscaling objects ------------------------------------------------------------------------------
+def _hpa_behavior(svc: InferenceService) -> dict[str, Any]:
+    """Scale up at once; scale down only after the load stayed low for cooldownSeconds."""
+    return {"scaleDown": {"stabilizationWindowSeconds": svc.autoscaling.cooldown_seconds},
+            "scaleUp": {"stabilizationWindowSeconds": 0}}
+
+
 def build_hpa(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     a = svc.autoscaling
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
@@ -375,8 +395,7 @@ def build_hpa(svc: InferenceService, owner: Owner) -> dict[str, Any]:
                      "metrics": [{"type": "Pods", "pods": {
                          "metric": {"name": WAITING_METRIC.replace(":", "_")},
                          "target": {"type": "AverageValue", "averageValue": str(a.target_waiting_requests)}}}],
-                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.cooldown_seconds},
-                                  "scaleUp": {"stabilizationWindowSeconds": 0}}}}
+                     "behavior": _hpa_behavior(svc)}}
 
 
 def build_scaled_object(svc: InferenceService, owner: Owner) -> dict[str, Any]:
@@ -387,7 +406,10 @@ def build_scaled_object(svc: InferenceService, owner: Owner) -> dict[str, Any]:
             "metadata": _meta(svc, owner, engine_name(svc), "engine"),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
                      "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
-                     "cooldownPeriod": a.cooldown_seconds, "pollingInterval": 15,
+                     # NOTE: KEDA's cooldownPeriod only applies when scaling to zero (never here:
+                     # minReplicas >= 1); the HPA it manages gets the cooldown as its scale-down window.
+                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _hpa_behavior(svc)}},
+                     "pollingInterval": 15,
                      "triggers": [{"type": "prometheus", "metadata": {
                          "serverAddress": a.prometheus_address or "", "query": query,
                          "threshold": str(a.target_waiting_requests)}}]}}
@@ -406,6 +428,11 @@ def possible_children(svc: InferenceService) -> list[ChildKey]:
             ("networking.k8s.io/v1", "Ingress", n),
             ("autoscaling/v2", "HorizontalPodAutoscaler", engine_name(svc)),
             ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))]
+
+
+# NOTE: kinds whose RBAC is optional in the chart (a 403 means "not managed here", not a failure),
+# with the chart value that grants it.
+OPTIONAL_KINDS: dict[str, str] = {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda"}
 
 
 def engine_replicas(svc: InferenceService, autoscaled: int | None) -> int | None:

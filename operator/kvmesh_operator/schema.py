@@ -18,6 +18,8 @@ PREEMPTION_MODES = ["recompute", "swap", "auto"]
 ROUTER_STRATEGIES = ["kv-aware", "round-robin", "least-loaded", "random"]
 MODEL_SOURCES = ["builtin", "uri", "pvc"]
 AUTOSCALING_MODES = ["operator", "hpa", "keda"]
+OTLP_PROTOCOLS = ["grpc", "http/protobuf"]
+PHASES = ["Pending", "Progressing", "Ready", "Failed", "Terminating"]
 BLOCK_SIZES = [8, 16, 32, 64]
 PULL_POLICIES = ["Always", "IfNotPresent", "Never"]
 DEFAULT_IMAGE = "ghcr.io/kvmesh/kvmesh:0.1.0"
@@ -84,20 +86,30 @@ _TOLERATION = _obj("A toleration copied into the engine pods.", {
 
 SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     "model": _obj("Where the weights come from.", {
-        "source": _str("builtin (the image's bundled SmolLM2), uri (a Hugging Face id, URL or path in "
-                       "the image) or pvc (a PersistentVolumeClaim mounted read-only at /models).",
+        "source": _str("builtin (the image's bundled SmolLM2), uri (an absolute path inside the image) "
+                       "or pvc (a PersistentVolumeClaim mounted read-only at /models). Nothing is "
+                       "downloaded: Hugging Face ids and URLs are refused.",
                        enum=MODEL_SOURCES, default="builtin"),
-        "uri": _str("Model id, URL or path; required when source is uri.", minLength=1),
+        "uri": _str("Absolute path inside the image of an HF-format model directory (config.json, "
+                    "*.safetensors, tokenizer.json) or a .gguf file; required when source is uri.",
+                    minLength=1),
         "pvc": _obj("The claim holding the weights; required when source is pvc.", {
             "claimName": _str("PersistentVolumeClaim name.", pattern=K8S_NAME_PATTERN, maxLength=253),
             "path": _str("Directory of the model inside the claim.", default=""),
         }, required=["claimName"]),
         "servedModelName": _str("Name clients send as `model`; defaults to the resource name.",
                                 minLength=1, maxLength=128),
-        "tokenizer": _str("Tokenizer id or path when it differs from the weights.", minLength=1),
+        "tokenizer": _str("Absolute path of a tokenizer directory (tokenizer.json) when it differs from the "
+                          "weights: inside the image, or under /models on the model PVC.", minLength=1),
     }, rules=[
         {"rule": "self.source != 'uri' || has(self.uri)", "message": "model.uri is required when model.source is uri"},
         {"rule": "self.source != 'pvc' || has(self.pvc)", "message": "model.pvc is required when model.source is pvc"},
+        {"rule": "!has(self.uri) || self.uri.startsWith('/')",
+         "message": "model.uri must be an absolute path inside the image; Hugging Face ids and URLs are not "
+                    "downloaded"},
+        {"rule": "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
+         "message": "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face "
+                    "ids and URLs are not downloaded"},
     ], default={}),
     "image": _str("Container image running `kvmesh serve` and `kvmesh router`; pin a tag.",
                   default=DEFAULT_IMAGE, minLength=1),
@@ -155,9 +167,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         {"rule": "self.mode != 'keda' || has(self.prometheusAddress)",
          "message": "autoscaling.prometheusAddress is required when autoscaling.mode is keda"},
     ], default={}),
-    "tracing": _obj("OpenTelemetry traces of engines and router.", {
-        "otlpEndpoint": _str("OTLP endpoint, e.g. http://otel-collector.observability:4317.",
-                             pattern=r"^https?://.+"),
+    "tracing": _obj("OpenTelemetry traces of the engines (the router does not trace).", {
+        "otlpEndpoint": _str("OTLP endpoint, e.g. http://otel-collector.observability:4317 (gRPC) or "
+                             ":4318 (http/protobuf).", pattern=r"^https?://.+"),
+        "protocol": _str("OTLP protocol of otlpEndpoint (OTEL_EXPORTER_OTLP_PROTOCOL): grpc (port 4317) or "
+                         "http/protobuf (port 4318).", enum=OTLP_PROTOCOLS, default="grpc"),
         "samplingRatio": _num("Share of traces sampled (parent-based).", minimum=0, maximum=1, default=0.1),
     }, default={}),
     "ingress": _obj("An Ingress in front of the service.", {
@@ -173,7 +187,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
 }, required=["model"])
 
 _CONDITION = _obj("A KServe-style condition.", {
-    "type": _str("EnginesReady, RouterReady, RedisReady, IngressReady or Ready."),
+    "type": _str("EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),
@@ -181,11 +195,11 @@ _CONDITION = _obj("A KServe-style condition.", {
 }, required=["type", "status"])
 
 STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.", {
-    "phase": _str("Pending, Progressing, Ready, Failed or Terminating."),
+    "phase": _str("Pending, Progressing, Ready, Failed or Terminating.", enum=PHASES),
     "observedGeneration": {"type": "integer", "format": "int64",
                            "description": "metadata.generation this status describes."},
     "model": _str("Served model name."),
-    "replicas": _int("Engine pods wanted."),
+    "replicas": _int("Engine pods wanted (what the Replicas column shows)."),
     "readyReplicas": _int("Engine pods ready."),
     "selector": _str("Label selector of the engine pods (scale subresource)."),
     "url": _str("Where clients reach the OpenAI API."),
@@ -198,7 +212,7 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
 def crd_manifest() -> dict[str, Any]:
     """The CustomResourceDefinition object."""
     columns = [
-        ("Model", "string", ".status.model"), ("Replicas", "integer", ".spec.replicas"),
+        ("Model", "string", ".status.model"), ("Replicas", "integer", ".status.replicas"),
         ("Ready", "integer", ".status.readyReplicas"), ("Phase", "string", ".status.phase"),
         ("URL", "string", ".status.url"), ("Age", "date", ".metadata.creationTimestamp"),
     ]

@@ -1,16 +1,18 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
-Conditions: EnginesReady, RouterReady, RedisReady, IngressReady, and Ready (all of them True).
+Conditions: EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and
+keda modes), and Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 from . import resources as R
 from .crd import InferenceService
 
-CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady")
+CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
 
@@ -58,8 +60,28 @@ def _ingress_address(ing: dict[str, Any] | None) -> str | None:
     return None
 
 
-def conditions(svc: InferenceService, observed: Observed, want: int) -> list[dict[str, str]]:
-    """The four component conditions plus Ready, without timestamps."""
+def autoscaling_condition(svc: InferenceService, observed: Observed,
+                          forbidden: Set[str]) -> dict[str, str] | None:
+    """hpa / keda modes only: is the HPA or ScaledObject there? None when the operator scales (or nothing)."""
+    a = svc.autoscaling
+    if not a.enabled or a.mode == "operator":
+        return None
+    api_version, kind = (("autoscaling/v2", "HorizontalPodAutoscaler") if a.mode == "hpa"
+                         else ("keda.sh/v1alpha1", "ScaledObject"))
+    if kind in forbidden:
+        value = R.OPTIONAL_KINDS[kind]
+        return _cond("AutoscalingReady", False, "Forbidden",
+                     f"the operator may not manage {kind} objects: install the chart with {value}=true "
+                     f"(or grant get/create/patch/delete on them); the engines run unscaled")
+    if observed.get((api_version, kind, R.engine_name(svc))) is None:
+        return _cond("AutoscalingReady", False, f"{kind}Missing", f"the {kind} does not exist yet")
+    return _cond("AutoscalingReady", True, "Managed",
+                 f"{kind} {R.engine_name(svc)} scales the engines within {a.min_replicas}-{a.max_replicas}")
+
+
+def conditions(svc: InferenceService, observed: Observed, want: int,
+               forbidden: Set[str] = frozenset()) -> list[dict[str, str]]:
+    """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses."""
     out = [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
     if svc.router.enabled:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
@@ -82,6 +104,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int) -> list[dic
         else:
             out.append(_cond("IngressReady", False, "AwaitingAddress", "the ingress controller has not "
                                                                         "assigned an address yet"))
+    if (autoscaling := autoscaling_condition(svc, observed, forbidden)) is not None:
+        out.append(autoscaling)
     failing = [c for c in out if c["status"] != "True"]
     if failing:
         first = failing[0]
@@ -103,8 +127,9 @@ def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now:
 
 
 def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
-                 previous: list[dict[str, Any]] | None, now: str) -> dict[str, Any]:
-    conds = stamp(conditions(svc, observed, want), previous, now)
+                 previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset()
+                 ) -> dict[str, Any]:
+    conds = stamp(conditions(svc, observed, want, forbidden), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
     is_ready = conds[-1]["status"] == "True"

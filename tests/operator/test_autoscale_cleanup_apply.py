@@ -81,3 +81,12 @@ def test_patch_ops_keep_foreign_annotations_and_hpa_replicas() -> None:
         {"op": "add", "path": "/metadata/annotations/kvmesh.io~1applied-hash", "value": "h"},
         {"op": "add", "path": "/spec", "value": {"replicas": 4, "template": {}}}]
     assert desired_hash(desired) == desired_hash(dict(desired))
+
+
+def test_only_a_403_on_an_optional_kind_is_tolerated() -> None:
+    from kvmesh.operator.handlers import is_forbidden_optional
+    from kvmesh.operator.kube import KubeError
+    assert is_forbidden_optional(KubeError(403, "forbidden"), "ScaledObject") is True
+    assert is_forbidden_optional(KubeError(403, "forbidden"), "HorizontalPodAutoscaler") is True
+    assert is_forbidden_optional(KubeError(403, "forbidden"), "Deployment") is False
+    assert is_forbidden_optional(KubeError(500, "boom"), "ScaledObject") is False

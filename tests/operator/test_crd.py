@@ -49,20 +49,22 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
     assert svc.redis.managed and svc.redis.image == "redis:7.4.1-alpine"
     assert svc.autoscaling == crd.AutoscalingSpec(False, "operator", 1, 4, 4, 300, None)
     assert svc.gpu == crd.GPUSpec(1, "nvidia.com/gpu", {}, ())
+    assert svc.tracing == crd.TracingSpec(None, 0.1, "grpc")
     assert (svc.image, svc.replicas, svc.api_key_secret) == ("ghcr.io/kvmesh/kvmesh:0.1.0", 1, None)
 
 
 def test_full_example_parses_every_field() -> None:
     cr = load_example("full.yaml")
     svc = crd.parse(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["spec"])
-    assert svc.model == crd.ModelSpec("pvc", None, "llama-weights", "Llama-3.1-8B-Instruct",
-                                      "llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct")
+    assert svc.model == crd.ModelSpec("pvc", "/opt/models/Llama-3.1-8B-Instruct", "llama-weights",
+                                      "Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct",
+                                      "/models/tokenizers/Llama-3.1-8B-Instruct")
     assert svc.gpu.count == 2 and svc.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap")
     assert svc.redis == crd.RedisSpec("rediss://redis.infra.svc:6380/2", crd.SecretRef("redis-auth", "password"),
                                       "redis:7.4.1-alpine")
     assert svc.autoscaling == crd.AutoscalingSpec(True, "keda", 2, 8, 6, 120, "http://prometheus.monitoring:9090")
-    assert svc.tracing == crd.TracingSpec("http://otel-collector.observability:4317", 0.25)
+    assert svc.tracing == crd.TracingSpec("http://otel-collector.observability:4317", 0.25, "grpc")
     assert svc.ingress == crd.IngressSpec(True, "nginx", "llama.example.com", "llama-tls",
                                           {"cert-manager.io/cluster-issuer": "letsencrypt"})
     assert svc.api_key_secret == crd.SecretRef("kvmesh-api-key", "api-key")
@@ -88,6 +90,8 @@ BAD = [
      "spec.redis.url 'http://redis:6379' does not match ^(redis|rediss|unix)://.+", "does not match"),
     ({"model": {}, "tracing": {"samplingRatio": 1.5}}, "spec.tracing.samplingRatio must be <= 1, got 1.5",
      "1.5 is greater than the maximum of 1"),
+    ({"model": {}, "tracing": {"protocol": "http/json"}},
+     "spec.tracing.protocol must be one of grpc, http/protobuf, got 'http/json'", "'http/json' is not one of"),
     ({"model": {}, "gpu": {"nodeSelector": {"gpu": True}}},
      "spec.gpu.nodeSelector values must be strings (quote numbers and booleans)", "True is not of type 'string'"),
     ({"model": {}, "apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name is required", "'name' is a required property"),
@@ -120,6 +124,17 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
      ["spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)"]),
     ({"model": {}, "ingress": {"tlsSecretName": "t"}},
      ["spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)"]),
+    ({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}},
+     ["spec.model.uri 'HuggingFaceTB/SmolLM2-360M' is not an absolute path: it must be an absolute path to an "
+      "HF-format directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake "
+      "the files into the image, or use source: pvc and a path under /models)"]),
+    ({"model": {"source": "uri", "uri": "https://huggingface.co/x/y", "tokenizer": "s3://bucket/tok"}},
+     ["spec.model.uri 'https://huggingface.co/x/y' is a URL: it must be an absolute path to an HF-format "
+      "directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake the files "
+      "into the image, or use source: pvc and a path under /models)",
+      "spec.model.tokenizer 's3://bucket/tok' is a URL: it must be an absolute path to a tokenizer directory; "
+      "Hugging Face ids and URLs are not downloaded (bake the files into the image, or use source: pvc and a "
+      "path under /models)"]),
 ]
 
 
@@ -130,9 +145,17 @@ def test_cross_field_rules(spec: dict[str, Any], problems: list[str]) -> None:
     assert err.value.problems == problems
 
 
+def test_local_paths_are_accepted() -> None:
+    svc = crd.parse("x", "ns", {"model": {"source": "uri", "uri": "/opt/models/m.gguf",
+                                          "tokenizer": "/opt/models/tok"}})
+    assert (svc.model.uri, svc.model.tokenizer) == ("/opt/models/m.gguf", "/opt/models/tok")
+
+
 def test_cross_field_rules_are_declared_in_the_crd() -> None:
     text = str(_schema())
     for rule in ("self.source != 'uri' || has(self.uri)", "self.maxNumBatchedTokens >= self.maxNumSeqs",
+                 "!has(self.uri) || self.uri.startsWith('/')",
+                 "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
                  "self.minReplicas <= self.maxReplicas", "self.mode != 'keda' || has(self.prometheusAddress)",
                  "!has(self.passwordSecret) || has(self.url)", "!has(self.tlsSecretName) || has(self.host)",
                  "self.metadata.name.size() <= 45"):
@@ -149,3 +172,22 @@ def test_every_problem_is_reported_at_once() -> None:
         "metadata.name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' is too long: at most 45 characters, so that "
         "child names like '<name>-engine-config' stay valid",
     ]
+
+
+def test_printer_columns_read_what_status_writes() -> None:
+    version = crd_manifest()["spec"]["versions"][0]
+    assert [(c["name"], c["jsonPath"]) for c in version["additionalPrinterColumns"]] == [
+        ("Model", ".status.model"), ("Replicas", ".status.replicas"), ("Ready", ".status.readyReplicas"),
+        ("Phase", ".status.phase"), ("URL", ".status.url"), ("Age", ".metadata.creationTimestamp")]
+
+
+def test_status_phase_enum_lists_every_phase_the_operator_sets() -> None:
+    status = _schema()["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == ["Pending", "Progressing", "Ready", "Failed", "Terminating"]
+
+
+def test_tracing_schema_says_engines_and_defaults_to_grpc() -> None:
+    tracing = _schema()["properties"]["spec"]["properties"]["tracing"]
+    assert tracing["description"] == "OpenTelemetry traces of the engines (the router does not trace)."
+    assert tracing["properties"]["protocol"]["enum"] == ["grpc", "http/protobuf"]
+    assert tracing["properties"]["protocol"]["default"] == "grpc"

@@ -97,16 +97,16 @@ async def test_lifecycle(cluster: Any) -> None:
 
     # spec change: a new model rolls out through the Deployment's pod template
     old_hash = engine["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"]
-    await _post(server, f"{CR_PATH}/smol", {"spec": {"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}}},
+    await _post(server, f"{CR_PATH}/smol", {"spec": {"model": {"source": "uri", "uri": "/opt/models/SmolLM2-360M"}}},
                 method="patch", content_type="application/merge-patch+json")
     engine = await wait_for(lambda: (d := obj(server, "apps/v1/deployments", "smol-engine")) and
-                            "HuggingFaceTB/SmolLM2-360M" in d["spec"]["template"]["spec"]["containers"][0]["args"]
+                            "/opt/models/SmolLM2-360M" in d["spec"]["template"]["spec"]["containers"][0]["args"]
                             and d, what="model rollout")
     assert engine["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash
     assert engine["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     await wait_for(lambda: _cr(server)["status"]["observedGeneration"] == 2, what="observedGeneration 2")
     config = obj(server, "v1/configmaps", "smol-engine-config")
-    assert '"model": "HuggingFaceTB/SmolLM2-360M"' in config["data"]["engine.json"]
+    assert '"model": "/opt/models/SmolLM2-360M"' in config["data"]["engine.json"]
 
     # scale through the scale subresource (what `kubectl scale` and an HPA use)
     await _post(server, f"{CR_PATH}/smol/scale", {"spec": {"replicas": 3}}, method="patch",
@@ -221,6 +221,11 @@ async def test_failing_redis_does_not_block_deletion(cluster: Any, monkeypatch: 
         assert resp.status == 200
     await wait_for(lambda: _cr(server, "ext2") is None, what="released despite Redis failing")
     assert len(attempts) == 2  # OperatorConfig.cleanup_retries in the fixture
+    # while the finalizer retried, the resource said it is being deleted
+    phases = [((r.data or {}).get("status") or {}).get("phase") for r in list(server)
+              if r.method.value == "PATCH" and r.url.path.startswith(f"{CR_PATH}/ext2")
+              and isinstance(r.data, dict)]
+    assert "Terminating" in phases
     events = await wait_for(lambda: [e for e in _events(server) if e[0] == "RedisCleanupFailed"], what="event")
     assert events == [("RedisCleanupFailed", "gave up removing keys kvmesh:team-a/ext2:* after 2 attempts: "
                                              "Connection refused")]
@@ -248,3 +253,38 @@ async def test_operator_autoscaler_scales_on_waiting_requests(cluster: Any, monk
                    what="scale down to min")
     scaled = [e[1] for e in _events(server) if e[0] == "Scaled"]
     assert "10 waiting over 1 pod(s), target 4/pod: 1 → 3" in scaled
+
+
+FORBIDDEN = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+             "message": 'scaledobjects.keda.sh "x" is forbidden: User "system:serviceaccount:kvmesh-system:kvmesh" '
+                        'cannot get resource "scaledobjects" in API group "keda.sh"'}
+
+
+async def test_forbidden_optional_kinds_do_not_break_reconcile(cluster: Any) -> None:
+    """The chart's default rbac.keda=false: the API server answers 403 (not 404) for ScaledObjects."""
+    import asyncio
+    import re
+    server = cluster
+    server[re.compile(r"/apis/keda\.sh/.*")] << 403 << FORBIDDEN
+    # a spec without KEDA: the cleanup read of a stale ScaledObject is refused, the rest proceeds
+    await _create(server, "plain", {"model": {}})
+    cr = await wait_for(lambda: (c := _cr(server, "plain")) and (c.get("status") or {}).get("phase") and c,
+                        what="status despite 403")
+    assert cr["status"]["phase"] == "Pending"
+    assert [c["type"] for c in cr["status"]["conditions"]] == [
+        "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "Ready"]
+    # a spec asking for KEDA: everything else is created, the status says why autoscaling is missing
+    await _create(server, "kd", {"model": {}, "autoscaling": {"enabled": True, "mode": "keda",
+                                                              "prometheusAddress": "http://prom:9090"}})
+    cr = await wait_for(lambda: (c := _cr(server, "kd")) and _cond(c, "AutoscalingReady") and c,
+                        what="AutoscalingReady condition")
+    assert cr["status"]["phase"] == "Pending"
+    assert {k: v for k, v in _cond(cr, "AutoscalingReady").items() if k != "lastTransitionTime"} == {
+        "type": "AutoscalingReady", "status": "False", "reason": "Forbidden",
+        "message": "the operator may not manage ScaledObject objects: install the chart with rbac.keda=true "
+                   "(or grant get/create/patch/delete on them); the engines run unscaled"}
+    assert obj(server, "apps/v1/deployments", "kd-engine") is not None
+    assert obj(server, "v1/services", "kd") is not None
+    await asyncio.sleep(0.8)  # a few resync ticks
+    assert [r for r in list(server) if r.url.path.startswith("/apis/keda.sh/")]  # it did ask, and was refused
+    assert not [e for e in _events(server) if e[0] == "ApplyFailed"]

@@ -82,7 +82,11 @@ def test_engine_deployment_minimal() -> None:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "KVMESH_SERVICE", "value": "smol"},
-        {"name": "HF_HOME", "value": "/home/kvmesh/.cache/huggingface"}]
+        {"name": "HF_HOME", "value": "/home/kvmesh/.cache/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": "/home/kvmesh/.cache/triton"}]
+    # the Triton cache lives on the writable model-cache emptyDir (the root filesystem is read-only)
+    assert {"name": "model-cache", "mountPath": "/home/kvmesh/.cache"} in c["volumeMounts"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["spec"]["volumes"]
     assert c["resources"] == {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 1800
@@ -103,19 +107,27 @@ def test_engine_deployment_full() -> None:
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["args"][:3] == ["serve", "--model", "/models/Llama-3.1-8B-Instruct"]
-    assert c["args"][-6:] == ["--pod-id", "$(POD_NAME)", "--tokenizer", "meta-llama/Llama-3.1-8B-Instruct",
+    assert c["args"][-6:] == ["--pod-id", "$(POD_NAME)", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct",
                               "--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
     assert "--no-enable-prefix-caching" in c["args"]
     assert c["args"][c["args"].index("--redis-url") + 1] == "rediss://redis.infra.svc:6380/2"
     assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                               "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
+    assert [e["name"] for e in c["env"]] == [
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD",
+        "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "HF_HOME", "TRITON_CACHE_DIR",
+        "KVMESH_API_KEY"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["KVMESH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
     assert env["KVMESH_API_KEY"] == {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
     assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
     assert env["OTEL_SERVICE_NAME"] == "llama-engine"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=llm,kvmesh.inference_service=llama"
+    assert env["TRITON_CACHE_DIR"] == "/home/kvmesh/.cache/triton"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}} \
@@ -130,12 +142,19 @@ def test_router_and_front_service() -> None:
     assert router["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "rediss://redis.infra.svc:6380/2",
         "--discover-headless-service", "llama-engine", "--strategy", "kv-aware",
-        "--served-model-name", "llama-3.1-8b-instruct", "--model", "/models/Llama-3.1-8B-Instruct",
-        "--tokenizer", "meta-llama/Llama-3.1-8B-Instruct"]
+        "--served-model-name", "llama-3.1-8b-instruct", "--block-size", "32",
+        "--model", "/models/Llama-3.1-8B-Instruct", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct"]
+    # the router has no tracing: no OTEL_* variables even though spec.tracing is set
+    assert [e["name"] for e in router["spec"]["template"]["spec"]["containers"][0]["env"]] == [
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD"]
     pod_spec = router["spec"]["template"]["spec"]
     assert pod_spec["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {
         "claimName": svc.model.pvc_claim, "readOnly": True}}
     assert pod_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert R.router_args(_svc()) == [
+        "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "redis://smol-redis.team-a.svc:6379/0",
+        "--discover-headless-service", "smol-engine", "--strategy", "kv-aware", "--served-model-name", "smol",
+        "--block-size", "16"]
     front = R.build_front_service(svc, OWNER)
     assert front["spec"]["selector"] == {"kvmesh.io/inference-service": "llama", "app.kubernetes.io/component": "router"}
     assert front["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
@@ -172,11 +191,18 @@ def test_autoscaling_objects() -> None:
         "behavior": {"scaleDown": {"stabilizationWindowSeconds": 90}, "scaleUp": {"stabilizationWindowSeconds": 0}}}
     assert R.engine_replicas(hpa_svc, None) is None
     so = R.build_scaled_object(_full(), OWNER)
-    assert so["spec"]["triggers"] == [{"type": "prometheus", "metadata": {
-        "serverAddress": "http://prometheus.monitoring:9090",
-        "query": 'sum(vllm:num_requests_waiting{namespace="llm",model_name="llama-3.1-8b-instruct"})',
-        "threshold": "6"}}]
-    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"], so["spec"]["cooldownPeriod"]) == (2, 8, 120)
+    assert so["spec"] == {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama-engine"},
+        "minReplicaCount": 2, "maxReplicaCount": 8,
+        # cooldownSeconds is the scale-down window of the HPA KEDA manages (cooldownPeriod would only
+        # apply when scaling to zero)
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+            "scaleDown": {"stabilizationWindowSeconds": 120}, "scaleUp": {"stabilizationWindowSeconds": 0}}}},
+        "pollingInterval": 15,
+        "triggers": [{"type": "prometheus", "metadata": {
+            "serverAddress": "http://prometheus.monitoring:9090",
+            "query": 'sum(vllm:num_requests_waiting{namespace="llm",model_name="llama-3.1-8b-instruct"})',
+            "threshold": "6"}}]}
 
 
 def test_engine_replicas_policy() -> None:
@@ -194,7 +220,7 @@ def test_config_map_and_hash_follow_engine_settings() -> None:
         "max_num_batched_tokens": 8192, "block_size": 16, "kv_cache_memory_fraction": 0.9,
         "scheduling_policy": "fcfs", "enable_prefix_caching": True, "preemption_mode": "recompute",
         "redis_url": "redis://smol-redis.team-a.svc:6379/0"}
-    other = _svc({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}})
+    other = _svc({"model": {"source": "uri", "uri": "/opt/models/SmolLM2-360M"}})
     assert R.config_hash(other) != R.config_hash(_svc())
     assert R.config_hash(_svc()) == R.config_hash(_svc())
 
@@ -206,3 +232,20 @@ def test_redis_is_non_root_and_ephemeral() -> None:
     assert pod["containers"][0]["image"] == "redis:7.4.1-alpine"
     assert pod["containers"][0]["args"][:4] == ["--save", "", "--appendonly", "no"]
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_tracing_protocol_follows_the_spec() -> None:
+    svc = _svc({"model": {}, "tracing": {"otlpEndpoint": "http://otel:4318", "protocol": "http/protobuf",
+                                         "samplingRatio": 1}})
+    assert R.tracing_env(svc) == [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4318"},
+        {"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": "http/protobuf"},
+        {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+        {"name": "OTEL_TRACES_SAMPLER_ARG", "value": "1"},
+        {"name": "OTEL_SERVICE_NAME", "value": "smol-engine"},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "k8s.namespace.name=team-a,kvmesh.inference_service=smol"}]
+    assert R.tracing_env(_svc()) == []
+
+
+def test_optional_kinds_name_their_rbac_value() -> None:
+    assert R.OPTIONAL_KINDS == {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda"}

@@ -86,3 +86,38 @@ def test_ingress_without_host_uses_the_address() -> None:
     svc = crd.parse("smol", "team-a", {"model": {}, "ingress": {"enabled": True}})
     lb = {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}}
     assert S.build_status(svc, _observed(_dep(1), _dep(1), _dep(1), lb), 1, 1, None, NOW)["url"] == "http://203.0.113.9"
+
+
+KEDA = crd.parse("smol", "team-a", {"model": {}, "autoscaling": {
+    "enabled": True, "mode": "keda", "minReplicas": 2, "maxReplicas": 6, "prometheusAddress": "http://prom:9090"}})
+
+
+def test_autoscaling_forbidden_by_rbac_is_a_condition() -> None:
+    st = S.build_status(KEDA, _observed(_dep(1), _dep(1), _dep(1)), 1, 2, None, NOW, frozenset({"ScaledObject"}))
+    assert st["phase"] == "Progressing"
+    assert st["conditions"][-2:] == [
+        {"type": "AutoscalingReady", "status": "False", "reason": "Forbidden",
+         "message": "the operator may not manage ScaledObject objects: install the chart with rbac.keda=true "
+                    "(or grant get/create/patch/delete on them); the engines run unscaled",
+         "lastTransitionTime": NOW},
+        {"type": "Ready", "status": "False", "reason": "AutoscalingNotReady",
+         "message": "the operator may not manage ScaledObject objects: install the chart with rbac.keda=true "
+                    "(or grant get/create/patch/delete on them); the engines run unscaled",
+         "lastTransitionTime": NOW}]
+
+
+def test_autoscaling_condition_by_mode() -> None:
+    observed = {**_observed(_dep(1)), ("keda.sh/v1alpha1", "ScaledObject", "smol-engine"): {"spec": {}}}
+    assert S.autoscaling_condition(KEDA, observed, frozenset()) == {
+        "type": "AutoscalingReady", "status": "True", "reason": "Managed",
+        "message": "ScaledObject smol-engine scales the engines within 2-6"}
+    hpa = crd.parse("smol", "team-a", {"model": {}, "autoscaling": {"enabled": True, "mode": "hpa"}})
+    assert S.autoscaling_condition(hpa, _observed(_dep(1)), frozenset({"ScaledObject"})) == {
+        "type": "AutoscalingReady", "status": "False", "reason": "HorizontalPodAutoscalerMissing",
+        "message": "the HorizontalPodAutoscaler does not exist yet"}
+    assert S.autoscaling_condition(hpa, _observed(_dep(1)), frozenset({"HorizontalPodAutoscaler"}))["message"] == (
+        "the operator may not manage HorizontalPodAutoscaler objects: install the chart with rbac.hpa=true "
+        "(or grant get/create/patch/delete on them); the engines run unscaled")
+    operator_mode = crd.parse("smol", "team-a", {"model": {}, "autoscaling": {"enabled": True}})
+    assert S.autoscaling_condition(operator_mode, {}, frozenset({"ScaledObject"})) is None
+    assert S.autoscaling_condition(SVC, {}, frozenset({"ScaledObject"})) is None
