@@ -203,7 +203,9 @@ class RouterState:
         self.metrics.lookup_seconds.observe(time.perf_counter() - t0)
         return hits, "ok"
 
-    async def proxy(self, request: Request, endpoint: str, path: str) -> Response:
+    async def proxy(self, request: Request, endpoint: str | None, path: str) -> Response:
+        """Forward one POST to a backend chosen by the strategy. `endpoint` ("completion" or
+        "chat") says how to read the prompt for kv-aware routing; None: no prompt to match."""
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -219,7 +221,7 @@ class RouterState:
         hashes: list[bytes] = []
         num_blocks = 0
         index = "ok"
-        if cfg.strategy == "kv-aware" and not session_key:
+        if cfg.strategy == "kv-aware" and not session_key and endpoint is not None:
             if len(raw) > _INLINE_TOKENIZE_BYTES:
                 # NOTE: a long prompt would stall every other request on the event loop.
                 ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, endpoint, body)
@@ -351,6 +353,14 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
     async def chat_completions(request: Request) -> Response:
         return unauthorized(request) or await state.proxy(request, "chat",
                                                           "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return unauthorized(request) or await state.proxy(request, None, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return unauthorized(request) or await state.proxy(request, None, "/detokenize")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -166,12 +166,29 @@ def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
     return metric_sum(scrape(cluster.router.url), name, **labels)
 
 
+def engine_metric(engine, name: str, **labels: str) -> float:
+    return metric_sum(scrape(engine.url), name, **labels)
+
+
 # NOTE: the cluster's endpoints are polled every 0.1 s, not the default 0.02 s: three engines
 # share two cores with the test.
 wait_for = functools.partial(wait_until, interval=0.1)
 
 
 # ---- (a) prefix families ----------------------------------------------------------------------
+def test_the_router_serves_the_engines_tokenize_and_detokenize(cluster):
+    body = {"messages": messages(FAMILIES["alpha"], "Hi"), "add_generation_prompt": True}
+    want = httpx.post(f"{cluster.engines[0].url}/tokenize", json=body).json()
+    got = httpx.post(f"{cluster.router.url}/tokenize", json=body)
+    assert got.status_code == 200 and got.json() == want and want["count"] > 0
+    text = httpx.post(f"{cluster.engines[0].url}/detokenize",
+                      json={"tokens": want["tokens"]}).json()
+    got = httpx.post(f"{cluster.router.url}/detokenize", json={"tokens": want["tokens"]})
+    assert got.json() == text and FAMILIES["alpha"] in text["prompt"]
+    bad = httpx.post(f"{cluster.router.url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "error" in bad.json()     # the engine's error, passed on
+
+
 def test_each_prefix_family_goes_to_the_pod_that_holds_it(cluster, client):
     wait_idle(cluster)
     holders: dict[str, str] = {}
@@ -243,6 +260,10 @@ async def test_redis_killed_mid_run_loses_no_request_and_routing_resumes(cluster
     assert {r.reason for r in late} == {"fallback-no-redis"}, [r.reason for r in late]
     assert router_metric(cluster, "kvmesh_router_redis_up") == 0
     assert router_metric(cluster, "kvmesh_router_fallbacks_total") >= len(late)
+    # each engine kept serving and says so on its /metrics
+    for e in cluster.engines:
+        assert wait_for(lambda: engine_metric(e, "kvmesh:kv_index_connected") == 0, timeout=5)
+        assert engine_metric(e, "kvmesh:kv_index_redis_errors_total") >= 1
 
     # an empty Redis comes back: the engines resync their caches, the router reads heartbeats
     cluster.redis.start()
@@ -267,6 +288,9 @@ async def test_redis_killed_mid_run_loses_no_request_and_routing_resumes(cluster
         r = chat(client, LATE, f"Question {i}: can I open an account online?")
         assert (r.backend, r.reason) == (first_late.backend, "prefix-hit"), r
     assert router_metric(cluster, "kvmesh_router_redis_up") == 1
+    for e in cluster.engines:
+        assert engine_metric(e, "kvmesh:kv_index_connected") == 1
+        assert engine_metric(e, "kvmesh:kv_index_resyncs_total") >= 1
 
 
 # ---- (d) an engine SIGKILLed mid-run -----------------------------------------------------------
