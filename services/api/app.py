@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -16,7 +17,7 @@ from kvmesh.api.errors import APIError, error_body, error_response
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest)
-from kvmesh.api.serving_chat import create_chat_completion
+from kvmesh.api.serving_chat import apply_template, create_chat_completion
 from kvmesh.api.serving_common import ServingContext, now_s
 from kvmesh.api.serving_completions import create_completion
 from kvmesh.common.tracing import get_tracer, server_span
@@ -25,6 +26,26 @@ from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFul
 logger = logging.getLogger("kvmesh.api")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+_JSON = b"application/json"
+
+
+def _force_json_body(scope: Scope) -> Scope:
+    """Every POST route takes a JSON body: read it as JSON whatever Content-Type says.
+
+    NOTE: `curl -d '{...}'` sends application/x-www-form-urlencoded, and vLLM-compatible clients
+    expect such a body to work; FastAPI would hand the raw bytes to the model (a confusing 400)."""
+    if scope["method"] != "POST":
+        return scope
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+    for k, v in scope["headers"]:
+        if k.lower() == b"content-type" and _is_json_type(v):
+            return scope
+    return {**scope, "headers": [*headers, (b"content-type", _JSON)]}
+
+
+def _is_json_type(value: bytes) -> bool:
+    mime = value.split(b";", 1)[0].strip().lower()
+    return mime == _JSON or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
 
 @dataclass
@@ -81,6 +102,7 @@ class RequestContextMiddleware:
                 resp = JSONResponse(error_body(401, msg, code="invalid_api_key"), status_code=401)
                 await resp(scope, receive, send_with_id)
                 return
+        scope = _force_json_body(scope)
         if get_tracer() is not None and not scope["path"].startswith(OPEN_PATHS):
             # NOTE: the span is current while the route runs: serving_* hand its context to the
             # engine, which parents the request's spans on it.
@@ -91,6 +113,15 @@ class RequestContextMiddleware:
                 await self.app(scope, receive, send_traced)
             return
         await self.app(scope, receive, send_with_id)
+
+
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The field of the first error, as OpenAI's "param" (None for a body-level error)."""
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if loc and err.get("type") not in ("json_invalid", "extra_forbidden"):
+            return ".".join(loc)
+    return None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -113,7 +144,12 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+        return JSONResponse(error_body(400, _validation_message(exc), param=_validation_param(exc)),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(req: Request, exc: StarletteHTTPException):
+        return _http_error(req, exc)
 
     @app.exception_handler(APIError)
     async def _on_api_error(_req: Request, exc: APIError):
@@ -121,7 +157,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _on_value_error(_req: Request, exc: ValueError):
-        return JSONResponse(error_body(400, str(exc)), status_code=400)
+        return JSONResponse(error_body(400, str(exc), param=getattr(exc, "param", None)),
+                            status_code=400)
 
     @app.exception_handler(QueueFullError)
     async def _on_queue_full(_req: Request, exc: QueueFullError):
@@ -185,8 +222,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         check_model(body.model)
         ctx = state.context()
         if body.messages is not None:
-            ids = ctx.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                    add_generation_prompt=body.add_generation_prompt)
+            ids = apply_template(ctx.tokenizer, body.messages, body.add_generation_prompt)
         else:
             ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
@@ -202,7 +238,29 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                            param="tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        ctx = state.context()
+        if not await ctx.engine.reset_prefix_cache():
+            raise APIError(409, "the prefix cache cannot be reset while requests hold KV-cache "
+                           "blocks; retry when the server is idle", code="prefix_cache_in_use")
+        return {"status": "ok"}
+
     return RequestContextMiddleware(app, state)  # type: ignore[return-value]
+
+
+def _http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Routing errors (unknown path, wrong method) with OpenAI's error body."""
+    if exc.status_code == 404:
+        message = f"Invalid URL ({req.method} {req.url.path})"
+        code = "not_found"
+    elif exc.status_code == 405:
+        message = f"Method {req.method} is not allowed for {req.url.path}"
+        code = "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return JSONResponse(error_body(exc.status_code, message, code=code),
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 async def warm_up(engine: AsyncLLMEngine) -> None:

@@ -7,6 +7,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",

@@ -69,6 +69,8 @@ def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: Engi
         snapshot_fn=lambda: cached_hashes(engine.kv_manager),
     )
     async_engine.step_hooks.append(step_hook(publisher))
+    # NOTE: a reset on an idle engine is followed by no step: publish its "all cleared" at once.
+    async_engine.cache_reset_hooks.append(lambda e: publish_engine_state(publisher, e))
     async_engine.shutdown_hooks.append(publisher.close)
     metrics.registry.register(PublisherCollector(publisher, engine.model_name))
     publish_engine_state(publisher, engine)

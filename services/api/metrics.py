@@ -127,9 +127,12 @@ class EngineMetrics:
                 self.success[reason] = self.success.get(reason, 0.0) + 1
 
     def forget(self, request_id: str) -> None:
-        """An aborted request produces no final output: drop its per-request state."""
+        """An unfinished request was aborted (client disconnect, shutdown): it produces no final
+        output, so count it here under finished_reason="abort" (as vLLM does) and drop its
+        per-request state."""
         with self._lock:
             self._last_token.pop(request_id, None)
+            self.success["abort"] = self.success.get("abort", 0.0) + 1
 
     def count_rejected(self) -> None:
         with self._lock:

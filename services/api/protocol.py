@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.engine import PRIORITY_MAX, PRIORITY_MIN
+from kvmesh.engine.sampling_params import SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
 
 MAX_LOGPROBS = 20
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -29,9 +30,9 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -41,7 +42,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -77,7 +78,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
+            min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,

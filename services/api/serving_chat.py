@@ -3,27 +3,33 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kvmesh.api.errors import bad_request
-from kvmesh.api.protocol import ChatCompletionRequest
-from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
-                                       chat_logprobs, final_outputs, make_params, new_id, now_s,
+from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
+from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
+                                       cancel_on_disconnect, chat_logprobs, close_all,
+                                       final_outputs, make_params, new_id, now_s, running_usage,
                                        sse, sse_chunk, usage)
 from kvmesh.common.tracing import current_context
+from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
 
 
-def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_dict() for m in req.messages]
+def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The chat template's token ids; any template error (jinja raise_exception, no template)
+    is about the client's messages: a 400."""
+    dicts = [m.as_template_dict() for m in messages]
     try:
-        return ctx.tokenizer.apply_chat_template(messages,
-                                                 add_generation_prompt=req.add_generation_prompt)
-    except ValueError as e:
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - ValueError, jinja2 TemplateError, ...
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-    except Exception as e:  # noqa: BLE001 - template errors (jinja) are the client's messages
-        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+
+
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    return apply_template(ctx.tokenizer, req.messages, req.add_generation_prompt)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -33,12 +39,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ids = render_prompt(ctx, req)
     params = make_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens,
                          req.num_logprobs)
-    gen = ctx.engine.generate(request_id, ids, params, req.priority, req.cache_salt,
-                              prompt_ids=ids, trace_context=current_context())
+    streams = await admit(ctx, req, [Admission(request_id, ids, ids, params)],
+                          current_context("chat"))
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, gen, len(ids)),
-                                 media_type="text/event-stream")
-    (out,) = await cancel_on_disconnect(http, final_outputs([gen]))
+        return StreamingResponse(_stream(ctx, req, request_id, streams[0], len(ids)),
+                                 media_type="text/event-stream",
+                                 background=BackgroundTask(close_all, streams))
+    (out,) = await cancel_on_disconnect(http, final_outputs(streams))
     return JSONResponse(_full_response(ctx, req, request_id, out))
 
 
@@ -64,24 +71,35 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                  gen: AsyncIterator[RequestOutput], prompt_len: int) -> AsyncIterator[str]:
+                  gen: RequestStream, prompt_len: int) -> AsyncIterator[str]:
+    try:
+        async for part in _stream_parts(ctx, req, request_id, gen, prompt_len):
+            yield part
+    finally:
+        await gen.aclose()
+
+
+async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                        gen: RequestStream, prompt_len: int) -> AsyncIterator[str]:
     created = now_s()
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    usage_opts = UsageOptions.of(req)
+    completion = [0] * req.n                # tokens so far, per choice
 
     def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
         return sse_chunk(request_id, "chat.completion.chunk", created, ctx.model_name,
                          {"index": index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason}, include_usage)
+                          "finish_reason": finish_reason}, usage_opts,
+                         running_usage(prompt_len, completion[index]))
 
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""}, None, None)
     finished: set[int] = set()
-    completion, cached = 0, 0
+    cached = 0
     async for out in gen:
         for c in out.outputs:
             if c.index in finished:
                 continue
-            completion += len(c.delta_token_ids)
+            completion[c.index] += len(c.delta_token_ids)
             lps = None
             if req.logprobs and c.delta_token_ids:
                 steps = (c.logprobs or [])[-len(c.delta_token_ids):]
@@ -93,8 +111,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                 yield chunk(c.index, {}, None, c.finish_reason)
         if out.finished:
             cached = out.num_cached_tokens
-    if include_usage:
+    if usage_opts.include:
         yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                    "model": ctx.model_name, "choices": [],
-                   "usage": usage(prompt_len, completion, cached)})
+                   "usage": usage(prompt_len, sum(completion), cached)})
     yield SSE_DONE

@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 
 from kvmesh.api.errors import APIError, bad_request
 from kvmesh.api.protocol import _SamplingFields
-from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
@@ -62,7 +62,38 @@ def make_params(req: _SamplingFields, prompt_len: int, max_model_len: int,
     try:
         return req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), param=getattr(e, "param", None)) from None
+
+
+@dataclass(slots=True)
+class Admission:
+    """One engine request of an HTTP request (completions may carry several prompts)."""
+    request_id: str
+    prompt: str | list[int]
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+async def admit(ctx: ServingContext, req: _SamplingFields, admissions: list[Admission],
+                trace_context) -> list[RequestStream]:
+    """Add every request to the engine before any response starts: a refusal (queue full,
+    bad request, dead engine) raises here, and the ones already admitted are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for a in admissions:
+            streams.append(await ctx.engine.add_request(
+                a.request_id, a.prompt, a.params, req.priority, req.cache_salt,
+                prompt_ids=a.prompt_ids, trace_context=trace_context))
+    except BaseException:
+        await close_all(streams)
+        raise
+    return streams
+
+
+async def close_all(streams: list[RequestStream]) -> None:
+    """Abort whatever has not finished (idempotent; also the streaming responses' cleanup)."""
+    for s in streams:
+        await s.aclose()
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -99,6 +130,12 @@ def chat_logprobs(tokenizer, token_ids: list[int], steps: list[dict[int, Logprob
     return {"content": content}
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """stream_options.continuous_usage_stats: the usage so far, on every chunk (vLLM's shape)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -112,14 +149,28 @@ def sse(obj: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+@dataclass(slots=True)
+class UsageOptions:
+    include: bool = False           # stream_options.include_usage: a final usage-only chunk
+    continuous: bool = False        # ... and continuous_usage_stats: usage on every chunk
+
+    @classmethod
+    def of(cls, req: _SamplingFields) -> "UsageOptions":
+        opts = req.stream_options
+        if opts is None or not opts.include_usage:
+            return cls()
+        # NOTE: as vLLM, continuous_usage_stats only counts together with include_usage.
+        return cls(True, opts.continuous_usage_stats)
+
+
 def sse_chunk(request_id: str, obj: str, created: int, model: str, choice: dict[str, Any],
-              include_usage: bool) -> str:
-    """One streamed chunk with one choice; `usage` is null on every chunk but the last when the
-    client asked for usage (stream_options.include_usage), as OpenAI does."""
+              usage_opts: UsageOptions, usage_so_far: dict[str, Any] | None = None) -> str:
+    """One streamed chunk with one choice. When the client asked for usage, `usage` is null on
+    every chunk but the last (OpenAI), or the usage so far with continuous_usage_stats (vLLM)."""
     body = {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice]}
-    if include_usage:
-        body["usage"] = None
+    if usage_opts.include:
+        body["usage"] = usage_so_far if usage_opts.continuous else None
     return sse(body)
 
 

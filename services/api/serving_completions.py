@@ -3,22 +3,27 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kvmesh.api.errors import bad_request
 from kvmesh.api.protocol import CompletionRequest
-from kvmesh.api.serving_common import (SSE_DONE, ServingContext, cancel_on_disconnect,
-                                       completion_logprobs, final_outputs, make_params,
-                                       merge_streams, new_id, now_s, sse, sse_chunk, usage)
+from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
+                                       cancel_on_disconnect, close_all, completion_logprobs,
+                                       final_outputs, make_params, merge_streams, new_id, now_s,
+                                       running_usage, sse, sse_chunk, usage)
 from kvmesh.common.tracing import current_context
+from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HTTPRequest):
     request_id = new_id("cmpl")
     prompts = req.prompts()
-    streams, prompt_texts, prompt_lens = [], [], []
+    admissions: list[Admission] = []
+    prompt_texts: list[str] = []
+    prompt_lens: list[int] = []
     ctx.engine.check_capacity(len(prompts))
     for i, prompt in enumerate(prompts):
         try:
@@ -28,14 +33,12 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
         params = make_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs)
         prompt_texts.append(text if text is not None else ctx.tokenizer.decode(ids))
         prompt_lens.append(len(ids))
-        streams.append((f"{request_id}-{i}", prompt, ids, params))
-    trace_context = current_context()
-    gens = [ctx.engine.generate(rid, prompt, params, req.priority, req.cache_salt, prompt_ids=ids,
-                                trace_context=trace_context)
-            for rid, prompt, ids, params in streams]
+        admissions.append(Admission(f"{request_id}-{i}", prompt, ids, params))
+    gens = await admit(ctx, req, admissions, current_context())
     if req.stream:
         return StreamingResponse(_stream(ctx, req, request_id, gens, prompt_texts, prompt_lens),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream",
+                                 background=BackgroundTask(close_all, gens))
     outs = await cancel_on_disconnect(http, final_outputs(gens))
     return JSONResponse(_full_response(ctx, req, request_id, outs, prompt_texts))
 
@@ -68,19 +71,31 @@ def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
-                  gens: list[AsyncIterator[RequestOutput]], prompt_texts: list[str],
+                  gens: list[RequestStream], prompt_texts: list[str],
                   prompt_lens: list[int]) -> AsyncIterator[str]:
+    try:
+        async for part in _stream_parts(ctx, req, request_id, gens, prompt_texts, prompt_lens):
+            yield part
+    finally:
+        await close_all(gens)
+
+
+async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id: str,
+                        gens: list[RequestStream], prompt_texts: list[str],
+                        prompt_lens: list[int]) -> AsyncIterator[str]:
     created = now_s()
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    usage_opts = UsageOptions.of(req)
     started: set[int] = set()
     finished: set[int] = set()
     offsets: dict[int, int] = {}
-    completion_tokens, cached = 0, 0
+    completion: dict[int, int] = {}            # tokens so far, per choice index
+    cached = 0
 
-    def chunk(index: int, text: str, logprobs, finish_reason) -> str:
+    def chunk(p: int, index: int, text: str, logprobs, finish_reason) -> str:
         return sse_chunk(request_id, "text_completion", created, ctx.model_name,
                          {"index": index, "text": text, "logprobs": logprobs,
-                          "finish_reason": finish_reason}, include_usage)
+                          "finish_reason": finish_reason}, usage_opts,
+                         running_usage(prompt_lens[p], completion.get(index, 0)))
 
     async for p, out in merge_streams(gens):
         for c in out.outputs:
@@ -91,7 +106,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
             if req.echo and index not in started:
                 text = prompt_texts[p] + text
             started.add(index)
-            completion_tokens += len(c.delta_token_ids)
+            completion[index] = completion.get(index, 0) + len(c.delta_token_ids)
             lps = None
             if req.logprobs is not None and c.delta_token_ids:
                 steps = (c.logprobs or [])[-len(c.delta_token_ids):]
@@ -101,11 +116,11 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
             if c.finished:
                 finished.add(index)
             if text or lps or c.finished:
-                yield chunk(index, text, lps, c.finish_reason)
+                yield chunk(p, index, text, lps, c.finish_reason)
         if out.finished:
             cached += out.num_cached_tokens
-    if include_usage:
+    if usage_opts.include:
         yield sse({"id": request_id, "object": "text_completion", "created": created,
                    "model": ctx.model_name, "choices": [],
-                   "usage": usage(sum(prompt_lens), completion_tokens, cached)})
+                   "usage": usage(sum(prompt_lens), sum(completion.values()), cached)})
     yield SSE_DONE

@@ -46,6 +46,51 @@ class _Add:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    accepted: asyncio.Future          # set once the engine thread has added (or refused) it
+
+
+@dataclass(slots=True)
+class _ResetPrefixCache:
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future              # the engine's answer: True when the cache was reset
+
+
+class RequestStream:
+    """The outputs of one admitted request. It ends after the finished output; closing it
+    earlier (aclose) aborts the request. Closing is idempotent."""
+
+    def __init__(self, owner: "AsyncLLMEngine", request_id: str, stream: _Stream) -> None:
+        self._owner = owner
+        self.request_id = request_id
+        self._stream = stream
+        self._closed = False
+        self._finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._finished = True
+            self._close()
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._owner._streams.pop(self.request_id, None)
+        if not self._finished:
+            self._owner.abort(self.request_id)
 
 
 StepHook = Callable[[LLMEngine, list[RequestOutput], float], None]
@@ -57,7 +102,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.step_hooks = list(step_hooks or [])   # metrics, KV-event publishing, tracing
-        self.abort_hooks: list[Callable[[str], None]] = []
+        self.abort_hooks: list[Callable[[str], None]] = []   # requests aborted while unfinished
+        # after reset_prefix_cache, on the engine thread (e.g. publish the KV "all cleared" event)
+        self.cache_reset_hooks: list[Callable[[LLMEngine], None]] = []
         self.shutdown_hooks: list[Callable[[], None]] = []   # after the engine thread stops
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -105,41 +152,73 @@ class AsyncLLMEngine:
         self.engine.check_request(ids, params)
         return text, ids
 
+    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          prompt_ids: list[int] | None = None,
+                          trace_context=None) -> "RequestStream":
+        """Admit a request and return its output stream. Every refusal (EngineDeadError,
+        QueueFullError, ValueError) is raised here, before any output, so a server can still
+        answer with a proper status code; iterate the stream to its end or close it (aclose)."""
+        stream = self._submit(request_id, prompt, params, priority, cache_salt, prompt_ids,
+                              trace_context)
+        try:
+            await stream.accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
                        prompt_ids: list[int] | None = None,
                        trace_context=None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; cancelling the iteration aborts the request.
         `trace_context` (the HTTP server span's context) parents its spans when tracing is on."""
+        outputs = await self.add_request(request_id, prompt, params, priority, cache_salt,
+                                         prompt_ids, trace_context)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def _submit(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                priority: int, cache_salt: str | None, prompt_ids: list[int] | None,
+                trace_context) -> _Stream:
+        """Check the request on the caller's thread and queue it for the engine thread."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
+        if self._stop.is_set():
+            raise EngineDeadError("engine is shut down")
         if prompt_ids is None:
             text, prompt_ids = self.validate(prompt, params)
         else:
             text = prompt if isinstance(prompt, str) else None
             self.engine.check_request(prompt_ids, params)
+        self.engine.check_priority(priority)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.check_capacity(1)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         self._streams[request_id] = stream
         with self._lock:
             self._pending_adds += 1
         self._commands.put(_Add(request_id, prompt_ids, text, params, priority, cache_salt,
                                 time.monotonic(), trace_context))
         self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset the prefix cache between two steps; False while running requests hold blocks."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        cmd = _ResetPrefixCache(loop, loop.create_future())
+        self._commands.put(cmd)
+        self._wakeup.set()
+        return await cmd.done
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -153,21 +232,36 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                with self._lock:
-                    self._pending_adds -= 1
-                if cmd.request_id not in self._streams:
-                    continue                      # cancelled before it reached the engine
-                try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
-                                            arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                            cache_salt=cmd.cache_salt, prompt_text=cmd.prompt_text,
-                                            trace_context=cmd.trace_context)
-                except ValueError as e:
-                    self._deliver(cmd.request_id, e)
+                self._apply_add(cmd)
+            elif isinstance(cmd, _ResetPrefixCache):
+                self._apply_reset(cmd)
             else:
-                self.engine.abort_request(cmd[1])
-                for hook in self.abort_hooks:
-                    hook(cmd[1])
+                for rid in self.engine.abort_request(cmd[1]):
+                    for hook in self.abort_hooks:
+                        hook(rid)
+
+    def _apply_add(self, cmd: _Add) -> None:
+        with self._lock:
+            self._pending_adds -= 1
+        stream = self._streams.get(cmd.request_id)
+        if stream is None:
+            return                                # cancelled before it reached the engine
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
+                                    arrival_time=cmd.arrival_time, priority=cmd.priority,
+                                    cache_salt=cmd.cache_salt, prompt_text=cmd.prompt_text,
+                                    trace_context=cmd.trace_context)
+        except ValueError as e:
+            _resolve(stream.loop, stream.accepted, error=e)
+            return
+        _resolve(stream.loop, stream.accepted, result=None)
+
+    def _apply_reset(self, cmd: _ResetPrefixCache) -> None:
+        ok = self.engine.reset_prefix_cache()
+        if ok:
+            for hook in self.cache_reset_hooks:
+                hook(self.engine)
+        _resolve(cmd.loop, cmd.done, result=ok)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -184,13 +278,46 @@ class AsyncLLMEngine:
                     continue
                 t0 = time.monotonic()
                 outputs = self.engine.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                # NOTE: hooks first: once a client has its final output, /metrics counts it.
                 for hook in self.step_hooks:
                     hook(self.engine, outputs, t0)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting client
             logger.exception("engine thread failed")
             self.dead = e
             err = EngineDeadError(f"engine failed: {e!r}")
             for rid in list(self._streams):
                 self._deliver(rid, err)
+        finally:
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """The engine thread is gone: admissions and resets still queued will never run."""
+        err = EngineDeadError(f"engine is dead: {self.dead!r}" if self.dead is not None
+                              else "engine is shut down")
+        for stream in list(self._streams.values()):
+            _resolve(stream.loop, stream.accepted, error=err)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _ResetPrefixCache):
+                _resolve(cmd.loop, cmd.done, error=err)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None,
+             error: BaseException | None = None) -> None:
+    """Complete an asyncio future from the engine thread (no-op if it is already done)."""
+    def apply() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    try:
+        loop.call_soon_threadsafe(apply)
+    except RuntimeError:
+        pass                                      # NOTE: the loop is closed: nobody is waiting

@@ -29,6 +29,10 @@ logger = logging.getLogger("kvmesh.engine")
 
 PromptInput = str | Sequence[int]
 
+# NOTE: scheduling policies do arithmetic on the priority (the dynamic one multiplies it by a
+# float weight): a bounded int keeps schedule() from overflowing on a client-chosen value.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -160,6 +164,14 @@ class LLMEngine:
             raise ValueError(f"prompt is {n} tokens long but max_model_len is "
                              f"{self.max_model_len}: at least one token must be left to generate")
 
+    @staticmethod
+    def check_priority(priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                             f"got {priority}")
+
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
@@ -170,8 +182,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        self.check_priority(priority)
         text, prompt_ids = self.tokenize_prompt(prompt)
         text = text if text is not None else prompt_text
         self.check_request(prompt_ids, params)
@@ -196,15 +207,19 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.on_add(request_id, samples, trace_context)
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[str]:
+        """Abort unfinished requests; returns the ids that were still unfinished."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        aborted = []
         for rid in request_ids:
             group = self._groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort_requests([r.request_id for r in group.samples])
+                aborted.append(rid)
                 if self.tracer is not None:
                     self.tracer.on_abort(rid)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

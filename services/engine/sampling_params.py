@@ -4,6 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# NOTE: top_k >= vocab means "all tokens", so 2**31 - 1 is no real limit; it keeps the sampler's
+# long tensor from overflowing on a client-chosen value.
+TOP_K_MAX = 2**31 - 1
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; sample i of n uses
+# seed + i, so a signed 64-bit seed always stays within what it accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter; `param` names the field (OpenAI's error "param")."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -36,36 +50,47 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and the allowed range."""
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        """Raise SamplingParamsError (a ValueError) naming the field and the allowed range."""
+        for param, ok, message in self._checks():
+            if not ok:
+                raise SamplingParamsError(param, message)
+
+    def _checks(self):
+        """(field, valid?, message) in order; evaluated lazily, so later checks may assume
+        earlier ones passed."""
+        yield "n", _is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"
+        yield ("temperature", self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature}")
+        yield "top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"
+        yield ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= TOP_K_MAX,
+               f"top_k must be -1, 0 (disabled) or a positive integer <= {TOP_K_MAX}, "
+               f"got {self.top_k!r}")
+        yield "min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"
+        yield ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        yield ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        yield ("repetition_penalty", self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        yield ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens)
+                                                         and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        yield ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        yield ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        yield ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        yield ("stop", all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a list of non-empty strings")
+        yield ("seed", self.seed is None or (_is_int(self.seed)
+                                             and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -69,6 +69,19 @@ def test_ready_waits_for_the_model_then_back_pressure_then_graceful_shutdown(tmp
         r = httpx.post(f"{url}/v1/completions", json=BODY)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        # a streaming request is admitted before its 200: the same 429 and OpenAI error body
+        with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True}) as rs:
+            rs.read()
+        assert rs.status_code == 429, rs.text
+        assert rs.headers["content-type"] == "application/json"
+        assert rs.json() == {"error": {"message": "the waiting queue is full (2 requests); retry later",
+                                       "type": "rate_limit_error", "param": None,
+                                       "code": "queue_full"}}
+        assert _gauge(url, "kvmesh:requests_rejected_total") == 2
+        # ... and so is a chat stream with a bad parameter: a 400, not a dropped connection
+        rc = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "stream": True, "top_k": 2**63})
+        assert rc.status_code == 400 and rc.json()["error"]["param"] == "top_k"
 
         # 3) SIGTERM: no new connections, in-flight requests finish, exit code 0
         proc.send_signal(signal.SIGTERM)

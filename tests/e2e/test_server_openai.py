@@ -215,3 +215,138 @@ def test_tokenize_and_detokenize_round_trip(server, smollm):
     r3 = httpx.post(f"{server.url}/tokenize", headers=AUTH,
                     json={"messages": [{"role": "user", "content": "Hi"}]})
     assert r3.json()["tokens"] == smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+# ---- request-boundary range checks: a client value must never reach the engine thread --------
+def _complete(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=120,
+                      json={"prompt": "Hello", "max_tokens": 2, **body})
+
+
+def _assert_engine_serves(server) -> None:
+    r = _complete(server, {"temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field, value, message", [
+    ("top_k", 2**63, "top_k: Input should be less than or equal to 2147483647"),
+    ("top_k", 2**31, "top_k: Input should be less than or equal to 2147483647"),
+    ("top_k", -2, "top_k: Input should be greater than or equal to -1"),
+    ("seed", 2**64, "seed: Input should be less than or equal to 9223372036854775807"),
+    ("seed", -(2**63) - 1, "seed: Input should be greater than or equal to -9223372036854775808"),
+    ("priority", 10**309, "priority: Input should be less than or equal to 2147483647"),
+    ("priority", -(2**31) - 1, "priority: Input should be greater than or equal to -2147483648"),
+])
+def test_out_of_range_values_are_400s_naming_the_field_and_the_engine_lives(
+        server, field, value, message, stream):
+    r = _complete(server, {field: value, "temperature": 1.0, "stream": stream})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                  "param": field, "code": None}}
+    _assert_engine_serves(server)
+
+
+def test_range_limits_themselves_are_served(server):
+    r = _complete(server, {"top_k": 2**31 - 1, "seed": 2**63 - 1, "priority": -(2**31),
+                           "temperature": 1.0, "n": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    _assert_engine_serves(server)
+
+
+def test_min_tokens_above_max_tokens_is_a_400(server):
+    for stream in (False, True):
+        r = _complete(server, {"min_tokens": 8, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "min_tokens (8) must be <= max_tokens (4)",
+                                     "type": "invalid_request_error", "param": "min_tokens",
+                                     "code": None}
+
+
+def test_streaming_request_over_the_context_is_a_400_not_a_broken_stream(server):
+    r = _complete(server, {"max_tokens": 1000000, "stream": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+# ---- routing errors and content types --------------------------------------------------------
+def test_unknown_path_is_an_openai_404(server):
+    r = httpx.post(f"{server.url}/v1/nope", headers=AUTH, json={})
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "Invalid URL (POST /v1/nope)",
+                                  "type": "not_found_error", "param": None, "code": "not_found"}}
+
+
+def test_wrong_method_is_an_openai_405(server):
+    r = httpx.get(f"{server.url}/v1/completions", headers=AUTH)
+    assert r.status_code == 405
+    assert r.headers["allow"] == "POST"
+    assert r.json() == {"error": {"message": "Method GET is not allowed for /v1/completions",
+                                  "type": "invalid_request_error", "param": None,
+                                  "code": "method_not_allowed"}}
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_json_body_without_a_json_content_type_is_parsed_as_json(server, content_type):
+    headers = dict(AUTH)
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    body = b'{"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": true}'
+    r = httpx.post(f"{server.url}/v1/completions", headers=headers, content=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- stream_options.continuous_usage_stats ---------------------------------------------------
+def _sse_events(r: httpx.Response) -> list[dict]:
+    lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    import json
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_completions_continuous_usage_counts_tokens_so_far(server):
+    body = {"prompt": "One two three", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, json=body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        events = _sse_events(r)
+    prompt = events[-1]["usage"]["prompt_tokens"]
+    assert prompt == 3
+    per_chunk = [e["usage"] for e in events[:-1]]
+    assert [u["completion_tokens"] for u in per_chunk] == [1, 2, 3, 4, 5]
+    assert all(u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"]
+               for u in per_chunk)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_chat_continuous_usage_counts_tokens_so_far(server, smollm):
+    messages = [{"role": "user", "content": "Say hi"}]
+    prompt = len(smollm.tokenizer.apply_chat_template(messages))
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH, json=body,
+                      timeout=120) as r:
+        events = _sse_events(r)
+    counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
+    assert counts[0] == 0                       # the role chunk
+    assert counts[-1] == 4                      # the finish_reason chunk
+    assert counts == sorted(counts) and set(counts) == {0, 1, 2, 3, 4}
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in events)
+    assert events[-1]["usage"]["total_tokens"] == prompt + 4
+
+
+def test_include_usage_alone_keeps_usage_null_on_content_chunks(server):
+    body = {"prompt": "One two three", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, json=body,
+                      timeout=120) as r:
+        events = _sse_events(r)
+    assert [e["usage"] for e in events[:-1]] == [None, None, None]
+    assert events[-1]["usage"]["completion_tokens"] == 3
