@@ -136,10 +136,15 @@ def inject_context(ctx: otel_context.Context | None = None) -> dict[str, str]:
     return carrier
 
 
-def current_context() -> otel_context.Context | None:
-    """The caller's context (holding the HTTP server span) to hand to the engine; None when
-    tracing is off."""
-    return otel_context.get_current() if _tracer is not None else None
+OPERATION_KEY = otel_context.create_key("kvmesh.gen_ai.operation")
+
+
+def current_context(operation: str = "text_completion") -> otel_context.Context | None:
+    """The caller's context (holding the HTTP server span) to hand to the engine, carrying the
+    GenAI operation name ("chat" or "text_completion"); None when tracing is off."""
+    if _tracer is None:
+        return None
+    return otel_context.set_value(OPERATION_KEY, operation, otel_context.get_current())
 
 
 @contextlib.contextmanager

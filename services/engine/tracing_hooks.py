@@ -30,6 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, Tracer
 
+from kvmesh.common.tracing import OPERATION_KEY
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sched_output import SchedulerOutput, SchedulerStats
 
@@ -117,7 +118,7 @@ class EngineTracer:
         first = samples[0]
         p = first.sampling_params
         attrs: dict[str, object] = {
-            "gen_ai.operation.name": "text_completion",
+            "gen_ai.operation.name": operation_name(parent),
             "gen_ai.provider.name": "kvmesh",
             "gen_ai.request.model": self.model_name,
             "gen_ai.request.temperature": float(p.temperature),
@@ -271,3 +272,9 @@ class EngineTracer:
             attrs["kvmesh.queue_s"] = first.first_scheduled_time - first.arrival_time
         rt.span.set_attributes(attrs)
         rt.span.end(end_time=end)
+
+
+def operation_name(parent: otel_context.Context | None) -> str:
+    """The GenAI operation the server named in the request's context (offline: a completion)."""
+    op = otel_context.get_value(OPERATION_KEY, parent) if parent is not None else None
+    return op if isinstance(op, str) else "text_completion"

@@ -74,6 +74,36 @@ def test_scenario_exercises_chunking_prefix_hits_and_preemption(scenario):
         assert any(s["num_swapped_in"] for s in stats)
 
 
+_KEYS = ("num_scheduled_tokens", "num_prefill_reqs", "num_decode_reqs", "num_chunked_prefills",
+         "num_preempted", "num_swapped_in", "num_swapped_out", "blocks_allocated", "blocks_freed",
+         "blocks_evicted", "prefix_query_tokens", "prefix_hit_tokens", "kv_usage", "num_running",
+         "num_waiting", "num_swapped")
+# Worked out by hand from the scenario (8 blocks of 4 tokens, a 16-token budget):
+_EXPECTED = {
+    1: (16, 1, 0, 1, 0, 0, 0, 4, 0, 0, 24, 0, 0.5, 1, 0, 0),    # A's first chunk: 4 blocks
+    2: (8, 1, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0.75, 1, 0, 0),     # the rest of A's 24 tokens
+    3: (1, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0.875, 1, 0, 0),    # token 25 opens block 7
+    4: (1, 0, 1, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0.875, 1, 0, 0),    # A's 3rd token: 7 blocks freed
+    5: (4, 1, 0, 0, 0, 0, 0, 1, 0, 0, 24, 20, 0.75, 1, 0, 0),   # B hits the 5 prefix blocks
+    6: (1, 0, 1, 0, 0, 0, 0, 1, 7, 0, 0, 0, 0.875, 1, 0, 0),
+    7: (16, 2, 0, 0, 0, 0, 0, 4, 0, 3, 16, 0, 0.5, 2, 0, 0),    # C, D: 1 free + 3 evicted
+    8: (2, 0, 2, 0, 0, 0, 0, 2, 0, 2, 0, 0, 0.75, 2, 0, 0),
+    12: (2, 0, 2, 0, 0, 0, 0, 2, 0, 2, 0, 0, 1.0, 2, 0, 0),     # the cache is full
+}
+_PREEMPTION_STEP = {   # token 17 of C needs a 5th block: D (the latest arrival) is preempted
+    "recompute": (1, 0, 1, 0, 1, 0, 0, 1, 4, 1, 0, 0, 0.625, 1, 1, 0),
+    "swap": (1, 0, 1, 0, 1, 0, 1, 1, 4, 1, 0, 0, 0.625, 1, 0, 1),
+}
+
+
+def test_step_stats_are_the_decisions_worked_out_by_hand(scenario):
+    mode, _, stats, _ = scenario
+    got = {s["step"]: tuple(s[k] for k in _KEYS) for s in stats}
+    assert {n: got[n] for n in _EXPECTED} == _EXPECTED
+    assert got[16] == _PREEMPTION_STEP[mode]
+    assert all(s["token_budget"] == 16 and s["policy"] == "fcfs" for s in stats)
+
+
 def test_one_step_span_per_step_with_the_schedulers_decisions(scenario):
     _, engine, stats, spans = scenario
     steps = sorted(by_name(spans, "kvmesh.step"), key=lambda s: s.attributes[STEP_PREFIX + "step"])

@@ -54,6 +54,7 @@ async def test_traceparent_parents_server_span_and_request_tree(app, spans_expor
     assert request.name == "kvmesh.request"
     assert request.attributes["gen_ai.usage.output_tokens"] == 3
     assert request.attributes["gen_ai.request.max_tokens"] == 3
+    assert request.attributes["gen_ai.operation.name"] == "text_completion"
     assert {k.name for k in children(spans, request)} == {"kvmesh.queue", "kvmesh.prefill",
                                                           "kvmesh.decode"}
     assert server.start_time <= request.start_time <= request.end_time <= server.end_time
@@ -70,6 +71,7 @@ async def test_chat_without_traceparent_starts_a_trace(app, spans_exporter):
     assert server.parent is None
     (request,) = children(spans, server)
     assert request.attributes["gen_ai.usage.output_tokens"] == 2
+    assert request.attributes["gen_ai.operation.name"] == "chat"
 
 
 async def test_health_and_errors(app, spans_exporter):
