@@ -35,6 +35,7 @@ GAUGES = {
 COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens served by the prefix cache.",
+    "external_prefix_cache_hits": "Prompt tokens loaded from other pods' KV blocks (--kv-share).",
     "num_preemptions": "Preemptions (recompute or swap).",
     "prompt_tokens": "Prompt tokens of finished requests.",
     "generation_tokens": "Generated tokens.",
@@ -95,6 +96,7 @@ class EngineMetrics:
         with self._lock:
             self.counters["prefix_cache_queries"] += s.prefix_query_tokens
             self.counters["prefix_cache_hits"] += s.prefix_hit_tokens
+            self.counters["external_prefix_cache_hits"] += s.external_hit_tokens
             self.counters["num_preemptions"] += s.num_preempted
             self.extra["kvmesh:engine_steps"] += 1
             self.extra["kvmesh:kv_blocks_evicted"] += s.blocks_evicted
