@@ -18,8 +18,8 @@ from .helpers import NS, SVC, index_call, wait_until
 POD = "engine-0"
 
 
-def publisher_for(engine: LLMEngine, url: str) -> KVEventPublisher:
-    return KVEventPublisher(url, POD, engine.model_name, "http://127.0.0.1:8000", NS, SVC,
+def publisher_for(engine: LLMEngine, url: str, pod: str = POD) -> KVEventPublisher:
+    return KVEventPublisher(url, pod, engine.model_name, "http://127.0.0.1:8000", NS, SVC,
                             flush_interval_s=0.01, heartbeat_interval_s=0.1, heartbeat_ttl_s=2.0,
                             snapshot_fn=lambda: cached_hashes(engine.kv_manager))
 
@@ -82,6 +82,65 @@ def test_index_equals_engine_cache_through_a_random_run_and_a_redis_restart(smol
     finally:
         pub.close()
     assert index_call(redis_server.url, "dump", engine.model_name) == {}
+
+
+def _random_requests(engine: LLMEngine, rng: random.Random, prefixes: list[list[int]],
+                     tag: str) -> None:
+    for i in range(rng.randrange(1, 4)):
+        prompt = rng.choice(prefixes)[:rng.randrange(4, 13)] + [
+            rng.randrange(100, 5000) for _ in range(rng.randrange(0, 14))]
+        engine.add_request(f"{tag}-{i}", prompt,
+                           SamplingParams(max_tokens=rng.randrange(1, 3), ignore_eos=True))
+
+
+def test_index_equals_each_pods_cache_with_two_pods_and_a_crashed_pod_restarting(smollm,
+                                                                                 redis_server):
+    """Two pods share prefixes; pod-a crashes (no cleanup) and a new pod-a starts with an empty
+    cache: on start it clears what the old one left, and pod-b's entries are untouched."""
+    def make() -> LLMEngine:
+        return LLMEngine(EngineConfig(num_kv_blocks=14, block_size=4, max_model_len=48,
+                                      enable_kv_events=True, max_num_seqs=4, swap_space=0),
+                         loaded=smollm)
+
+    def drain_and_check(engines: dict[str, LLMEngine], pubs: dict[str, KVEventPublisher]):
+        for pod, e in engines.items():
+            while e.has_unfinished_requests():
+                step_and_publish(e, pubs[pod])
+            assert pubs[pod].flush(timeout=10)
+        want = {pod: set(e.kv_manager.pool.cached) for pod, e in engines.items()
+                if e.kv_manager.pool.cached}
+        assert index_call(redis_server.url, "dump", model) == want
+        return want
+
+    engines = {"pod-a": make(), "pod-b": make()}
+    model = engines["pod-a"].model_name
+    pubs = {pod: publisher_for(e, redis_server.url, pod) for pod, e in engines.items()}
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(3)]
+    try:
+        for it in range(8):
+            for pod, e in engines.items():
+                _random_requests(e, rng, prefixes, f"{pod}-{it}")
+                step_and_publish(e, pubs[pod])
+        before = drain_and_check(engines, pubs)
+        assert set(before) == {"pod-a", "pod-b"}
+        assert before["pod-a"] & before["pod-b"]           # the pods hold shared blocks
+
+        pubs["pod-a"].close(clear=False)                     # crashed: entries left behind
+        assert index_call(redis_server.url, "dump", model) == before
+        engines["pod-a"] = make()
+        pubs["pod-a"] = publisher_for(engines["pod-a"], redis_server.url, "pod-a")
+        assert pubs["pod-a"].flush(timeout=10)
+        assert index_call(redis_server.url, "dump", model) == {"pod-b": before["pod-b"]}
+        for it in range(4):
+            _random_requests(engines["pod-a"], rng, prefixes, f"again-{it}")
+            step_and_publish(engines["pod-a"], pubs["pod-a"])
+        after = drain_and_check(engines, pubs)
+        assert after["pod-b"] == before["pod-b"] and after["pod-a"]
+    finally:
+        for pub in pubs.values():
+            pub.close()
+    assert index_call(redis_server.url, "dump", model) == {}
 
 
 def test_router_hashes_equal_engine_hashes(smollm, redis_server):
