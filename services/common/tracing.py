@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from typing import Callable, Iterator, Mapping
 from urllib.parse import urlsplit
 
@@ -78,7 +79,7 @@ def _exporters(endpoint: str | None, protocol: str | None) -> list[SpanExporter]
     if endpoint is not None or env_endpoint is not None or "otlp" in names:
         exporters.append(_otlp_exporter(endpoint, protocol))
     if "console" in names:
-        exporters.append(ConsoleSpanExporter())
+        exporters.append(ConsoleSpanExporter(out=sys.stdout))  # NOTE: now, not at import
     return exporters
 
 
