@@ -1,4 +1,4 @@
-"""The `kvmesh` command: serve, generate, operator, router, bench."""
+"""The `kvmesh` command: generate (here), serve, router and operator (delegated)."""
 from __future__ import annotations
 
 import argparse

@@ -110,7 +110,7 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs) -> EngineConfi
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by `kvmesh serve` and `kvmesh bench` (vLLM's names)."""
+    """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", default=None)

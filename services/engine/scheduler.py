@@ -57,7 +57,6 @@ class Scheduler:
         # NOTE: block counters at the end of the last step: every block operation, aborts
         # between steps and frees at finish included, is counted in exactly one step's stats.
         self._kv_mark = self._kv_counters()
-        self.finished_ids: list[str] = []                   # finished since the last step, drained
         # NOTE: the auto preemption mode compares these two rates; the engine refines them
         # from measured prefill throughput.
         self.recompute_tokens_per_s = config.recompute_tokens_per_s
@@ -111,7 +110,6 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
-        self.finished_ids.append(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -155,37 +153,25 @@ class Scheduler:
 
         # 2) Swapped requests come back before any new request is admitted.
         if not preempted:
-            self.swapped.sort(key=key)
-            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.swapped[0]
-                num_new = self._num_new_tokens(req, budget)
-                need = _cdiv(req.num_computed_tokens + num_new, self.kv.block_size)
-                if num_new == 0 or self.kv.num_free_blocks < need + 1:
-                    break
-                pairs = self.kv.swap_in(req)
-                if pairs is None:
-                    break
-                ops.extend(("swap_in", c, g) for c, g in pairs)
-                allocated = self.kv.allocate_slots(req, num_new)
-                assert allocated is not None, "swap-in reserved too few blocks"
-                self._drain_copies(ops)
-                self.swapped.pop(0)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                stats.num_swapped_in += 1
-                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
-                budget -= num_new
+            budget -= self._schedule_swapped(key, budget, scheduled, ops, stats)
 
-        # 3) New (or recompute-preempted) requests, in policy order.
+        # 3) New (or recompute-preempted) requests, in policy order. NOTE: the loop re-checks
+        #    self.swapped: a priority preemption may swap requests out partway through, and
+        #    those must come back before anything else new is admitted.
         if not preempted and not self.swapped:
             self.waiting.sort(key=key)
             idx = 0
-            while (idx < len(self.waiting) and budget > 0
-                   and len(self.running) < self.config.max_num_seqs):
+            while idx < len(self.waiting) and budget > 0 and not self.swapped:
                 req = self.waiting[idx]
                 if req.last_preempted_step == self.step_id:
                     idx += 1          # NOTE: never re-admit a request in the step that evicted it
                     continue
+                if self._never_fits(req.num_tokens):
+                    self._finish_too_long(req)
+                    continue
+                seated = len(self.running) < self.config.max_num_seqs
+                if not seated and not self.policy.preempts_for_waiting:
+                    break
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 remote = self._remote_blocks(req, num_hit)
                 num_remote = len(remote) * self.kv.block_size
@@ -194,6 +180,13 @@ class Scheduler:
                     if not self.chunked:
                         break
                     num_new = budget
+                if not seated:
+                    # NOTE: priority policy, all max_num_seqs seats taken: like vLLM, evict a
+                    # lower-priority running request for the seat (and the blocks it needs).
+                    budget += self._preempt_for(req, num_remote + num_new, hits, num_hit,
+                                                scheduled, preempted, ops, stats, need_seat=True)
+                    if len(self.running) >= self.config.max_num_seqs:
+                        break
                 # NOTE: a waiting request has computed nothing; the prefix hits are counted
                 # by allocate_slots and committed only once it succeeds. Remote blocks need
                 # slots like computed tokens but cost no budget: their KV is loaded.
@@ -235,6 +228,51 @@ class Scheduler:
             preempted_ids=[r.request_id for r in preempted],
             stats=stats,
         )
+
+    def _never_fits(self, num_tokens: int) -> bool:
+        """True when even an empty GPU cache cannot hold num_tokens tokens' KV."""
+        return _cdiv(num_tokens, self.kv.block_size) > self.kv.num_gpu_blocks
+
+    def _finish_too_long(self, req: Request) -> None:
+        """NOTE: a request that outgrew the whole cache (only if max_model_len exceeds it) ends
+        as "length", like vLLM's FINISHED_IGNORED, instead of blocking every admission."""
+        for child in self.pending_forks.pop(req.request_id, []):
+            self._finish(child, RequestStatus.FINISHED_LENGTH)
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _schedule_swapped(self, key: Callable[[Request], tuple], budget: int,
+                          scheduled: dict[str, ScheduledRequest],
+                          ops: list[tuple[str, int, int]], stats: SchedulerStats) -> int:
+        """Swap requests back in, best first, while they fit. Returns the tokens scheduled."""
+        used = 0
+        self.swapped.sort(key=key)
+        while self.swapped and budget > used and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = self._num_new_tokens(req, budget - used)
+            if num_new == 0:
+                break
+            need = _cdiv(req.num_computed_tokens + num_new, self.kv.block_size)
+            if self._never_fits(req.num_computed_tokens + num_new):
+                self._finish_too_long(req)
+                continue
+            # NOTE: one block of headroom while others run, so the next decode does not swap it
+            # straight back out; with nothing running the whole cache is its, or it never fits.
+            headroom = 1 if self.running else 0
+            if self.kv.num_free_blocks < need + headroom:
+                break
+            pairs = self.kv.swap_in(req)
+            assert pairs is not None, "swap-in found fewer free blocks than counted"
+            ops.extend(("swap_in", c, g) for c, g in pairs)
+            allocated = self.kv.allocate_slots(req, num_new)
+            assert allocated is not None, "swap-in reserved too few blocks"
+            self._drain_copies(ops)
+            self.swapped.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            stats.num_swapped_in += 1
+            scheduled[req.request_id] = self._scheduled(req, num_new, stats)
+            used += num_new
+        return used
 
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored."""
@@ -317,9 +355,11 @@ class Scheduler:
 
     def _preempt_for(self, req: Request, num_new: int, hits: list[int], num_hit: int,
                      scheduled: dict[str, ScheduledRequest], preempted: list[Request],
-                     ops: list[tuple[str, int, int]], stats: SchedulerStats) -> int:
+                     ops: list[tuple[str, int, int]], stats: SchedulerStats,
+                     need_seat: bool = False) -> int:
         """Priority policy: evict strictly lower-priority running requests, worst first, but
-        only if together they can make room. Returns the token budget given back."""
+        only if together they can make room (blocks, and a max_num_seqs seat when need_seat).
+        Returns the token budget given back."""
         victims = [r for r in reversed(self.running) if r.priority > req.priority]
         need = _cdiv(num_hit + num_new, self.kv.block_size) - len(hits)
         held = sum(len(self.kv.get_block_ids(v.request_id)) for v in victims)
@@ -332,7 +372,8 @@ class Scheduler:
                 returned += sr.num_tokens
                 self._count(stats, sr, -1)
             self._preempt(victim, preempted, ops, stats)
-            if self.kv.num_free_blocks >= need:
+            seated = not need_seat or len(self.running) < self.config.max_num_seqs
+            if seated and self.kv.num_free_blocks >= need:
                 break
         return returned
 
@@ -384,10 +425,6 @@ class Scheduler:
             status = (RequestStatus.FINISHED_STOPPED if reason == "stop"
                       else RequestStatus.FINISHED_LENGTH)
             self._finish(req, status)
-
-    def take_finished_ids(self) -> list[str]:
-        ids, self.finished_ids = self.finished_ids, []
-        return ids
 
     # ---- stats ---------------------------------------------------------------------------
     def _kv_counters(self) -> tuple[int, ...]:

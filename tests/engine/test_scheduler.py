@@ -150,20 +150,116 @@ def test_sjf_runs_the_shortest_job_first_and_aging_prevents_starvation(harness):
     assert plan(h.step())[0][0] == "long"
 
 
-def test_dynamic_policy_prefers_requests_that_are_nearly_done(harness):
-    h = harness(num_blocks=5, block_size=4, max_num_seqs=8, scheduling_policy="dynamic",
-                preemption_mode="recompute")
-    h.add(3, max_tokens=4, rid="a")
-    h.step()
-    h.step()                               # a has 2 of 4 tokens: progress 0.5
-    h.sched.abort_requests([])             # no-op
-    a = h.sched.requests["a"]
-    from kvmesh.engine.policies import dynamic
+def _dynamic_victim(weights) -> tuple[list, list]:
+    """Two running requests outgrow a 4-block cache at t=2: returns (plan, preempted ids)."""
     from kvmesh.common.config import DynamicPriorityWeights
-    key = dynamic(DynamicPriorityWeights(priority=1.0, progress=2.0, waiting=0.0)).key
-    fresh = h.add(3, max_tokens=4, rid="b")
-    assert key(a, 0.0) < key(fresh, 0.0)
-    assert key(a, 0.0)[0] == -1.0 and key(fresh, 0.0)[0] == 0.0
+    from .conftest import Harness
+    h = Harness(num_blocks=4, block_size=4, scheduling_policy="dynamic",
+                preemption_mode="recompute", dynamic_weights=DynamicPriorityWeights(*weights))
+    h.add(7, max_tokens=8, rid="old-slow", arrival=0.0)
+    h.add(7, max_tokens=3, rid="new-fast", arrival=0.5)
+    h.step()
+    h.step()                              # progress: old-slow 2/8, new-fast 2/3
+    out = h.step()                        # both need a third block: the worst key is evicted
+    return plan(out), out.preempted_ids
+
+
+def test_dynamic_policy_weights_decide_which_running_request_is_preempted():
+    # (priority, progress, waiting) weights; keys at t=2 are -progress*p - waiting*age
+    # progress 2, waiting 0.5: old-slow -0.5-1.0 = -1.5, new-fast -1.33-0.75 = -2.08
+    assert _dynamic_victim((1.0, 2.0, 0.5)) == ([("new-fast", 8, 1, True)], ["old-slow"])
+    # progress 2, waiting 2: old-slow -0.5-4 = -4.5, new-fast -1.33-3 = -4.33
+    assert _dynamic_victim((1.0, 2.0, 2.0)) == ([("old-slow", 8, 1, True)], ["new-fast"])
+    # progress 0, waiting 0.5: age alone, like FCFS
+    assert _dynamic_victim((1.0, 0.0, 0.5)) == ([("old-slow", 8, 1, True)], ["new-fast"])
+
+
+def test_dynamic_policy_waiting_weight_decides_admission_order(harness):
+    from kvmesh.common.config import DynamicPriorityWeights
+
+    def order(waiting: float) -> list[str]:
+        h = harness(max_num_seqs=1, scheduling_policy="dynamic",
+                    dynamic_weights=DynamicPriorityWeights(priority=1.0, progress=2.0,
+                                                           waiting=waiting))
+        h.add(3, max_tokens=1, priority=2, rid="old-low", arrival=0.0)
+        h.clock.t = 3.0
+        h.add(3, max_tokens=1, priority=0, rid="new-high")
+        return [plan(h.step())[0][0] for _ in range(2)]
+
+    assert order(0.5) == ["new-high", "old-low"]     # 2 - 0.5*3 = 0.5 > 0
+    assert order(1.0) == ["old-low", "new-high"]     # 2 - 1.0*3 = -1 < 0
+
+
+def test_a_request_preempted_for_a_waiting_one_is_not_readmitted_in_the_same_step(harness):
+    # the no-thrashing guard (Request.last_preempted_step): both lows are evicted for high,
+    # and 2 blocks stay free that r-low-small alone would fit in; it waits for the next step
+    h = harness(num_blocks=4, block_size=4, scheduling_policy="priority",
+                preemption_mode="recompute")
+    h.add(11, max_tokens=5, priority=5, rid="low-big")      # 3 blocks
+    h.add(2, max_tokens=5, priority=6, rid="low-small")     # 1 block
+    h.step()
+    h.add(8, max_tokens=1, priority=0, rid="high")          # 2 blocks
+    out = h.step()
+    assert plan(out) == [("high", 0, 8, True)]
+    assert out.preempted_ids == ["low-small", "low-big"] and out.stats.kv_usage == 0.5
+    out = h.step()
+    assert plan(out) == [("low-big", 0, 12, True), ("low-small", 0, 3, True)]
+    h.run_to_completion()
+
+
+def test_priority_swap_preemption_admits_nothing_else_in_that_step(harness):
+    h = harness(num_blocks=4, block_size=4, num_cpu_blocks=8, scheduling_policy="priority",
+                preemption_mode="swap")
+    low = h.add(13, max_tokens=3, priority=5, rid="low")        # all 4 blocks
+    h.step()
+    h.add(6, max_tokens=2, priority=0, rid="high")              # 2 blocks
+    h.add(2, max_tokens=1, priority=5, rid="later")             # would fit the 2 left
+    out = h.step()
+    assert plan(out) == [("high", 0, 6, True)] and out.preempted_ids == ["low"]
+    assert low.status == RequestStatus.SWAPPED and h.kv.num_free_blocks == 2
+    assert plan(h.step()) == [("high", 6, 1, True)]              # low needs 4 blocks: waits
+    assert plan(h.step()) == [("low", 13, 1, True)]              # later waits behind low
+    assert plan(h.step()) == [("low", 14, 1, True)]
+    assert plan(h.step()) == [("later", 0, 2, True)]
+    assert not h.sched.has_unfinished_requests()
+
+
+def test_priority_preempts_for_a_max_num_seqs_seat(harness):
+    h = harness(max_num_seqs=1, scheduling_policy="priority", preemption_mode="recompute")
+    low = h.add(4, max_tokens=3, priority=5, rid="low")
+    h.step()
+    h.add(4, max_tokens=1, priority=0, rid="high")
+    h.add(4, max_tokens=1, priority=5, rid="peer")              # equal priority: never evicts
+    out = h.step()
+    assert plan(out) == [("high", 0, 4, True)] and out.preempted_ids == ["low"]
+    assert out.stats.num_scheduled_tokens == 4 and out.stats.num_decode_reqs == 0
+    assert low.status == RequestStatus.WAITING
+    assert plan(h.step()) == [("low", 0, 5, True)]
+    assert plan(h.step()) == [("low", 5, 1, True)]
+    assert plan(h.step()) == [("peer", 0, 4, True)]
+    assert low.output_token_ids == [7, 7, 7] and not h.sched.has_unfinished_requests()
+
+
+def test_fcfs_never_preempts_for_a_max_num_seqs_seat(harness):
+    h = harness(max_num_seqs=1, scheduling_policy="fcfs")
+    h.add(4, max_tokens=3, priority=5, rid="low")
+    h.step()
+    h.add(4, max_tokens=1, priority=0, rid="high")
+    out = h.step()
+    assert plan(out) == [("low", 4, 1, True)] and out.preempted_ids == []
+
+
+def test_scheduler_keeps_no_state_for_finished_requests(harness):
+    h = harness(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
+    for i in range(20):
+        h.add(3 + i % 5, max_tokens=1 + i % 3, n=1 + i % 2)
+    h.sched.abort_requests(["r3"])
+    h.run_to_completion()
+    assert sum(r.is_finished for r in h.all_requests) == 30
+    containers = {name: len(v) for name, v in vars(h.sched).items()
+                  if isinstance(v, (list, dict, set))}
+    assert containers == {"waiting": 0, "running": 0, "swapped": 0, "pending_forks": 0,
+                          "requests": 0}
 
 
 def test_abort_frees_every_block_at_once_wherever_the_request_is(harness):
@@ -243,3 +339,70 @@ def test_step_stats_count_every_block_operation_once(harness):
     s = h.step().stats
     assert (s.blocks_allocated, s.blocks_freed, s.num_scheduled_tokens) == (0, 2, 0)
     assert h.kv.num_free_blocks == 8
+
+
+def test_swapped_request_needing_the_whole_cache_comes_back_once_it_is_free(harness):
+    # r1 needs all 3 blocks to decode again; a block of headroom on top could never be free
+    h = harness(num_blocks=3, block_size=4, num_cpu_blocks=16, preemption_mode="swap",
+                max_model_len=12)
+    a = h.add(1, max_tokens=2)
+    b = h.add(8, max_tokens=2)
+    assert plan(h.step()) == [("r0", 0, 1, True), ("r1", 0, 8, True)]
+    out = h.step()                       # r1 needs a third block: it swaps itself out
+    assert plan(out) == [("r0", 1, 1, True)] and out.preempted_ids == ["r1"]
+    assert out.block_ops == [("swap_out", 1, 0), ("swap_out", 2, 1)]
+    assert a.is_finished and b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 8
+    out = h.step()                       # nothing runs: the whole cache is r1's
+    assert plan(out) == [("r1", 8, 1, True)]
+    assert out.block_ops == [("swap_in", 0, 0), ("swap_in", 1, 1)]
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.output_token_ids == [7, 7]
+    assert not h.sched.has_unfinished_requests()
+    assert (h.kv.num_free_blocks, h.kv.num_free_cpu_blocks) == (3, 16)
+    h.kv.check_invariants([])
+
+
+def test_swapped_request_keeps_a_block_of_headroom_while_others_run(harness):
+    h = harness(num_blocks=6, block_size=4, num_cpu_blocks=16, preemption_mode="swap")
+    h.add(1, max_tokens=3)
+    h.add(9, max_tokens=4)
+    c = h.add(7, max_tokens=3)
+    h.step()
+    h.step()
+    out = h.step()                        # r1 needs a 4th block: r2 (latest) swaps out
+    assert plan(out) == [("r0", 2, 1, True), ("r1", 10, 1, True)] and out.preempted_ids == ["r2"]
+    assert (c.num_computed_tokens, h.kv.num_free_blocks) == (8, 3)
+    # r2 needs 3 blocks and 3 are free, but r1 still runs: it waits for one block of headroom
+    assert plan(h.step()) == [("r1", 11, 1, True)]
+    out = h.step()                        # nothing runs: the headroom is not needed
+    assert plan(out) == [("r2", 8, 1, True)]
+    assert [op[0] for op in out.block_ops] == ["swap_in", "swap_in"]
+    assert c.output_token_ids == [7, 7, 7] and not h.sched.has_unfinished_requests()
+
+
+def test_a_request_that_outgrows_the_whole_cache_finishes_instead_of_hanging(harness):
+    for mode in ("swap", "recompute"):
+        # max_model_len 12 but only 8 tokens of cache: the engine forbids this; be robust anyway
+        h = harness(num_blocks=2, block_size=4, num_cpu_blocks=8, preemption_mode=mode,
+                    max_model_len=12)
+        r = h.add(7, max_tokens=4)
+        assert plan(h.step()) == [("r0", 0, 7, True)]
+        assert plan(h.step()) == [("r0", 7, 1, True)]
+        out = h.step()                    # token 9 needs a third block that does not exist
+        assert plan(out) == [] and out.preempted_ids == ["r0"]
+        assert plan(h.step()) == []
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.output_token_ids == [7, 7]
+        assert (h.kv.num_free_blocks, h.kv.num_free_cpu_blocks) == (2, 8)
+        assert not h.sched.has_unfinished_requests()
+
+
+def test_a_prompt_larger_than_the_whole_cache_finishes_with_its_forks(harness):
+    h = harness(num_blocks=2, block_size=4, max_model_len=12)
+    r = h.add(9, max_tokens=2, n=2)
+    ok = h.add(3, max_tokens=1)
+    out = h.step()
+    assert plan(out) == [(ok.request_id, 0, 3, True)]
+    assert [(x.request_id, x.status) for x in h.all_requests] == [
+        ("r0", RequestStatus.FINISHED_LENGTH), ("r0#1", RequestStatus.FINISHED_LENGTH),
+        ("r1", RequestStatus.FINISHED_LENGTH)]
+    assert r.output_token_ids == [] and not h.sched.has_unfinished_requests()
+    assert h.sched.pending_forks == {}

@@ -61,3 +61,58 @@ def test_random_workloads_keep_every_invariant(cfg, ops):
         assert r.is_finished, r
         if r.status != RequestStatus.FINISHED_ABORTED:
             assert 1 <= r.num_output_tokens <= r.max_tokens
+
+
+tiny_configs = st.fixed_dictionaries({
+    "scheduling_policy": st.sampled_from(["fcfs", "priority", "sjf", "dynamic"]),
+    "preemption_mode": st.sampled_from(["swap", "auto"]),
+    "enable_chunked_prefill": st.booleans(),
+    "enable_prefix_caching": st.booleans(),
+    "num_blocks": st.integers(1, 4),
+    "block_size": st.sampled_from([1, 2, 4]),
+    "num_cpu_blocks": st.integers(0, 16),
+    "max_num_seqs": st.integers(1, 4),
+})
+
+tiny_request = st.tuples(st.integers(1, 16), st.integers(1, 16), st.integers(0, 3),
+                         st.integers(0, 2))     # prompt length, max_tokens, priority, steps before
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=tiny_configs, reqs=st.lists(tiny_request, min_size=1, max_size=8))
+def test_tiny_caches_with_swapping_always_make_progress(cfg, reqs):
+    """No step schedules nothing twice in a row while requests are live, and every request
+    finishes with output: a swapped request always comes back once the cache is free."""
+    if cfg["num_blocks"] * cfg["block_size"] < 2:
+        cfg["num_blocks"] = 2                       # a 1-token cache cannot hold any request
+    num_blocks = cfg["num_blocks"]
+    max_model_len = num_blocks * cfg["block_size"]
+    chunked = cfg.pop("enable_chunked_prefill")
+    h = Harness(max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                max_num_batched_tokens=None if chunked else max_model_len,
+                swap_bytes_per_s=1e9, **cfg)
+    idle_steps = 0
+
+    def step() -> None:
+        nonlocal idle_steps
+        live = h.sched.has_unfinished_requests()
+        out = h.step()
+        h.kv.check_invariants(h.sched.requests.keys())
+        idle_steps = idle_steps + 1 if live and not out.scheduled else 0
+        assert idle_steps < 2, "two steps in a row scheduled nothing"
+
+    for plen, max_tokens, priority, wait in reqs:
+        h.add(min(plen, max_model_len - 1), max_tokens=max_tokens, priority=priority)
+        for _ in range(wait):
+            step()
+    # NOTE: a generous bound; without the fix a stuck swapped request never finishes at all.
+    work = sum(r.num_prompt_tokens + r.max_tokens for r in h.all_requests)
+    for _ in range(4 * work):
+        if not h.sched.has_unfinished_requests():
+            break
+        step()
+    assert not h.sched.has_unfinished_requests(), "a request never finished"
+    assert h.kv.num_free_blocks == num_blocks and h.kv.num_free_cpu_blocks == cfg["num_cpu_blocks"]
+    for r in h.all_requests:
+        assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED), r
+        assert r.num_output_tokens == r.max_tokens, r
