@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(also from KVMESH_API_KEY or --api-key-file)")
     p.add_argument("--api-key-file", default=None)
-    p.add_argument("--max-waiting", type=int, default=None,
-                   help="reject new requests with 429 once this many are waiting")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="reject new requests with 429 once this many are waiting (0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -70,7 +70,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     try:
         engine = LLMEngine(config)
         metrics = EngineMetrics(engine.model_name, engine)
-        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting,
+        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting or None,
                                       step_hooks=[metrics.on_step])
         async_engine.abort_hooks.append(metrics.forget)
         if get_tracer() is not None:
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.kv_share and not args.redis_url:
             raise ValueError("--kv-share redis needs --redis-url")
+        if args.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0 (0: no limit), got {args.max_waiting}")
         config = dataclasses.replace(engine_config_from_args(args),
                                      enable_kv_events=bool(args.redis_url),
                                      kv_share_url=args.redis_url if args.kv_share else None)

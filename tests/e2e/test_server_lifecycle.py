@@ -100,6 +100,50 @@ def test_ready_waits_for_the_model_then_back_pressure_then_graceful_shutdown(tmp
         log.close()
 
 
+def test_shutdown_timeout_aborts_what_still_runs_and_exits_0(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--port", str(port),
+                             "--num-kv-blocks", "128", "--max-model-len", "2048",
+                             "--shutdown-timeout", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _ready(url), timeout=120)
+        lines: list[str] = []
+        errors: list[Exception] = []
+
+        def long_stream():       # ~1500 tokens: minutes on this CPU
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                        **BODY, "max_tokens": 1500, "stream": True}) as r:
+                    lines.extend(ln for ln in r.iter_lines() if ln.startswith("data: "))
+            except httpx.HTTPError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        _wait_for(lambda: _gauge(url, "kvmesh:num_requests_running") == 1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        stopped = time.monotonic() - t0
+        t.join(30)
+        assert stopped < 20, stopped                 # the 1 s timeout, then abort and exit
+        assert "data: [DONE]" not in lines           # the stream was cut short ...
+        assert errors or len(lines) < 1500           # ... by closing the connection
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _gauge(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(name + "{"):
@@ -124,3 +168,12 @@ def _wait_for(cond, timeout: float = 30.0) -> None:
             return
         time.sleep(0.02)
     pytest.fail("condition not reached in time")
+
+
+def test_bad_server_flags_are_cli_errors(capsys):
+    from kvmesh.api.server import main
+    assert main(["--max-waiting", "-1"]) == 2
+    assert "kvmesh serve: error: --max-waiting must be >= 0 (0: no limit), got -1" in \
+        capsys.readouterr().err
+    assert main(["--kv-share", "redis"]) == 2
+    assert "--kv-share redis needs --redis-url" in capsys.readouterr().err

@@ -39,7 +39,10 @@ SYSTEM = ("You are a meticulous assistant for a logistics company. Answer in one
           "Policies: 1) refunds within 30 days; 2) express shipping in 2 days; 3) returns free.")
 QUESTIONS = ["Can I get a refund after 10 days?", "How fast is express shipping?",
              "Are returns free?", "Where is my parcel?", "Do you ship abroad?",
-             "What is policy 2?", "Can I change my address?", "Who pays for returns?"]
+             "What is policy 2?", "Can I change my address?", "Who pays for returns?",
+             "Is there a fee for express?", "Can I return a used item?", "How do I track it?",
+             "What if the parcel is damaged?", "Do you deliver on Sundays?",
+             "Can I cancel my order?", "Is policy 3 new?", "How long do refunds take?"]
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +163,10 @@ def test_every_policy_under_memory_pressure_matches(smollm, prompts, expected, p
 
 
 def test_n_samples_share_the_prompt_and_each_matches_greedy(smollm, prompts, expected):
-    subset = prompts[:6]
-    out, totals = run_greedy(make_engine(smollm, block_size=8), subset, n=3)
-    assert all(len(samples) == 3 for samples in out)
+    out, totals = run_greedy(make_engine(smollm, block_size=8), prompts, n=3)
+    assert len(prompts) >= 16 and all(len(samples) == 3 for samples in out)
     assert totals["cow_copies"] > 0
-    assert_matches(out, subset, expected)
+    assert_matches(out, prompts, expected)
 
 
 def test_seeded_sampling_is_reproducible_across_batch_compositions(smollm, prompts):
