@@ -1,0 +1,84 @@
+"""The CRD's CEL rules (x-kubernetes-validations) evaluated with cel-python the way the API server
+runs them: on the defaulted object, at the node that declares them, only where that node exists.
+They must agree with the operator's own validator (`crd.parse`) on every good and bad example."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import celpy
+import pytest
+
+from kvmesh.operator import crd
+
+from .examples import load_example
+from .test_crd import CROSS_FIELD, _apply_defaults, _schema
+
+_ENV = celpy.Environment()
+
+
+def _rules(schema: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str, str]]:
+    for r in schema.get("x-kubernetes-validations", []):
+        yield path, r["rule"], r["message"]
+    for key, prop in schema.get("properties", {}).items():
+        yield from _rules(prop, (*path, key))
+
+
+RULES = [(path, _ENV.program(_ENV.compile(rule)), message) for path, rule, message in _rules(_schema())]
+
+
+def _node(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return None
+        obj = obj[key]
+    return obj
+
+
+def failures(cr: dict[str, Any]) -> list[str]:
+    """The messages of the rules the API server would reject `cr` with."""
+    defaulted = _apply_defaults(_schema(), cr)
+    out = []
+    for path, program, message in RULES:
+        node = _node(defaulted, path)
+        if node is not None and not bool(program.evaluate({"self": celpy.json_to_cel(node)})):
+            out.append(message)
+    return out
+
+
+def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
+    return {"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+
+
+def test_the_crd_declares_every_cross_field_rule() -> None:
+    assert len(RULES) == 10
+
+
+@pytest.mark.parametrize("spec", [
+    load_example("minimal.yaml")["spec"],
+    load_example("full.yaml")["spec"],
+    {"model": {"source": "uri", "uri": "/opt/models/m.gguf", "tokenizer": "/opt/models/tok"}},
+    {"model": {}, "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 64}},
+    {"model": {}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
+], ids=["minimal", "full", "local-paths", "equal-seqs-and-tokens", "equal-min-max"])
+def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
+    crd.parse("x", "ns", spec)                              # the operator agrees
+    assert failures(_cr(spec)) == []
+
+
+@pytest.mark.parametrize(("spec", "problems"), CROSS_FIELD)
+def test_bad_specs_fail_as_many_rules_as_the_operator_reports(spec: dict[str, Any],
+                                                              problems: list[str]) -> None:
+    assert len(failures(_cr(spec))) == len(problems) >= 1
+
+
+def test_a_long_name_fails_the_name_rule_alone() -> None:
+    (message,) = failures(_cr({"model": {}}, name="x" * 46))
+    assert "45" in message
+    assert failures(_cr({"model": {}}, name="x" * 45)) == []
+
+
+def test_every_rule_rejects_some_example() -> None:
+    seen = {m for spec, _ in CROSS_FIELD for m in failures(_cr(spec))}
+    seen |= set(failures(_cr({"model": {}}, name="x" * 46)))
+    assert seen == {message for _, _, message in RULES}
