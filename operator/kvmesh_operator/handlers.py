@@ -17,7 +17,7 @@ import kopf
 from . import GROUP, PLURAL, VERSION, autoscale, crd, redis_cleanup
 from . import resources as R
 from . import status as S
-from .apply import apply
+from .apply import apply, fingerprint_key, fingerprints_update
 from .kube import KubeClient, KubeError
 
 FINALIZER = "kvmesh.io/finalizer"
@@ -80,6 +80,14 @@ def _note_forbidden(kind: str, warned: set[str]) -> None:
         log.warning("no RBAC for %s (chart value %s=false): not managing them", kind, R.OPTIONAL_KINDS[kind])
 
 
+def _note_action(body: Any, child: dict[str, Any], action: str) -> None:
+    what = f"{child['kind']} {child['metadata']['name']}"
+    if action == "reverted":
+        kopf.event(body, type="Warning", reason="Reverted", message=f"reverted {what}: changed outside the operator")
+    elif action != "unchanged":
+        kopf.event(body, type="Normal", reason=action.capitalize(), message=f"{action} {what}")
+
+
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
                patch: Any, autoscaled: int | None, warned: set[str] | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
@@ -92,10 +100,13 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     desired = R.build_children(svc, owner, replicas)
     observed: S.Observed = {}
     forbidden: set[str] = set()
+    recorded = dict(status.get("childFingerprints") or {})
+    fingerprints: dict[str, str] = {}
     try:
         for child in desired:
+            key = fingerprint_key(child)
             try:
-                result = await apply(kube, child)
+                result = await apply(kube, child, recorded.get(key))
             except KubeError as err:
                 if not is_forbidden_optional(err, child["kind"]):
                     raise
@@ -103,9 +114,8 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
                 _note_forbidden(child["kind"], warned)
                 continue
             observed[R.child_key(child)] = result.obj
-            if result.action != "unchanged":
-                kopf.event(body, type="Normal", reason=result.action.capitalize(),
-                          message=f"{result.action} {child['kind']} {child['metadata']['name']}")
+            fingerprints[key] = result.fingerprint
+            _note_action(body, child, result.action)
         wanted = {R.child_key(c) for c in desired}
         for api_version, kind, name in R.possible_children(svc):
             if (api_version, kind, name) in wanted or kind in forbidden:
@@ -122,8 +132,11 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
                     raise
                 _note_forbidden(kind, warned)
     except KubeError as err:
+        # NOTE: a merge patch: children not reached this time keep their recorded fingerprints.
+        patch.status["childFingerprints"] = fingerprints
         kopf.event(body, type="Warning", reason="ApplyFailed", message=str(err))
         raise kopf.TemporaryError(str(err), delay=10) from err
+    patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"),

@@ -204,6 +204,8 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
     "selector": _str("Label selector of the engine pods (scale subresource)."),
     "url": _str("Where clients reach the OpenAI API."),
     "lastScaleTime": _str("When the operator's autoscaler last changed replicas.", format="date-time"),
+    "childFingerprints": _string_map("Per child (Kind/name): a hash of the fields the operator owns as its last "
+                                     "write left them; a different live hash means an edit to revert."),
     "conditions": {"type": "array", "description": "Conditions.", "items": _CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
 })

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.operator import autoscale, crd, redis_cleanup
-from kvmesh.operator.apply import APPLIED_HASH, desired_hash, patch_ops
+from kvmesh.operator.apply import (APPLIED_HASH, RESTARTED_AT, decide, desired_hash, fingerprint_key,
+                                   fingerprints_update, live_fingerprint, patch_ops)
 
 SPEC = crd.AutoscalingSpec(enabled=True, mode="operator", min_replicas=1, max_replicas=6,
                            target_waiting_requests=4, cooldown_seconds=60, prometheus_address=None)
@@ -81,6 +82,79 @@ def test_patch_ops_keep_foreign_annotations_and_hpa_replicas() -> None:
         {"op": "add", "path": "/metadata/annotations/kvmesh.io~1applied-hash", "value": "h"},
         {"op": "add", "path": "/spec", "value": {"replicas": 4, "template": {}}}]
     assert desired_hash(desired) == desired_hash(dict(desired))
+
+
+def _deployment(spec: dict[str, Any], digest: str = "h", **meta: Any) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": "n", "annotations": {APPLIED_HASH: digest}, **meta},
+            "spec": spec, "status": {"readyReplicas": 1}}
+
+
+TEMPLATE = {"metadata": {"annotations": {"a": "1"}},
+            "spec": {"containers": [{"name": "engine", "image": "kvmesh:1", "terminationMessagePath": "/dev/x"}]}}
+
+
+def test_the_fingerprint_covers_owned_fields_only() -> None:
+    desired = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"replicas": 2, "template": {}}}
+    live = _deployment({"replicas": 2, "template": TEMPLATE})
+    fp = live_fingerprint(desired, live)
+    assert fp == desired_hash({"spec": {"replicas": 2, "template": TEMPLATE}})
+    # metadata and status belong to others
+    assert live_fingerprint(desired, {**_deployment({"replicas": 2, "template": TEMPLATE}, revision="9"),
+                                      "status": {}}) == fp
+    # an edited image or replica count does not match
+    edited = {"metadata": TEMPLATE["metadata"], "spec": {"containers": [{**TEMPLATE["spec"]["containers"][0],
+                                                                         "image": "evil:1"}]}}
+    assert live_fingerprint(desired, _deployment({"replicas": 2, "template": edited})) != fp
+    assert live_fingerprint(desired, _deployment({"replicas": 5, "template": TEMPLATE})) != fp
+    # `kubectl rollout restart` does not count as an edit
+    restarted = {**TEMPLATE, "metadata": {"annotations": {"a": "1", RESTARTED_AT: "2025-01-01T00:00:00Z"}}}
+    assert live_fingerprint(desired, _deployment({"replicas": 2, "template": restarted})) == fp
+
+
+def test_the_fingerprint_ignores_replicas_an_hpa_owns() -> None:
+    desired = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"template": {}}}
+    fp = live_fingerprint(desired, _deployment({"replicas": 1, "template": TEMPLATE}))
+    assert fp == desired_hash({"spec": {"template": TEMPLATE}})
+    assert live_fingerprint(desired, _deployment({"replicas": 7, "template": TEMPLATE})) == fp
+
+
+def test_the_fingerprint_of_a_config_map_is_its_data() -> None:
+    desired = {"kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"engine.json": "{}"}}
+    live = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "resourceVersion": "3"},
+            "data": {"engine.json": "{}"}}
+    assert live_fingerprint(desired, live) == desired_hash({"data": {"engine.json": "{}"}})
+    assert live_fingerprint(desired, {**live, "data": {"engine.json": "[]"}}) != live_fingerprint(desired, live)
+
+
+def test_decide() -> None:
+    desired = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"replicas": 2, "template": {}}}
+    live = _deployment({"replicas": 2, "template": TEMPLATE}, digest="h1")
+    fp = live_fingerprint(desired, live)
+    assert decide(desired, "h1", None, fp) == "create"
+    assert decide(desired, "h1", {**live, "metadata": {**live["metadata"], "deletionTimestamp": "t"}}, fp) == "wait"
+    assert decide(desired, "h2", live, fp) == "patch"  # the desired form changed
+    assert decide(desired, "h1", live, None) == "patch"  # nothing recorded: reassert once
+    assert decide(desired, "h1", live, fp) == "keep"
+    assert decide(desired, "h1", _deployment({"replicas": 5, "template": TEMPLATE}, digest="h1"), fp) == "revert"
+
+
+def test_fingerprints_update_drops_children_gone() -> None:
+    assert fingerprint_key({"kind": "Service", "metadata": {"name": "smol"}}) == "Service/smol"
+    assert fingerprints_update({"Service/a": "1", "Ingress/a": "2"}, {"Service/a": "3", "ConfigMap/c": "4"}) == {
+        "Ingress/a": None, "Service/a": "3", "ConfigMap/c": "4"}
+
+
+def test_patch_ops_keep_a_rollout_restart() -> None:
+    desired = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": {"name": "d", "namespace": "n", "labels": {}, "ownerReferences": [],
+                            "annotations": {APPLIED_HASH: "h"}},
+               "spec": {"replicas": 2, "template": {"metadata": {"annotations": {"a": "1"}}, "spec": {}}}}
+    live = {"metadata": {}, "spec": {"replicas": 3, "template": {"metadata": {"annotations": {
+        "a": "0", RESTARTED_AT: "2025-01-01T00:00:00Z"}}}}}
+    assert patch_ops(desired, live)[-1] == {"op": "add", "path": "/spec", "value": {
+        "replicas": 2, "template": {"metadata": {"annotations": {"a": "1", RESTARTED_AT: "2025-01-01T00:00:00Z"}},
+                                    "spec": {}}}}
 
 
 def test_only_a_403_on_an_optional_kind_is_tolerated() -> None:

@@ -132,6 +132,9 @@ async def test_lifecycle(cluster: Any) -> None:
     cr = await wait_for(lambda: (c := _cr(server)) and _cond(c, "IngressReady").get("reason") == "Disabled" and c,
                         what="IngressReady Disabled")
     assert cr["status"]["url"] == "http://smol.team-a.svc"
+    assert sorted(cr["status"]["childFingerprints"]) == [
+        "ConfigMap/smol-engine-config", "Deployment/smol-engine", "Deployment/smol-redis", "Deployment/smol-router",
+        "Service/smol", "Service/smol-engine", "Service/smol-redis"]
 
     # delete: kopf runs the finalizer handler (managed Redis: nothing to clean), then releases the object
     async with server.request("DELETE", f"{CR_PATH}/smol") as resp:
@@ -288,3 +291,78 @@ async def test_forbidden_optional_kinds_do_not_break_reconcile(cluster: Any) -> 
     await asyncio.sleep(0.8)  # a few resync ticks
     assert [r for r in list(server) if r.url.path.startswith("/apis/keda.sh/")]  # it did ask, and was refused
     assert not [e for e in _events(server) if e[0] == "ApplyFailed"]
+
+
+def _writes_to_children(requests: list[Any]) -> list[tuple[str, str]]:
+    return [(r.method.value, r.url.path) for r in requests if r.method.value in ("POST", "PATCH", "PUT")
+            and r.resource is not None and r.resource.plural in ("deployments", "services", "configmaps")]
+
+
+async def _steady(server: Any, name: str, children: set[str]) -> list[Any]:
+    """Wait until every child's fingerprint is recorded and a resync has seen it; the requests after that."""
+    import asyncio
+    await wait_for(lambda: set((_cr(server, name) or {}).get("status", {}).get("childFingerprints") or {})
+                   == children, what="fingerprints recorded")
+    await asyncio.sleep(0.5)  # NOTE: lets a resync that started before the status write finish
+    return list(server)
+
+
+async def test_edits_behind_the_operators_back_are_reverted(cluster: Any) -> None:
+    import asyncio
+    server = cluster
+    await _create(server, "drift", {"model": {}, "replicas": 2, "router": {"enabled": False}})
+    children = {"Deployment/drift-redis", "Service/drift-redis", "ConfigMap/drift-engine-config",
+                "Service/drift-engine", "Deployment/drift-engine", "Service/drift"}
+    before = await _steady(server, "drift", children)
+    engine = obj(server, "apps/v1/deployments", "drift-engine")
+    config = obj(server, "v1/configmaps", "drift-engine-config")
+
+    # nothing edited: resyncs read every child and write none
+    await asyncio.sleep(1.0)
+    window = list(server)[len(before):]
+    engine_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/drift-engine"
+    assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
+    assert _writes_to_children(window) == []
+
+    # `kubectl edit` of the image, `kubectl scale`, and a ConfigMap edit → patched back on the next resync
+    await _post(server, engine_path, [
+        {"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "ghcr.io/evil/kvmesh:6.6.6"},
+        {"op": "replace", "path": "/spec/replicas", "value": 5}],
+        method="patch", content_type="application/json-patch+json")
+    await _post(server, f"/api/v1/namespaces/{NAMESPACE}/configmaps/drift-engine-config",
+                {"data": {"engine.json": "{}\n"}}, method="patch", content_type="application/merge-patch+json")
+    assert obj(server, "apps/v1/deployments", "drift-engine")["spec"]["replicas"] == 5
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "drift-engine")["spec"] == engine["spec"],
+                   what="engine Deployment reverted")
+    await wait_for(lambda: obj(server, "v1/configmaps", "drift-engine-config")["data"] == config["data"],
+                   what="ConfigMap reverted")
+    reverted = await wait_for(lambda: len(r := [e for e in _events(server) if e[0] == "Reverted"]) == 2 and r,
+                              what="Reverted events")
+    assert sorted(reverted) == [
+        ("Reverted", "reverted ConfigMap drift-engine-config: changed outside the operator"),
+        ("Reverted", "reverted Deployment drift-engine: changed outside the operator")]
+    # and the new fingerprints make the next resyncs quiet again
+    before = await _steady(server, "drift", children)
+    await asyncio.sleep(1.0)
+    assert _writes_to_children(list(server)[len(before):]) == []
+
+
+async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
+    import asyncio
+    server = cluster
+    await _create(server, "hpa", {"model": {}, "router": {"enabled": False}, "autoscaling": {
+        "enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 8}})
+    children = {"Deployment/hpa-redis", "Service/hpa-redis", "ConfigMap/hpa-engine-config",
+                "Service/hpa-engine", "Deployment/hpa-engine", "Service/hpa",
+                "HorizontalPodAutoscaler/hpa-engine"}
+    await _steady(server, "hpa", children)
+    engine_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/hpa-engine"
+    await _post(server, engine_path, {"spec": {"replicas": 4}}, method="patch",  # what the HPA does
+                content_type="application/merge-patch+json")
+    before = list(server)
+    await asyncio.sleep(1.0)
+    window = list(server)[len(before):]
+    assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
+    assert _writes_to_children(window) == []
+    assert obj(server, "apps/v1/deployments", "hpa-engine")["spec"]["replicas"] == 4
+    assert not [e for e in _events(server) if e[0] == "Reverted"]

@@ -1,6 +1,7 @@
 """The Dockerfile is hadolint-clean and keeps the image contract (pinned, non-root, cache volume)."""
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
@@ -8,6 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from packaging.utils import canonicalize_name
+
+from .constraints import (CONSTRAINTS, parse_pins, pinned_elsewhere, project_requirements,
+                          requirements_of)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -36,7 +42,7 @@ def test_image_contract() -> None:
     for arg in ("PYTHON_VERSION=3.11.", "TORCH_VERSION=2.13.0", "TRITON_VERSION=3.9.0"):
         assert f"ARG {arg}" in DOCKERFILE
     assert '"torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}"' in DOCKERFILE
-    assert "pip install \"torch==${TORCH_VERSION}\" ." in DOCKERFILE
+    assert 'pip install --no-cache-dir -c docker/constraints.txt "torch==${TORCH_VERSION}" .' in DOCKERFILE
     assert "USER 10001:10001" in DOCKERFILE
     assert 'VOLUME ["/home/kvmesh/.cache"]' in DOCKERFILE
     assert 'ENTRYPOINT ["kvmesh"]' in DOCKERFILE
@@ -48,3 +54,42 @@ def test_dockerignore_keeps_the_context_small() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".git", ".venv", "tests", "**/__pycache__"):
         assert entry in ignored
+
+
+def test_constraints_pin_every_runtime_dependency() -> None:
+    pins = parse_pins(CONSTRAINTS.read_text())
+    assert [name for name, version in pins.items() if not version] == []  # every line is a == pin
+    assert not any(pinned_elsewhere(name) for name in pins)           # never the build-arg pins
+    # every direct requirement is pinned, to a version it accepts
+    direct = [r for r in project_requirements() if not pinned_elsewhere(r.name)]
+    assert [str(r) for r in direct if not r.specifier.contains(pins.get(canonicalize_name(r.name), "0"),
+                                                              prereleases=True)] == []
+    # NOTE: the transitive closure is read from installed metadata, which is only the pinned
+    # metadata where the installed version equals the pin (a fresh CI venv may resolve newer
+    # versions): there, every dependency must be pinned too, to a version it accepts.
+    same = {name for name, version in pins.items() if _installed(name) == version}
+    missing = [(name, str(dep)) for name in sorted(same) for dep in requirements_of(name)
+               if not pinned_elsewhere(dep.name)
+               and not dep.specifier.contains(pins.get(canonicalize_name(dep.name), "0"),
+                                              prereleases=True)]
+    assert missing == [], "regenerate: .venv/bin/python tests/packaging/constraints.py"
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def test_the_image_installs_with_the_constraints() -> None:
+    assert "COPY docker/constraints.txt ./docker/constraints.txt" in DOCKERFILE
+    copy, install = DOCKERFILE.index("COPY docker/constraints.txt"), DOCKERFILE.index("-c docker/constraints.txt")
+    assert copy < install
+    # NOTE: `pip install .` is the one step resolving the project's dependencies; it must be constrained.
+    assert [line.strip() for line in DOCKERFILE.splitlines() if re.search(r"pip install\b.*(\s\.\s|\s\.$)", line)] \
+        == ['RUN pip install --no-cache-dir -c docker/constraints.txt "torch==${TORCH_VERSION}" . \\']
+
+
+def test_parse_pins() -> None:
+    assert parse_pins("# c\nFoo_Bar==1.2  # why\n\nbaz>=2\n") == {"foo-bar": "1.2", "baz": ""}
