@@ -40,8 +40,11 @@ def scrape(server) -> dict[tuple[str, str], float]:
 
 
 def delta(before: dict, after: dict, name: str, labels: str = "") -> float:
-    """after - before; a sample missing after is a KeyError (a misspelt name must not pass)."""
-    return after[(name, labels)] - before.get((name, labels), 0.0)
+    """after - before. A metric name with no sample at all is a KeyError (a misspelt name must
+    not pass); a label value not seen yet counts 0 (labelled samples appear on first use)."""
+    if not any(n == name for n, _ in after):
+        raise KeyError(name)
+    return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
 
 
 def complete(server, prompt: str, **body) -> dict:
