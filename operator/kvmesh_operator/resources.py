@@ -22,6 +22,8 @@ CACHE_DIR = "/home/kvmesh/.cache"  # an emptyDir in engine and router pods
 TRITON_CACHE_DIR = f"{CACHE_DIR}/triton"
 MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/kvmesh"
+CONFIG_KEY = "engine.json"  # the ConfigMap key, a file in CONFIG_DIR
+CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"  # what `kvmesh serve --config` reads
 MANAGED_BY = "kvmesh-operator"
 OWNER_LABEL = "kvmesh.io/inference-service"
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"
@@ -138,10 +140,17 @@ def tracing_env(svc: InferenceService) -> list[dict[str, Any]]:
 
 # ---- engine -----------------------------------------------------------------------------------------
 def engine_config(svc: InferenceService) -> dict[str, Any]:
-    """The engine settings, as written to the ConfigMap (and hashed into the pod template)."""
+    """The engine settings, as written to the ConfigMap (and hashed into the pod template).
+
+    The engine reads them with `kvmesh serve --config /etc/kvmesh/engine.json`: every key is a
+    `kvmesh serve` flag name (underscores for dashes) and every value has that flag's type, so the
+    server's --config loader accepts the file as is; null means the flag's default (the built-in
+    model, the model's own tokenizer).
+    """
     e = svc.engine
     return {
-        "model": _model_arg(svc), "served_model_name": svc.model.served_name, "tokenizer": svc.model.tokenizer,
+        "model": _model_arg(svc) or None, "served_model_name": svc.model.served_name,
+        "tokenizer": svc.model.tokenizer,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "block_size": e.block_size, "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
         "scheduling_policy": e.scheduling_policy, "enable_prefix_caching": e.enable_prefix_caching,
@@ -163,19 +172,14 @@ def _model_arg(svc: InferenceService) -> str:
 
 
 def engine_args(svc: InferenceService) -> list[str]:
-    """`kvmesh serve` arguments (the image's entrypoint is `kvmesh`)."""
-    e = svc.engine
-    args = ["serve", "--model", _model_arg(svc), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-            "--served-model-name", svc.model.served_name,
-            "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--block-size", str(e.block_size), "--kv-cache-memory-fraction", str(e.kv_cache_memory_fraction),
-            "--scheduling-policy", e.scheduling_policy,
-            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--preemption-mode", e.preemption_mode, "--redis-url", redis_url(svc),
-            # NOTE: $(POD_NAME) is expanded by the kubelet from the container's env.
+    """`kvmesh serve` arguments (the image's entrypoint is `kvmesh`).
+
+    The engine settings come from the mounted ConfigMap (`--config`), never repeated here; only
+    what is not in it: the listen address, the pod's id and the tracing endpoint.
+    """
+    # NOTE: $(POD_NAME) is expanded by the kubelet from the container's env.
+    args = ["serve", "--config", CONFIG_FILE, "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
             "--pod-id", "$(POD_NAME)"]
-    if svc.model.tokenizer is not None:
-        args += ["--tokenizer", svc.model.tokenizer]
     if svc.tracing.otlp_endpoint is not None:
         args += ["--otlp-traces-endpoint", svc.tracing.otlp_endpoint]
     return args
@@ -268,7 +272,7 @@ def build_engine_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, owner, config_name(svc), "engine"),
-            "data": {"engine.json": json.dumps(engine_config(svc), sort_keys=True, indent=2) + "\n"}}
+            "data": {CONFIG_KEY: json.dumps(engine_config(svc), sort_keys=True, indent=2) + "\n"}}
 
 
 # ---- router and the front Service ------------------------------------------------------------------

@@ -22,7 +22,8 @@ import uvicorn
 from kvmesh.api import kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
-from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
+from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
+                                  parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
@@ -36,6 +37,9 @@ ENGINE_HOOKS: list[EngineHook] = [kv_publishing.attach]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh serve", description="OpenAI-compatible server")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON (or *.yaml) file of flag defaults: keys are the long flag names without "
+                   "dashes ('max-num-seqs' or 'max_num_seqs'); flags on the command line override it")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
@@ -52,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv_publishing.add_args(p)
     add_engine_args(p)
     return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line over the --config file over the built-in defaults (errors exit 2)."""
+    return parse_args_with_config(build_parser(), argv)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -108,7 +117,7 @@ def make_lifespan(state: ServerState, config: EngineConfig, args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -123,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
         return 2
-    if args.model is not None and not os.path.exists(args.model):
-        print(f"kvmesh serve: error: model path does not exist: {args.model}", file=sys.stderr)
+    if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
+        print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
     state = ServerState(api_key=_api_key(args))
     app = create_app(state, lifespan=make_lifespan(state, config, args))

@@ -1,7 +1,9 @@
-"""Engine configuration: CLI / keyword arguments -> one frozen, validated dataclass."""
+"""Engine configuration: CLI / keyword arguments / a --config file -> one frozen, validated dataclass."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 from dataclasses import asdict, dataclass, field, fields
 
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
@@ -138,3 +140,169 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(ns).items() if k in _ENGINE_FIELDS}
     return EngineConfig(**values)
+
+
+# ---- --config FILE: flag defaults from a JSON / YAML file (like vLLM's --config) -----------------
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or holds a key / value the parser does not accept."""
+
+
+def _describe(value: object) -> str:
+    """A value as a config file's reader sees it: its JSON type, then the value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"integer {value}"
+    if isinstance(value, float):
+        return f"number {value}"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+_FLAG_ACTIONS = (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction)
+
+
+def config_file_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every key a config file may set: long flag name without dashes ("max-num-seqs") -> action.
+
+    Not settable: --help, --config itself, the negative spelling of a boolean (--no-X: write
+    "X": false) and flags that are not a single value.
+    """
+    out: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest == "config" or not isinstance(action, _FLAG_ACTIONS):
+            continue
+        if isinstance(action, argparse._StoreAction) and action.nargs is not None:
+            continue
+        names = [s for s in action.option_strings if s.startswith("--")]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            names = names[:1]
+        for name in names:
+            out[name[2:]] = action
+    return out
+
+
+def _coerce(action: argparse.Action, key: str, value: object, where: str) -> object:
+    def bad(expected: str) -> ConfigFileError:
+        return ConfigFileError(f"{where}: key {key!r} must be {expected}, got {_describe(value)}")
+
+    if not isinstance(action, argparse._StoreAction):   # booleans and store_const flags
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return value
+        return action.const if value else action.default
+    nullable = action.default is None
+    if value is None:
+        if nullable:
+            return None
+        kind = {int: "an integer", float: "a number"}.get(action.type, "a string")
+        raise bad(kind)
+    or_null = " or null" if nullable else ""
+    if action.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer" + or_null)
+    elif action.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number" + or_null)
+        value = float(value)
+    elif action.type is None:
+        if not isinstance(value, str):
+            raise bad("a string" + or_null)
+    else:
+        if not isinstance(value, str):
+            raise bad("a string" + or_null)
+        try:
+            value = action.type(value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            raise ConfigFileError(f"{where}: key {key!r}: invalid value {value!r}: {e}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigFileError(f"{where}: key {key!r} must be one of "
+                              f"{', '.join(map(str, action.choices))}, got {_describe(value)}")
+    return value
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigFileError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def read_config_file(path: str) -> dict:
+    """The mapping in a JSON file (YAML when it is named *.yaml / *.yml)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigFileError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"cannot read config file {path}: not UTF-8 text ({e.reason})") from None
+    if path.lower().endswith((".yaml", ".yml")):
+        import yaml
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:   # its str() spans several lines: keep the problem and where
+            mark = getattr(e, "problem_mark", None)
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigFileError(f"config file {path} is not valid YAML: {what}{at}") from None
+        data = {} if data is None else data   # an empty YAML file sets nothing
+    else:
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except json.JSONDecodeError as e:
+            raise ConfigFileError(f"config file {path} is not valid JSON: {e}") from None
+        except ConfigFileError as e:
+            raise ConfigFileError(f"config file {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"config file {path} must hold a mapping of flag names to values, "
+                              f"got {_describe(data)}")
+    return data
+
+
+def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    """Parser defaults (dest -> value) from a config file whose keys are long flag names without
+    the dashes, in either spelling ("max-num-seqs" or "max_num_seqs")."""
+    data = read_config_file(path)
+    flags = config_file_flags(parser)
+    where = f"config file {path}"
+    out: dict[str, object] = {}
+    seen: dict[str, str] = {}   # dest -> the key that set it
+    for key, value in data.items():
+        name = key.replace("_", "-") if isinstance(key, str) else None
+        action = flags.get(name) if name is not None else None
+        if action is None:
+            hint = difflib.get_close_matches(name, flags, n=1) if name is not None else []
+            raise ConfigFileError(f"{where}: unknown key {key!r}"
+                                  + (f" (did you mean {hint[0]!r}?)" if hint else
+                                     f" (not a flag of {parser.prog})"))
+        if action.dest in seen:
+            raise ConfigFileError(f"{where}: key {key!r} sets the same flag as {seen[action.dest]!r}")
+        seen[action.dest] = key
+        out[action.dest] = _coerce(action, key, value, where)
+    return out
+
+
+def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """parser.parse_args, where `--config FILE` (dest "config") supplies the defaults: command-line
+    flags override the file, the file overrides the built-in defaults. Errors exit 2 via parser.error."""
+    args = parser.parse_args(argv)
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    try:
+        defaults = config_file_defaults(parser, path)
+    except ConfigFileError as e:
+        parser.error(str(e))
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)

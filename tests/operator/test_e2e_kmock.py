@@ -1,6 +1,7 @@
 """The real kopf operator against an in-memory API server (kmock): the whole lifecycle."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -71,8 +72,9 @@ async def test_lifecycle(cluster: Any) -> None:
     engine = obj(server, "apps/v1/deployments", "smol-engine")
     assert engine["spec"]["replicas"] == 1
     args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:4] == ["serve", "--model", "", "--host"]
-    assert "redis://smol-redis.team-a.svc:6379/0" in args
+    assert args[:3] == ["serve", "--config", "/etc/kvmesh/engine.json"]
+    config = obj(server, "v1/configmaps", "smol-engine-config")
+    assert json.loads(config["data"]["engine.json"])["redis_url"] == "redis://smol-redis.team-a.svc:6379/0"
     assert cr["status"]["phase"] == "Pending"
     assert cr["status"]["observedGeneration"] == 1
     assert _cond(cr, "EnginesReady")["reason"] == "AwaitingPods"
@@ -100,9 +102,10 @@ async def test_lifecycle(cluster: Any) -> None:
     await _post(server, f"{CR_PATH}/smol", {"spec": {"model": {"source": "uri", "uri": "/opt/models/SmolLM2-360M"}}},
                 method="patch", content_type="application/merge-patch+json")
     engine = await wait_for(lambda: (d := obj(server, "apps/v1/deployments", "smol-engine")) and
-                            "/opt/models/SmolLM2-360M" in d["spec"]["template"]["spec"]["containers"][0]["args"]
+                            d["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash
                             and d, what="model rollout")
-    assert engine["spec"]["template"]["metadata"]["annotations"]["kvmesh.io/config-hash"] != old_hash
+    assert engine["spec"]["template"]["spec"]["containers"][0]["args"][:3] == [
+        "serve", "--config", "/etc/kvmesh/engine.json"]  # the args stay; the hash rolls the pods
     assert engine["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     await wait_for(lambda: _cr(server)["status"]["observedGeneration"] == 2, what="observedGeneration 2")
     config = obj(server, "v1/configmaps", "smol-engine-config")

@@ -72,11 +72,11 @@ def test_engine_deployment_minimal() -> None:
         "prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics",
         "kvmesh.io/config-hash": R.config_hash(_svc())}
     (c,) = pod["spec"]["containers"]
-    assert c["args"] == ["serve", "--model", "", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "smol",
-                         "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--block-size", "16",
-                         "--kv-cache-memory-fraction", "0.9", "--scheduling-policy", "fcfs",
-                         "--enable-prefix-caching", "--preemption-mode", "recompute",
-                         "--redis-url", "redis://smol-redis.team-a.svc:6379/0", "--pod-id", "$(POD_NAME)"]
+    # the engine settings come from the ConfigMap, mounted where --config reads it, never as args
+    assert c["args"] == ["serve", "--config", "/etc/kvmesh/engine.json", "--host", "0.0.0.0", "--port", "8000",
+                         "--pod-id", "$(POD_NAME)"]
+    assert {"name": "config", "mountPath": "/etc/kvmesh", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "config", "configMap": {"name": "smol-engine-config"}} in pod["spec"]["volumes"]
     assert c["env"] == [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -106,11 +106,15 @@ def test_engine_deployment_full() -> None:
     assert "replicas" not in dep["spec"]  # KEDA owns the count
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["args"][:3] == ["serve", "--model", "/models/Llama-3.1-8B-Instruct"]
-    assert c["args"][-6:] == ["--pod-id", "$(POD_NAME)", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct",
-                              "--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
-    assert "--no-enable-prefix-caching" in c["args"]
-    assert c["args"][c["args"].index("--redis-url") + 1] == "rediss://redis.infra.svc:6380/2"
+    assert c["args"] == ["serve", "--config", "/etc/kvmesh/engine.json", "--host", "0.0.0.0", "--port", "8000",
+                         "--pod-id", "$(POD_NAME)",
+                         "--otlp-traces-endpoint", "http://otel-collector.observability:4317"]
+    assert json.loads(R.build_config_map(svc, OWNER)["data"]["engine.json"]) == {
+        "model": "/models/Llama-3.1-8B-Instruct", "served_model_name": "llama-3.1-8b-instruct",
+        "tokenizer": "/models/tokenizers/Llama-3.1-8B-Instruct", "max_num_seqs": 128,
+        "max_num_batched_tokens": 16384, "block_size": 32, "kv_cache_memory_fraction": 0.85,
+        "scheduling_policy": "priority", "enable_prefix_caching": False, "preemption_mode": "swap",
+        "redis_url": "rediss://redis.infra.svc:6380/2"}
     assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                               "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
     assert [e["name"] for e in c["env"]] == [
@@ -216,13 +220,17 @@ def test_engine_replicas_policy() -> None:
 def test_config_map_and_hash_follow_engine_settings() -> None:
     cm = R.build_config_map(_svc(), OWNER)
     assert json.loads(cm["data"]["engine.json"]) == {
-        "model": "", "served_model_name": "smol", "tokenizer": None, "max_num_seqs": 256,
+        "model": None, "served_model_name": "smol", "tokenizer": None, "max_num_seqs": 256,
         "max_num_batched_tokens": 8192, "block_size": 16, "kv_cache_memory_fraction": 0.9,
         "scheduling_policy": "fcfs", "enable_prefix_caching": True, "preemption_mode": "recompute",
         "redis_url": "redis://smol-redis.team-a.svc:6379/0"}
     other = _svc({"model": {"source": "uri", "uri": "/opt/models/SmolLM2-360M"}})
     assert R.config_hash(other) != R.config_hash(_svc())
     assert R.config_hash(_svc()) == R.config_hash(_svc())
+    # the pod template carries the hash, so a settings change (now only in the ConfigMap) rolls the pods
+    tmpl = R.build_engine_deployment(other, OWNER, 1)["spec"]["template"]
+    assert tmpl["metadata"]["annotations"]["kvmesh.io/config-hash"] == R.config_hash(other)
+    assert tmpl["spec"] == R.build_engine_deployment(_svc(), OWNER, 1)["spec"]["template"]["spec"]
 
 
 def test_redis_is_non_root_and_ephemeral() -> None:
