@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.outputs import RequestOutput
@@ -225,12 +225,16 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     # ---- the engine thread ---------------------------------------------------------------
-    def _apply_commands(self) -> None:
+    def _queued_commands(self) -> Iterator[object]:
+        """Take every command queued so far, oldest first."""
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_commands(self) -> None:
+        for cmd in self._queued_commands():
             if isinstance(cmd, _Add):
                 self._apply_add(cmd)
             elif isinstance(cmd, _ResetPrefixCache):
@@ -298,11 +302,7 @@ class AsyncLLMEngine:
                               else "engine is shut down")
         for stream in list(self._streams.values()):
             _resolve(stream.loop, stream.accepted, error=err)
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in self._queued_commands():
             if isinstance(cmd, _ResetPrefixCache):
                 _resolve(cmd.loop, cmd.done, error=err)
 
