@@ -208,6 +208,10 @@ class AsyncLLMEngine:
         self._commands.put(_Add(request_id, prompt_ids, text, params, priority, cache_salt,
                                 time.monotonic(), trace_context))
         self._wakeup.set()
+        if self.dead is not None or self._stop.is_set():
+            # NOTE: the engine thread stopped after the checks above; its last act failed the
+            # streams registered then, maybe before this one: never leave it waiting.
+            _resolve(loop, stream.accepted, error=EngineDeadError("engine is shut down"))
         return stream
 
     async def reset_prefix_cache(self) -> bool:
