@@ -12,7 +12,7 @@ from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, chat_logprobs, close_all,
                                        final_outputs, make_params, new_id, now_s, running_usage,
-                                       sse, sse_chunk, usage)
+                                       sse_chunk, sse_usage_chunk, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -112,7 +112,6 @@ async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request
         if out.finished:
             cached = out.num_cached_tokens
     if usage_opts.include:
-        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": ctx.model_name, "choices": [],
-                   "usage": usage(prompt_len, sum(completion), cached)})
+        yield sse_usage_chunk(request_id, "chat.completion.chunk", created, ctx.model_name,
+                              usage(prompt_len, sum(completion), cached))
     yield SSE_DONE

@@ -137,8 +137,7 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+    return {**running_usage(prompt_tokens, completion_tokens),
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
@@ -172,6 +171,13 @@ def sse_chunk(request_id: str, obj: str, created: int, model: str, choice: dict[
     if usage_opts.include:
         body["usage"] = usage_so_far if usage_opts.continuous else None
     return sse(body)
+
+
+def sse_usage_chunk(request_id: str, obj: str, created: int, model: str,
+                    final_usage: dict[str, Any]) -> str:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    return sse({"id": request_id, "object": obj, "created": created, "model": model,
+                "choices": [], "usage": final_usage})
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

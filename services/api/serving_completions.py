@@ -12,7 +12,7 @@ from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, close_all, completion_logprobs,
                                        final_outputs, make_params, merge_streams, new_id, now_s,
-                                       running_usage, sse, sse_chunk, usage)
+                                       running_usage, sse_chunk, sse_usage_chunk, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -120,7 +120,6 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
         if out.finished:
             cached += out.num_cached_tokens
     if usage_opts.include:
-        yield sse({"id": request_id, "object": "text_completion", "created": created,
-                   "model": ctx.model_name, "choices": [],
-                   "usage": usage(sum(prompt_lens), sum(completion.values()), cached)})
+        yield sse_usage_chunk(request_id, "text_completion", created, ctx.model_name,
+                              usage(sum(prompt_lens), sum(completion.values()), cached))
     yield SSE_DONE
