@@ -34,12 +34,10 @@ def _force_json_body(scope: Scope) -> Scope:
 
     NOTE: `curl -d '{...}'` sends application/x-www-form-urlencoded, and vLLM-compatible clients
     expect such a body to work; FastAPI would hand the raw bytes to the model (a confusing 400)."""
-    if scope["method"] != "POST":
+    if scope["method"] != "POST" or any(k.lower() == b"content-type" and _is_json_type(v)
+                                        for k, v in scope["headers"]):
         return scope
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
-    for k, v in scope["headers"]:
-        if k.lower() == b"content-type" and _is_json_type(v):
-            return scope
     return {**scope, "headers": [*headers, (b"content-type", _JSON)]}
 
 
