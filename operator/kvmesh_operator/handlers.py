@@ -74,7 +74,10 @@ def is_forbidden_optional(err: KubeError, kind: str) -> bool:
     return err.status == 403 and kind in R.OPTIONAL_KINDS
 
 
-def _note_forbidden(kind: str, warned: set[str]) -> None:
+def _tolerate_forbidden(err: KubeError, kind: str, warned: set[str]) -> None:
+    """Re-raise `err` unless it is a 403 on an optional kind; that one is logged once."""
+    if not is_forbidden_optional(err, kind):
+        raise err
     if kind not in warned:  # once per operator process, not once per resync
         warned.add(kind)
         log.warning("no RBAC for %s (chart value %s=false): not managing them", kind, R.OPTIONAL_KINDS[kind])
@@ -108,10 +111,8 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
             try:
                 result = await apply(kube, child, recorded.get(key))
             except KubeError as err:
-                if not is_forbidden_optional(err, child["kind"]):
-                    raise
+                _tolerate_forbidden(err, child["kind"], warned)
                 forbidden.add(child["kind"])
-                _note_forbidden(child["kind"], warned)
                 continue
             observed[R.child_key(child)] = result.obj
             fingerprints[key] = result.fingerprint
@@ -128,9 +129,7 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
                     kopf.event(body, type="Normal", reason="Deleted",
                                message=f"deleted {kind} {name} (no longer in the spec)")
             except KubeError as err:
-                if not is_forbidden_optional(err, kind):
-                    raise
-                _note_forbidden(kind, warned)
+                _tolerate_forbidden(err, kind, warned)
     except KubeError as err:
         # NOTE: a merge patch: children not reached this time keep their recorded fingerprints.
         patch.status["childFingerprints"] = fingerprints
