@@ -328,5 +328,10 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
 
+    def cached_blocks(self) -> list[tuple[bytes, str]]:
+        """(block hash, tier) of every block in the prefix cache; safe from another thread (the
+        prefix-index publisher's resync snapshot)."""
+        return self.kv_manager.cached_blocks()
+
     def take_kv_events(self) -> list:
         return self.kv_manager.take_events()

@@ -8,6 +8,7 @@ and the runner replays all block moves in decision order.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -300,6 +301,20 @@ class KVCacheManager:
 
     def take_events(self) -> list:
         return self.pool.take_events()
+
+    def cached_blocks(self) -> list[tuple[bytes, str]]:
+        """Snapshot of the prefix cache as (block hash, tier): safe from another thread.
+
+        NOTE: list(dict) runs in C under the GIL, so it sees one consistent state of the hash
+        map; the retry only guards interpreters without that guarantee.
+        """
+        pool = self.pool
+        for _ in range(100):
+            try:
+                return [(h, pool.medium) for h in list(pool.cached)]
+            except RuntimeError:   # dictionary changed size during iteration
+                time.sleep(0)
+        raise RuntimeError("could not snapshot the prefix cache: it changes too fast")
 
     def take_event_batch(self, ts: float | None = None) -> KVEventBatch | None:
         """Drain events into the next numbered batch (None when there were none)."""
