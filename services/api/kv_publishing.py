@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.engine.async_engine import AsyncLLMEngine
-from kvmesh.engine.kv_publisher import KVEventPublisher, cached_hashes, publish_engine_state, step_hook
+from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
 
 logger = logging.getLogger("kvmesh.kv_publishing")
 
@@ -66,13 +66,10 @@ def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: Engi
         model=engine.model_name,
         pod_url=_advertise_url(args),
         password=os.environ.get("KVMESH_REDIS_PASSWORD"),
-        snapshot_fn=lambda: cached_hashes(engine.kv_manager),
+        snapshot_fn=engine.cached_blocks,
     )
-    async_engine.step_hooks.append(step_hook(publisher))
-    # NOTE: a reset on an idle engine is followed by no step: publish its "all cleared" at once.
-    async_engine.cache_reset_hooks.append(lambda e: publish_engine_state(publisher, e))
-    async_engine.shutdown_hooks.append(publisher.close)
-    metrics.registry.register(PublisherCollector(publisher, engine.model_name))
     publish_engine_state(publisher, engine)
+    engine.add_observer(publisher)
+    metrics.registry.register(PublisherCollector(publisher, engine.model_name))
     logger.info("publishing KV events to the prefix index as pod %s (%s)", publisher.pod_id,
                 publisher.pod_url)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.observers import EngineObserver, StepReport
 from kvmesh.engine.outputs import RequestOutput
 
 PREFIXES = ("kvmesh", "vllm")
@@ -70,8 +71,8 @@ class _Histogram:
         return out
 
 
-class EngineMetrics:
-    """Updated by the engine thread after every step; read by /metrics."""
+class EngineMetrics(EngineObserver):
+    """An engine observer updated on the engine thread after every step; read by /metrics."""
 
     def __init__(self, model_name: str, engine: LLMEngine | None = None) -> None:
         self.model_name = model_name
@@ -89,10 +90,9 @@ class EngineMetrics:
         self.registry.register(self)
 
     # ---- updates -------------------------------------------------------------------------
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], _t0: float) -> None:
-        s = engine.last_stats
+    def on_step(self, report: StepReport) -> None:
+        s, outputs = report.sched.stats, report.outputs
         now = time.monotonic()
-        self.engine = engine
         with self._lock:
             self.counters["prefix_cache_queries"] += s.prefix_query_tokens
             self.counters["prefix_cache_hits"] += s.prefix_hit_tokens
@@ -128,7 +128,7 @@ class EngineMetrics:
                 reason = c.finish_reason or "abort"
                 self.success[reason] = self.success.get(reason, 0.0) + 1
 
-    def forget(self, request_id: str) -> None:
+    def on_request_aborted(self, request_id: str) -> None:
         """An unfinished request was aborted (client disconnect, shutdown): it produces no final
         output, so count it here under finished_reason="abort" (as vLLM does) and drop its
         per-request state."""

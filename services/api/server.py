@@ -79,9 +79,8 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     try:
         engine = LLMEngine(config)
         metrics = EngineMetrics(engine.model_name, engine)
-        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting or None,
-                                      step_hooks=[metrics.on_step])
-        async_engine.abort_hooks.append(metrics.forget)
+        engine.add_observer(metrics)
+        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting or None)
         if get_tracer() is not None:
             from kvmesh.engine.tracing_hooks import EngineTracer
             EngineTracer(get_tracer(), engine.model_name).attach(engine)

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Iterator
 
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.outputs import RequestOutput
@@ -93,19 +93,10 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-StepHook = Callable[[LLMEngine, list[RequestOutput], float], None]
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 step_hooks: list[StepHook] | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine      # metrics, tracing, index publishing: engine.observers
         self.max_waiting = max_waiting
-        self.step_hooks = list(step_hooks or [])   # metrics, KV-event publishing, tracing
-        self.abort_hooks: list[Callable[[str], None]] = []   # requests aborted while unfinished
-        # after reset_prefix_cache, on the engine thread (e.g. publish the KV "all cleared" event)
-        self.cache_reset_hooks: list[Callable[[LLMEngine], None]] = []
-        self.shutdown_hooks: list[Callable[[], None]] = []   # after the engine thread stops
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -124,8 +115,8 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        for hook in self.shutdown_hooks:
-            hook()
+        for obs in list(self.engine.observers):
+            obs.on_shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -244,9 +235,7 @@ class AsyncLLMEngine:
             elif isinstance(cmd, _ResetPrefixCache):
                 self._apply_reset(cmd)
             else:
-                for rid in self.engine.abort_request(cmd[1]):
-                    for hook in self.abort_hooks:
-                        hook(rid)
+                self.engine.abort_request(cmd[1])
 
     def _apply_add(self, cmd: _Add) -> None:
         with self._lock:
@@ -265,11 +254,7 @@ class AsyncLLMEngine:
         _resolve(stream.loop, stream.accepted, result=None)
 
     def _apply_reset(self, cmd: _ResetPrefixCache) -> None:
-        ok = self.engine.reset_prefix_cache()
-        if ok:
-            for hook in self.cache_reset_hooks:
-                hook(self.engine)
-        _resolve(cmd.loop, cmd.done, result=ok)
+        _resolve(cmd.loop, cmd.done, result=self.engine.reset_prefix_cache())
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -284,11 +269,9 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(0.5)
                     continue
-                t0 = time.monotonic()
+                # NOTE: step() has told its observers before any client sees an output, so once
+                # a client has its final output, /metrics counts it.
                 outputs = self.engine.step()
-                # NOTE: hooks first: once a client has its final output, /metrics counts it.
-                for hook in self.step_hooks:
-                    hook(self.engine, outputs, t0)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting client

@@ -5,7 +5,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -16,14 +16,12 @@ from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_share import RedisKVStore
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
+from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from kvmesh.engine.tracing_hooks import EngineTracer
 
 logger = logging.getLogger("kvmesh.engine")
 
@@ -113,7 +111,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self.last_stats = SchedulerStats()
         self.num_steps = 0
-        self.tracer: EngineTracer | None = None   # set by EngineTracer.attach when tracing is on
+        # tracing, metrics, the prefix-index publisher: see observers.py
+        self.observers: list[EngineObserver] = []
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%d tokens) "
                     "swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
                     self.loaded.device, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
@@ -204,8 +203,8 @@ class LLMEngine:
             self.scheduler.add_fork(samples[0], child)
         detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, params) for _ in samples]
         self._groups[request_id] = _Group(request_id, text, samples, detoks, [0] * len(samples))
-        if self.tracer is not None:
-            self.tracer.on_add(request_id, samples, trace_context)
+        for obs in self.observers:
+            obs.on_request_added(request_id, samples, trace_context)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[str]:
         """Abort unfinished requests; returns the ids that were still unfinished."""
@@ -217,8 +216,8 @@ class LLMEngine:
             if group is not None:
                 self.scheduler.abort_requests([r.request_id for r in group.samples])
                 aborted.append(rid)
-                if self.tracer is not None:
-                    self.tracer.on_abort(rid)
+                for obs in self.observers:
+                    obs.on_request_aborted(rid)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -230,15 +229,11 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        tracer = self.tracer          # NOTE: None unless tracing is on: these checks are its whole cost
-        if tracer is not None:
-            tracer.step_started()
+        t_start = time.monotonic()
         sched = self.scheduler.schedule()
-        if tracer is not None:
-            tracer.scheduled()
+        t_scheduled = time.monotonic()
         result = self.runner.execute(sched)
-        if tracer is not None:
-            tracer.executed()
+        t_executed = time.monotonic()
         if self.kv_share is not None:
             self._share_prompt_blocks(sched)
         touched = self.scheduler.update_from_output(sched, result)
@@ -246,9 +241,26 @@ class LLMEngine:
         self.num_steps += 1
         self._learn_prefill_rate(sched.num_scheduled_tokens, result.model_time_s)
         outputs = self._postprocess(touched)
-        if tracer is not None:
-            tracer.step_finished(sched, outputs)
+        if self.observers:           # NOTE: without observers this check is the whole cost
+            report = StepReport(self.num_steps, t_start, t_scheduled, t_executed,
+                                time.monotonic(), result.sample_window, sched, outputs,
+                                self.kv_manager.take_event_batch(), self.load())
+            for obs in self.observers:
+                obs.on_step(report)
         return outputs
+
+    # ---- observers -----------------------------------------------------------------------
+    def add_observer(self, observer: EngineObserver) -> None:
+        if observer not in self.observers:
+            self.observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        if observer in self.observers:
+            self.observers.remove(observer)
+
+    def load(self) -> LoadSnapshot:
+        s = self.scheduler
+        return LoadSnapshot(len(s.running), len(s.waiting), len(s.swapped), self.kv_manager.usage)
 
     def _share_prompt_blocks(self, sched) -> None:
         """--kv-share: offer the full blocks of every prompt completed this step to other pods.
@@ -326,7 +338,14 @@ class LLMEngine:
 
     # ---- cache control -------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.kv_manager.reset_prefix_cache()
+        """Drop every cached block (False while running requests hold blocks); observers see
+        the 'all cleared' event at once, since an idle engine may not step again soon."""
+        ok = self.kv_manager.reset_prefix_cache()
+        if ok and self.observers:
+            events, load = self.kv_manager.take_event_batch(), self.load()
+            for obs in self.observers:
+                obs.on_cache_reset(events, load)
+        return ok
 
     def cached_blocks(self) -> list[tuple[bytes, str]]:
         """(block hash, tier) of every block in the prefix cache; safe from another thread (the

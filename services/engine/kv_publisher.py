@@ -31,6 +31,7 @@ from kvmesh.common.block_hash import hash_hex
 from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.common.redis_keys import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
                                       pod_block_member)
+from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 
 logger = logging.getLogger("kvmesh.engine.kv_publisher")
 
@@ -39,23 +40,13 @@ _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingErr
                  redis.ReadOnlyError, OSError)
 
 
-def cached_hashes(kv_manager) -> list[tuple[bytes, str]]:
-    """Snapshot of an engine's prefix cache as (hash, tier): safe from another thread.
-
-    NOTE: list(dict) runs in C under the GIL, so it sees one consistent state of the hash map;
-    the retry only guards interpreters without that guarantee.
-    """
-    pool = kv_manager.pool
-    for _ in range(100):
-        try:
-            return [(h, pool.medium) for h in list(pool.cached)]
-        except RuntimeError:   # dictionary changed size during iteration
-            time.sleep(0)
-    raise RuntimeError("could not snapshot the prefix cache: it changes too fast")
+def _load_tuple(load: LoadSnapshot) -> tuple[int, int, int, float]:
+    return load.running, load.waiting, load.swapped, load.kv_usage
 
 
-class KVEventPublisher:
-    """Publish one pod's KV events and load to the Redis prefix index (see the module doc)."""
+class KVEventPublisher(EngineObserver):
+    """Publish one pod's KV events and load to the Redis prefix index (see the module doc).
+    As an engine observer it takes each step's event batch and load; it never blocks a step."""
 
     def __init__(self, redis_url: str, pod_id: str, model: str, pod_url: str,
                  namespace: str | None = None, service: str | None = None,
@@ -132,6 +123,18 @@ class KVEventPublisher:
     def update_load(self, running: int, waiting: int, swapped: int, kv_usage: float) -> None:
         """Latest load snapshot; the next heartbeat carries it."""
         self._load = (int(running), int(waiting), int(swapped), float(kv_usage))
+
+    # ---- engine observer ---------------------------------------------------------------------
+    def on_step(self, report: StepReport) -> None:
+        self.publish(report.kv_events)
+        self.update_load(*_load_tuple(report.load))
+
+    def on_cache_reset(self, kv_events: KVEventBatch | None, load: LoadSnapshot) -> None:
+        self.publish(kv_events)
+        self.update_load(*_load_tuple(load))
+
+    def on_shutdown(self) -> None:
+        self.close()
 
     def request_resync(self) -> None:
         """Rewrite this pod's entries from a fresh snapshot (e.g. after the engine lost events)."""
@@ -350,15 +353,7 @@ class KVEventPublisher:
 
 
 def publish_engine_state(publisher: KVEventPublisher, engine) -> None:
-    """Drain the engine's KV events into the publisher and refresh its load. Call it in the
-    engine's thread after every step and after `reset_prefix_cache()`; it never blocks."""
+    """Drain the engine's pending KV events into the publisher and refresh its load (the
+    state before the publisher observed any step)."""
     publisher.publish(engine.kv_manager.take_event_batch())
-    s = engine.scheduler
-    publisher.update_load(len(s.running), len(s.waiting), len(s.swapped), engine.kv_manager.usage)
-
-
-def step_hook(publisher: KVEventPublisher) -> Callable:
-    """An `AsyncEngine.step_hooks` entry: hook(engine, outputs, t0) -> publish_engine_state."""
-    def hook(engine, outputs, t0) -> None:
-        publish_engine_state(publisher, engine)
-    return hook
+    publisher.update_load(*_load_tuple(engine.load()))

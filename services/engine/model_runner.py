@@ -118,9 +118,12 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        s0 = time.monotonic()
         result = self.sampler(logits, rows)
+        s1 = time.monotonic()
         return ModelRunnerOutput(
             sampled=dict(zip(row_ids, result.token_ids)),
             logprobs=dict(zip(row_ids, result.logprobs)),
             model_time_s=time.perf_counter() - t0,
+            sample_window=(s0, s1),
         )

@@ -76,3 +76,4 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]                          # request id -> tokens (one per sample)
     logprobs: dict[str, list[dict[int, Logprob]] | None]   # request id -> per-sample logprobs
     model_time_s: float = 0.0                              # forward + sampling wall time
+    sample_window: tuple[float, float] | None = None       # monotonic s: sampler start, end

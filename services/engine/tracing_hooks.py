@@ -1,8 +1,9 @@
 """EngineTracer: one span per engine step, a span tree per request, links between the two.
 
-The engine calls it at fixed points of `LLMEngine.step()` (and on add / abort) only when tracing
-is on (`engine.tracer` is not None). Everything here runs on the engine's thread; spans are
-handed to the provider's span processor, which exports them in the background.
+An `EngineObserver` (observers.py), attached only when tracing is on: the engine hands it each
+step's `StepReport` (with the step's phase timestamps) and every add / abort. Everything here
+runs on the engine's thread; spans are handed to the provider's span processor, which exports
+them in the background.
 
     kvmesh.step                      one per step; attributes = the step's SchedulerStats
       kvmesh.step.schedule           Scheduler.schedule()
@@ -31,12 +32,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, Tracer
 
 from kvmesh.common.tracing import OPERATION_KEY
+from kvmesh.engine.observers import EngineObserver, StepReport
 from kvmesh.engine.request import Request, RequestStatus
-from kvmesh.engine.sched_output import SchedulerOutput, SchedulerStats
+from kvmesh.engine.sched_output import SchedulerStats
 
 if TYPE_CHECKING:
     from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.outputs import RequestOutput
 
 STEP_PREFIX = "kvmesh.sched."      # step span attribute = STEP_PREFIX + SchedulerStats field
 _ROOT = otel_context.Context()     # step spans start their own trace
@@ -63,26 +64,7 @@ class _RequestTrace:
     swapped: set[str] = field(default_factory=set)   # sample ids preempted by swap, not back yet
 
 
-class _TimedSampler:
-    """Wraps the runner's sampler to time it (the runner's forward and sampling are one call)."""
-    __slots__ = ("inner", "owner")
-
-    def __init__(self, inner, owner: EngineTracer) -> None:
-        self.inner = inner
-        self.owner = owner
-
-    def __call__(self, *args, **kwargs):
-        t0 = self.owner.now_ns()
-        try:
-            return self.inner(*args, **kwargs)
-        finally:
-            self.owner._sample_window = (t0, self.owner.now_ns())
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-class EngineTracer:
+class EngineTracer(EngineObserver):
     def __init__(self, tracer: Tracer, model_name: str, max_links: int = 16) -> None:
         assert max_links >= 2, "max_links keeps the first max_links - 1 and the last"
         self.tracer = tracer
@@ -91,20 +73,14 @@ class EngineTracer:
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._requests: dict[str, _RequestTrace] = {}      # user request id -> trace
         self._samples: dict[str, _RequestTrace] = {}       # sample request id -> trace
-        self._t_start = self._t_sched = self._t_exec = 0
-        self._sample_window: tuple[int, int] | None = None
 
     # ---- wiring --------------------------------------------------------------------------
     def attach(self, engine: LLMEngine) -> EngineTracer:
-        engine.tracer = self
-        if not isinstance(engine.runner.sampler, _TimedSampler):
-            engine.runner.sampler = _TimedSampler(engine.runner.sampler, self)
+        engine.add_observer(self)
         return self
 
     def detach(self, engine: LLMEngine) -> None:
-        engine.tracer = None
-        if isinstance(engine.runner.sampler, _TimedSampler):
-            engine.runner.sampler = engine.runner.sampler.inner
+        engine.remove_observer(self)
 
     def now_ns(self) -> int:
         return time.monotonic_ns() + self._offset_ns
@@ -113,8 +89,8 @@ class EngineTracer:
         return int(monotonic_s * 1e9) + self._offset_ns
 
     # ---- requests ------------------------------------------------------------------------
-    def on_add(self, request_id: str, samples: Sequence[Request],
-               parent: otel_context.Context | None = None) -> None:
+    def on_request_added(self, request_id: str, samples: Sequence[Request],
+                         parent: otel_context.Context | None = None) -> None:
         first = samples[0]
         p = first.sampling_params
         attrs: dict[str, object] = {
@@ -144,25 +120,17 @@ class EngineTracer:
         for s in samples:
             self._samples[s.request_id] = rt
 
-    def on_abort(self, request_id: str) -> None:
+    def on_request_aborted(self, request_id: str) -> None:
         rt = self._requests.get(request_id)
         if rt is not None:
             self._finish(request_id, rt, self.now_ns())
 
     # ---- the step ------------------------------------------------------------------------
-    def step_started(self) -> None:
-        self._t_start = self.now_ns()
-        self._sample_window = None
-
-    def scheduled(self) -> None:
-        self._t_sched = self.now_ns()
-
-    def executed(self) -> None:
-        self._t_exec = self.now_ns()
-
-    def step_finished(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
-        end = self.now_ns()
-        step_ctx = self._emit_step(sched.stats, end)
+    def on_step(self, report: StepReport) -> None:
+        sched, outputs = report.sched, report.outputs
+        t_start, t_sched = self._wall_ns(report.t_start), self._wall_ns(report.t_scheduled)
+        end = self._wall_ns(report.t_end)
+        step_ctx = self._emit_step(sched.stats, report)
         step = sched.stats.step
         for sr in sched.scheduled:
             req = sr.request
@@ -172,14 +140,14 @@ class EngineTracer:
             if rt.queued:
                 rt.queued = False
                 first_sched = req.first_scheduled_time
-                q_end = self._wall_ns(first_sched) if first_sched is not None else self._t_start
+                q_end = self._wall_ns(first_sched) if first_sched is not None else t_start
                 self.tracer.start_span("kvmesh.queue", context=rt.ctx,
                                        start_time=rt.arrival_ns).end(end_time=max(q_end, rt.arrival_ns))
             if req.request_id in rt.swapped:
                 rt.swapped.discard(req.request_id)
                 rt.span.add_event("swapped_in", {"kvmesh.step": step,
                                                  "kvmesh.sample_index": req.sample_index},
-                                  timestamp=self._t_start)
+                                  timestamp=t_start)
             if sr.is_decode:
                 if rt.last_decode_step != step:
                     rt.last_decode_step = step
@@ -191,7 +159,7 @@ class EngineTracer:
                 continue
             rt.num_chunks += 1
             self.tracer.start_span(
-                "kvmesh.prefill", context=rt.ctx, start_time=self._t_sched,
+                "kvmesh.prefill", context=rt.ctx, start_time=t_sched,
                 links=[Link(step_ctx)],
                 attributes={"kvmesh.step": step, "kvmesh.prefill.chunk": rt.num_chunks - 1,
                             "kvmesh.prefill.start_token": sr.start,
@@ -211,28 +179,30 @@ class EngineTracer:
             rt.span.add_event("preempted", {"kvmesh.preemption.mode": "swap" if swapped else "recompute",
                                             "kvmesh.step": step,
                                             "kvmesh.sample_index": req.sample_index},
-                              timestamp=self._t_start)
+                              timestamp=t_start)
         for out in outputs:
             if out.finished:
                 rt = self._requests.get(out.request_id)
                 if rt is not None:
                     self._finish(out.request_id, rt, end)
 
-    def _emit_step(self, stats: SchedulerStats, end: int) -> SpanContext:
-        tr = self.tracer
-        span = tr.start_span("kvmesh.step", context=_ROOT, start_time=self._t_start,
+    def _emit_step(self, stats: SchedulerStats, report: StepReport) -> SpanContext:
+        tr, wall = self.tracer, self._wall_ns
+        t_start, t_sched = wall(report.t_start), wall(report.t_scheduled)
+        t_exec, end = wall(report.t_executed), wall(report.t_end)
+        span = tr.start_span("kvmesh.step", context=_ROOT, start_time=t_start,
                              attributes=step_attributes(stats))
         ctx = trace.set_span_in_context(span)
         tr.start_span("kvmesh.step.schedule", context=ctx,
-                      start_time=self._t_start).end(end_time=self._t_sched)
-        execute = tr.start_span("kvmesh.step.execute", context=ctx, start_time=self._t_sched)
-        if self._sample_window is not None:
-            s0, s1 = self._sample_window
+                      start_time=t_start).end(end_time=t_sched)
+        execute = tr.start_span("kvmesh.step.execute", context=ctx, start_time=t_sched)
+        if report.sample_window is not None:
+            s0, s1 = report.sample_window
             tr.start_span("kvmesh.step.sample", context=trace.set_span_in_context(execute),
-                          start_time=s0).end(end_time=s1)
-        execute.end(end_time=self._t_exec)
+                          start_time=wall(s0)).end(end_time=wall(s1))
+        execute.end(end_time=t_exec)
         tr.start_span("kvmesh.step.postprocess", context=ctx,
-                      start_time=self._t_exec).end(end_time=end)
+                      start_time=t_exec).end(end_time=end)
         span.end(end_time=end)
         return span.get_span_context()
 

@@ -8,8 +8,7 @@ import pytest
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.kv_publisher import (KVEventPublisher, cached_hashes, publish_engine_state,
-                                        step_hook)
+from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
 
@@ -19,15 +18,17 @@ POD = "engine-0"
 
 
 def publisher_for(engine: LLMEngine, url: str, pod: str = POD) -> KVEventPublisher:
-    return KVEventPublisher(url, pod, engine.model_name, "http://127.0.0.1:8000", NS, SVC,
-                            flush_interval_s=0.01, heartbeat_interval_s=0.1, heartbeat_ttl_s=2.0,
-                            snapshot_fn=lambda: cached_hashes(engine.kv_manager))
+    """What the engine server does: the publisher observes the engine."""
+    pub = KVEventPublisher(url, pod, engine.model_name, "http://127.0.0.1:8000", NS, SVC,
+                           flush_interval_s=0.01, heartbeat_interval_s=0.1, heartbeat_ttl_s=2.0,
+                           snapshot_fn=engine.cached_blocks)
+    engine.add_observer(pub)
+    return pub
 
 
 def step_and_publish(engine: LLMEngine, pub: KVEventPublisher) -> None:
-    """What the engine server does after every step (AsyncEngine.step_hooks + step_hook)."""
-    outputs = engine.step()
-    step_hook(pub)(engine, outputs, 0.0)
+    """One step; the engine hands its events and load to the observing publisher."""
+    engine.step()
 
 
 def engine_view(engine: LLMEngine) -> dict[str, set[bytes]]:
