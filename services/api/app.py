@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -46,6 +47,15 @@ def _is_json_type(value: bytes) -> bool:
     return mime == _JSON or (mime.startswith(b"application/") and mime.endswith(b"+json"))
 
 
+def _engine_failure(state: ServerState) -> str | None:
+    """Why the engine can serve no more (its thread failed), or None."""
+    if state.engine_error:
+        return state.engine_error
+    if state.engine is not None and state.engine.dead is not None:
+        return f"the engine failed: {state.engine.dead!r}"
+    return None
+
+
 @dataclass
 class ServerState:
     """What the routes need; the engine arrives once the model is loaded."""
@@ -57,6 +67,8 @@ class ServerState:
     ready: bool = False                 # model loaded and a one-token generation succeeded
     draining: bool = False              # shutting down: admit nothing new
     load_error: str | None = None
+    engine_error: str | None = None     # the engine thread failed: the process exits non-zero
+    stop_server: Callable[[], None] | None = None   # asks uvicorn to shut down (set by serve)
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
@@ -180,17 +192,20 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.engine is not None and not state.engine.is_running:
-            return JSONResponse(error_body(500, "the engine thread is dead"), status_code=500)
+        failure = _engine_failure(state)
+        if failure:
+            return JSONResponse(error_body(503, failure, code="engine_dead"), status_code=503)
         if state.load_error:
             return JSONResponse(error_body(500, state.load_error), status_code=500)
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
-        if state.ready and not state.draining:
+        failed = _engine_failure(state)
+        if state.ready and not state.draining and not failed:
             return {"status": "ready"}
-        return JSONResponse({"status": "draining" if state.draining else "loading"}, status_code=503)
+        status = "failed" if failed else "draining" if state.draining else "loading"
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():

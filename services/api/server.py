@@ -3,7 +3,9 @@
 The HTTP server comes up at once (liveness answers while the model loads); /ready turns green
 after the model is loaded and a one-token generation has succeeded. SIGTERM: uvicorn stops
 accepting connections, in-flight requests get `--shutdown-timeout` seconds to finish, what is
-left is aborted (its blocks freed), and the process exits 0.
+left is aborted (its blocks freed), and the process exits 0. If the engine thread fails (a step
+raised), every in-flight request gets a 503 `engine_dead` error, /health and /ready answer 503,
+and the process exits 1 so that Kubernetes restarts the pod.
 """
 from __future__ import annotations
 
@@ -72,6 +74,17 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("KVMESH_API_KEY") or None
 
 
+def _engine_failed(state: ServerState, loop: asyncio.AbstractEventLoop,
+                   error: BaseException) -> None:
+    """On the engine thread, after every client got its error: stop serving, exit non-zero."""
+    state.engine_error = f"the engine failed: {error!r}"
+    state.ready = False
+    logger.error("engine failed (%r): stopping the server; the process exits 1", error)
+    if state.stop_server is not None:
+        with contextlib.suppress(RuntimeError):      # the loop is already closed
+            loop.call_soon_threadsafe(state.stop_server)
+
+
 def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
           loop: asyncio.AbstractEventLoop) -> None:
     """Build the engine off the event loop, then warm it up on the loop."""
@@ -80,7 +93,9 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         engine = LLMEngine(config)
         metrics = EngineMetrics(engine.model_name, engine)
         engine.add_observer(metrics)
-        async_engine = AsyncLLMEngine(engine, max_waiting=args.max_waiting or None)
+        async_engine = AsyncLLMEngine(
+            engine, max_waiting=args.max_waiting or None,
+            on_dead=lambda e: _engine_failed(state, loop, e))
         if get_tracer() is not None:
             from kvmesh.engine.tracing_hooks import EngineTracer
             EngineTracer(get_tracer(), engine.model_name).attach(engine)
@@ -136,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = ServerState(api_key=_api_key(args))
     app = create_app(state, lifespan=make_lifespan(state, config, args))
-    run_until_signal(uvicorn.Config(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
-    return 0
+    state.stop_server = lambda: setattr(server, "should_exit", True)
+    run_until_signal(server)
+    return 1 if state.engine_error else 0

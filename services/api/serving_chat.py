@@ -12,7 +12,7 @@ from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, chat_logprobs, close_all,
                                        final_outputs, make_params, new_id, now_s, running_usage,
-                                       sse_chunk, sse_usage_chunk, usage)
+                                       sse_chunk, sse_usage_chunk, stream_body, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -42,7 +42,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     streams = await admit(ctx, req, [Admission(request_id, ids, ids, params)],
                           current_context("chat"))
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, streams[0], len(ids)),
+        return StreamingResponse(stream_body(_stream_parts(ctx, req, request_id, streams[0],
+                                                           len(ids)), streams),
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, streams))
     (out,) = await cancel_on_disconnect(http, final_outputs(streams))
@@ -68,15 +69,6 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
     return {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion, out.num_cached_tokens)}
-
-
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                  gen: RequestStream, prompt_len: int) -> AsyncIterator[str]:
-    try:
-        async for part in _stream_parts(ctx, req, request_id, gen, prompt_len):
-            yield part
-    finally:
-        await gen.aclose()
 
 
 async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,

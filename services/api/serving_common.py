@@ -10,9 +10,9 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
-from kvmesh.api.errors import APIError, bad_request
+from kvmesh.api.errors import APIError, bad_request, error_body
 from kvmesh.api.protocol import _SamplingFields
-from kvmesh.engine.async_engine import AsyncLLMEngine, RequestStream
+from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
@@ -146,6 +146,21 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def stream_body(parts: AsyncIterator[str],
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+    """A streaming response's body: `parts`, then every engine stream closed (which aborts
+    what is unfinished). NOTE: once the 200 is out, an engine failure can only be told inside
+    the stream: one OpenAI-style error event, then [DONE], instead of a dropped connection."""
+    try:
+        async for part in parts:
+            yield part
+    except EngineDeadError as e:
+        yield sse(error_body(503, str(e), code="engine_dead"))
+        yield SSE_DONE
+    finally:
+        await close_all(streams)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, close_all, completion_logprobs,
                                        final_outputs, make_params, merge_streams, new_id, now_s,
-                                       running_usage, sse_chunk, sse_usage_chunk, usage)
+                                       running_usage, sse_chunk, sse_usage_chunk, stream_body,
+                                       usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -36,7 +37,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
         admissions.append(Admission(f"{request_id}-{i}", prompt, ids, params))
     gens = await admit(ctx, req, admissions, current_context())
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, gens, prompt_texts, prompt_lens),
+        return StreamingResponse(stream_body(_stream_parts(ctx, req, request_id, gens,
+                                                           prompt_texts, prompt_lens), gens),
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, gens))
     outs = await cancel_on_disconnect(http, final_outputs(gens))
@@ -68,16 +70,6 @@ def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
     return {"id": request_id, "object": "text_completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached)}
-
-
-async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str,
-                  gens: list[RequestStream], prompt_texts: list[str],
-                  prompt_lens: list[int]) -> AsyncIterator[str]:
-    try:
-        async for part in _stream_parts(ctx, req, request_id, gens, prompt_texts, prompt_lens):
-            yield part
-    finally:
-        await close_all(gens)
 
 
 async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id: str,

@@ -6,8 +6,9 @@ import signal
 import uvicorn
 
 
-def run_until_signal(config: uvicorn.Config) -> None:
-    """Serve until SIGTERM / SIGINT, then shut down gracefully and return (exit code 0).
+def run_until_signal(config: uvicorn.Config | uvicorn.Server) -> None:
+    """Serve until SIGTERM / SIGINT (or `server.should_exit`), then shut down gracefully and
+    return. Pass a `uvicorn.Server` to keep a handle that can stop it from inside.
 
     NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done, with the
     previous handler restored; a no-op handler there turns a clean SIGTERM into exit code 0
@@ -15,4 +16,5 @@ def run_until_signal(config: uvicorn.Config) -> None:
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
+    server = config if isinstance(config, uvicorn.Server) else uvicorn.Server(config)
+    server.run()

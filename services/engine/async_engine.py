@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 from kvmesh.engine.engine import LLMEngine, PromptInput
 from kvmesh.engine.outputs import RequestOutput
@@ -94,9 +94,12 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine      # metrics, tracing, index publishing: engine.observers
         self.max_waiting = max_waiting
+        # called once on the engine thread after a failure has been sent to every client
+        self.on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -282,6 +285,8 @@ class AsyncLLMEngine:
                 self._deliver(rid, err)
         finally:
             self._fail_pending()
+        if self.dead is not None and self.on_dead is not None:
+            self.on_dead(self.dead)
 
     def _fail_pending(self) -> None:
         """The engine thread is gone: admissions and resets still queued will never run."""

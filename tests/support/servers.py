@@ -32,10 +32,12 @@ class ServerProcess:
             raise AssertionError(f"server did not exit on SIGTERM:\n{self.log()[-3000:]}")
 
 
-def start_server(tmp_path, *args: str, ready_timeout: float = 120.0) -> ServerProcess:
+def start_server(tmp_path, *args: str, ready_timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """`env` adds variables to the server's environment (e.g. a PYTHONPATH with a fault)."""
     port = free_port()
     log_path = str(tmp_path / f"server-{port}.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
