@@ -3,9 +3,13 @@
     request ─▶ auth ─▶ tokenize (chat template) ─▶ block hashes ─▶ Redis lookup (1 round trip)
             ─▶ policy.choose(backends, hits, load) ─▶ forward ─▶ stream the backend's bytes back
 
-A backend that refuses the connection is marked unhealthy and the request goes to another one
-(nothing was sent to the client yet). Backend responses, errors included, pass through with their
-status. With Redis unreachable the kv-aware strategy falls back to least-loaded.
+A backend that refuses the connection is marked unhealthy and the request goes to one other
+backend: a request is re-sent only when it provably never reached a backend (the connection was
+never made), so no request is ever delivered twice. A backend that took the request and then
+failed answers the client 502. Backend responses, errors included, pass through with their status.
+A client that goes away before its non-streaming answer closes the backend connection, which
+aborts the request on the engine. With Redis unreachable the kv-aware strategy falls back to
+least-loaded.
 """
 from __future__ import annotations
 
@@ -39,9 +43,12 @@ _HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-e
                "trailer", "upgrade", "proxy-authorization", "proxy-connection",
                "accept-encoding"}
 _PASS_BACK = ("content-type", "x-request-id", "retry-after")
-# NOTE: only failures before any byte reached the client are retried on another backend; a
-# reset before the response headers (ReadError) is one of them.
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+# NOTE: only a connection that was never made is retried (once) on another backend. A reset or a
+# close after the request was written (ReadError, RemoteProtocolError) is ambiguous: the backend
+# may have read the body and started generating, so re-sending could run the request twice.
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+_MAX_RETRIES = 1
+_DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
 
 
@@ -49,6 +56,29 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     """An OpenAI-style error body."""
     return JSONResponse({"error": {"message": message, "type": type_, "param": None,
                                    "code": code}}, status_code=status)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _until_disconnect(request: Request, work):
+    """Await `work`, cancelling it if the client goes away first (raises _ClientGone).
+    NOTE: cancelling an httpx request closes its backend connection; the engine's own
+    disconnect check then aborts the request and frees its KV blocks."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
 
 
 class _Release:
@@ -251,16 +281,34 @@ class RouterState:
             if hashes and b.pod_id is not None:
                 self.recent.record(b.pod_id, hashes, time.monotonic())
             b.in_flight += 1
+            req = self.http.build_request("POST", b.url + path, content=raw, headers=headers)
             try:
-                req = self.http.build_request("POST", b.url + path, content=raw, headers=headers)
-                resp = await self.http.send(req, stream=True)
-            except _RETRYABLE as e:
+                if stream:
+                    resp = await self.http.send(req, stream=True)
+                else:
+                    resp = await _until_disconnect(request, self._send_and_read(req))
+            except _NEVER_SENT as e:
                 b.in_flight -= 1
                 tried.add(b.url)
-                self.pool.mark_unhealthy(b.url, f"{type(e).__name__}: {e}")
-                self._export_health()
+                self._backend_failed(b, e)
+                if len(tried) > _MAX_RETRIES and self.pool.healthy():
+                    return error_response(502, f"could not connect to a backend ({len(tried)} "
+                                          f"tried; last: {type(e).__name__})", "bad_gateway",
+                                          "backend_unreachable")
                 self.metrics.retries.inc()
                 continue
+            except _ClientGone:
+                b.in_flight -= 1
+                self.metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            except httpx.HTTPError as e:
+                # NOTE: the request may have reached the backend: never re-sent (see _NEVER_SENT).
+                b.in_flight -= 1
+                self._backend_failed(b, e)
+                return error_response(502, f"backend {b.url} failed before answering "
+                                      f"({type(e).__name__}); the request was not retried "
+                                      "because the backend may have received it",
+                                      "bad_gateway", "backend_failed")
             except BaseException:
                 b.in_flight -= 1
                 raise
@@ -277,14 +325,28 @@ class RouterState:
             return StreamingResponse(self._relay(resp, b, done), status_code=resp.status_code,
                                      headers=out_headers, background=BackgroundTask(done))
         try:
-            content = await resp.aread()
+            content = resp.content if not stream else await resp.aread()
         except httpx.HTTPError as e:
             return error_response(502, f"backend {b.url} failed mid-response: {e}",
-                                  "bad_gateway")
+                                  "bad_gateway", "backend_failed")
         finally:
             await resp.aclose()
             b.in_flight -= 1
         return Response(content, status_code=resp.status_code, headers=out_headers)
+
+    async def _send_and_read(self, req: httpx.Request) -> httpx.Response:
+        """A non-streaming exchange, body read (so a client disconnect can cancel all of it)."""
+        resp = await self.http.send(req, stream=True)
+        try:
+            await resp.aread()
+        except BaseException:
+            await resp.aclose()
+            raise
+        return resp
+
+    def _backend_failed(self, b: BackendState, error: Exception) -> None:
+        self.pool.mark_unhealthy(b.url, f"{type(error).__name__}: {error}")
+        self._export_health()
 
     async def _relay(self, resp: httpx.Response, b: BackendState, done: _Release):
         """The backend's bytes, chunk by chunk, as they arrive."""

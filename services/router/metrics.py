@@ -33,7 +33,11 @@ class RouterMetrics:
                                      "1 when the backend passes health checks", ["backend"],
                                      registry=r)
         self.retries = Counter("kvmesh_router_retries_total",
-                               "Requests re-sent to another backend after a connection error",
+                               "Requests re-sent to another backend after a connection that was never made",
                                registry=r)
+        self.client_disconnects = Counter(
+            "kvmesh_router_client_disconnects_total",
+            "Non-streaming requests whose client left before the answer (backend request "
+            "cancelled)", registry=r)
         self.redis_up = Gauge("kvmesh_router_redis_up", "1 while the prefix index is reachable",
                               registry=r)

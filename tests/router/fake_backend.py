@@ -14,6 +14,7 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
     app.state.name = name
     app.state.requests = []            # (path, body) in arrival order
     app.state.delay_s = 0.0            # before answering
+    app.state.disconnects = []         # bodies of requests whose client left during the delay
     app.state.load = (0, 0, 0.0)       # running, waiting, kv usage for /metrics
     app.state.chunks = chunks
     app.state.chunk_delay_s = chunk_delay_s
@@ -39,7 +40,13 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
         body = await request.json()
         app.state.requests.append((request.url.path, body))
         if app.state.delay_s:
-            await asyncio.sleep(app.state.delay_s)
+            # like the engine: while it works, notice a client (the router) that went away
+            deadline = time.monotonic() + app.state.delay_s
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    app.state.disconnects.append(body)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.05)
         if body.get("model") != "m":
             return JSONResponse({"error": {"message": f"The model `{body.get('model')}` does "
                                            "not exist.", "type": "NotFoundError", "param": None,

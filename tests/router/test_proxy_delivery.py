@@ -1,0 +1,152 @@
+"""Exactly-once delivery through the router: a request is re-sent only when it never reached a
+backend, a backend that read it and died answers the client 502, and a client that leaves before
+its non-streaming answer cancels the request on the backend."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvmesh.router.app import create_app
+from kvmesh.router.config import RouterConfig
+
+from .conftest import UvicornThread
+from .fake_backend import make_fake_backend
+from .helpers import wait_until
+
+
+class ReadsThenCloses:
+    """A TCP server that reads one whole HTTP request (headers and Content-Length body) per
+    connection, counts it as delivered, and closes without answering: a backend that dies
+    after it took the request."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.delivered: list[bytes] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                if head.startswith(b"GET"):      # health checks pass
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 15\r\nconnection: close\r\n\r\n"
+                                 b'{"status":"ok"}')
+                    continue
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(body) < length:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    body += chunk
+                self.delivered.append(body)
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+def _router(backends: list[str], **kw) -> UvicornThread:
+    cfg = RouterConfig(backends=tuple(backends), strategy="round-robin",
+                       health_interval_s=30.0, load_interval_s=30.0, **kw)
+    return UvicornThread(create_app(cfg, None, "m")).start()
+
+
+@pytest.fixture
+def good():
+    server = UvicornThread(make_fake_backend("good")).start()
+    yield server
+    server.stop()
+
+
+def test_a_backend_that_read_the_request_and_died_is_not_retried(good):
+    bad = ReadsThenCloses()
+    router = _router([bad.url, good.url])
+    try:
+        statuses = []
+        for i in range(2):
+            r = httpx.post(f"{router.url}/v1/completions",
+                           json={"model": "m", "prompt": f"once {i}"}, timeout=10)
+            statuses.append(r.status_code)
+            if r.status_code == 502:
+                err = r.json()["error"]
+                assert (err["type"], err["code"]) == ("bad_gateway", "backend_failed")
+                assert "not retried" in err["message"]
+        # 2 client requests -> exactly 2 deliveries in all: the one the bad backend took was
+        # answered 502, never sent again to the good one
+        assert len(bad.delivered) + len(good.server.config.app.state.requests) == 2
+        assert len(bad.delivered) == 1 and statuses.count(502) == 1 and statuses.count(200) == 1
+    finally:
+        router.stop()
+        bad.close()
+
+
+def test_a_refused_connection_is_retried_once_and_never_twice():
+    """Three backends pass their first health check, then the first and the last (in the pool's
+    URL order, round-robin's order) die. The request goes to the first (refused), is retried
+    once on the last (refused: the middle one is the only healthy candidate left after the
+    first failure, but round-robin's next turn is the last) and stops there: a 502 after two
+    connection attempts; the middle backend never sees it. The next request reaches it."""
+    servers = sorted((UvicornThread(make_fake_backend(f"s{i}")).start() for i in range(3)),
+                     key=lambda t: t.url)
+    first, middle, last = servers
+    router = _router([t.url for t in servers])
+    try:
+        assert wait_until(lambda: httpx.get(f"{router.url}/ready").json().get(
+            "healthy_backends") == 3, timeout=5)
+        first.stop()
+        last.stop()
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "x"},
+                       timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "backend_unreachable"
+        assert "2 tried" in r.json()["error"]["message"]
+        assert middle.server.config.app.state.requests == []
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "y"},
+                       timeout=10)
+        assert r.status_code == 200
+        assert len(middle.server.config.app.state.requests) == 1
+        assert "kvmesh_router_retries_total 1.0" in httpx.get(f"{router.url}/metrics").text
+    finally:
+        router.stop()
+        middle.stop()
+
+
+def test_a_client_that_leaves_cancels_its_non_streaming_request_on_the_backend(good):
+    app = good.server.config.app
+    app.state.delay_s = 20.0
+    router = _router([good.url])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "bye"},
+                       timeout=httpx.Timeout(5.0, read=0.5))
+        # the backend sees its client (the router) go away long before its 20 s of work end
+        assert wait_until(lambda: len(app.state.disconnects) == 1, timeout=5)
+        assert time.monotonic() - t0 < 6
+        text = httpx.get(f"{router.url}/metrics").text
+        assert "kvmesh_router_client_disconnects_total 1.0" in text
+    finally:
+        router.stop()
