@@ -130,17 +130,6 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def as_template_dict(self) -> dict:
-        role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, list):
-            content = "\n".join(part.text for part in self.content)
-        else:
-            content = self.content or ""
-        msg = {"role": role, "content": content}
-        if self.name:
-            msg["name"] = self.name
-        return msg
-
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")

@@ -11,7 +11,8 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv_publisher import (KVEventPublisher, cached_hashes, publish_engine_state,
                                         step_hook)
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+from kvmesh.prompt.sources import load_tokenizer
+from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
 
 from .helpers import NS, SVC, index_call, wait_until
 
