@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.engine.engine import PRIORITY_MAX, PRIORITY_MIN
-from kvmesh.engine.sampling_params import SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
+from kvmesh.engine.limits import (MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN,
+                                  TOP_K_MAX)
+from kvmesh.engine.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
 NonNegInt = Annotated[int, Field(ge=0)]
 
 

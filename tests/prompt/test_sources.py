@@ -28,6 +28,11 @@ def test_router_app_imports_without_torch():
     _run("import kvmesh.router.app, sys; assert 'torch' not in sys.modules")
 
 
+def test_api_protocol_and_input_processor_import_without_torch():
+    _run("import kvmesh.api.protocol, kvmesh.engine.input_processor, sys; "
+         "assert 'torch' not in sys.modules")
+
+
 def test_router_tokenizes_like_the_engine_without_weights_or_torch(smollm_tokenizer_dir):
     # the router's whole path from the built-in model's name to token ids, in a fresh process
     # with a warm tokenizer cache (the fixture): nothing of the model code, no torch.
