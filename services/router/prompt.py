@@ -35,6 +35,8 @@ def prompt_token_ids(tokenizer, endpoint: str, body: dict[str, Any]) -> list[int
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 return None
+            # NOTE: the body is raw JSON: normalise it here, as the API server's pydantic models
+            # are absent (the engines' Tokenizer normalises again, idempotently).
             return tokenizer.apply_chat_template(
                 normalise_messages(messages),
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)))
