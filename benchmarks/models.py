@@ -62,11 +62,9 @@ def ensure_random_model(name: str, cache: Path, seed: int = 0) -> Path:
 
 
 def _copy_builtin_tokenizer(dst: Path) -> None:
-    from kvmesh.engine.loader import builtin_model_path, cache_dir, load_model
-    from kvmesh.engine.models.gguf import cache_key
+    from kvmesh.common.model_files import builtin_model_path
+    from kvmesh.prompt.sources import gguf_tokenizer_dir
 
-    src = cache_dir() / cache_key(builtin_model_path())
-    if not (src / "tokenizer.json").is_file():
-        load_model(None, dtype="float32", device="cpu")     # converts and caches the tokenizer
+    src = gguf_tokenizer_dir(builtin_model_path())          # converted and cached once
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, dst / name)

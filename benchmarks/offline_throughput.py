@@ -124,7 +124,7 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, li
 def load_hf_model(model_path: str | None, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    from kvmesh.engine.loader import builtin_model_path
+    from kvmesh.common.model_files import builtin_model_path
     kw = dict(dtype=getattr(torch, dtype), attn_implementation="paged|sdpa")
     if model_path is None:
         path = builtin_model_path()

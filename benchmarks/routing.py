@@ -199,7 +199,7 @@ def _text(rng: random.Random, tokenizer, head: str, tokens: int) -> str:
 
 
 def build_workloads(s: Settings, load: Load) -> dict[str, list[Request]]:
-    from kvmesh.router.prompt import load_tokenizer
+    from kvmesh.prompt.sources import load_tokenizer
     tok = load_tokenizer(None)
     rng = random.Random(s.seed)
     systems = [_text(rng, tok, f"You are the assistant of tenant {k}, company "

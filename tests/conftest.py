@@ -32,7 +32,7 @@ def hf_smollm():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvmesh.engine.loader import builtin_model_path
+    from kvmesh.common.model_files import builtin_model_path
     path = builtin_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  dtype=torch.float32)

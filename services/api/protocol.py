@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.engine.engine import PRIORITY_MAX, PRIORITY_MIN
-from kvmesh.engine.sampling_params import SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
+from kvmesh.engine.limits import (MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN,
+                                  TOP_K_MAX)
+from kvmesh.engine.sampling_params import SamplingParams
 
-MAX_LOGPROBS = 20
 NonNegInt = Annotated[int, Field(ge=0)]
 
 
@@ -129,17 +129,6 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def as_template_dict(self) -> dict:
-        role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, list):
-            content = "\n".join(part.text for part in self.content)
-        else:
-            content = self.content or ""
-        msg = {"role": role, "content": content}
-        if self.name:
-            msg["name"] = self.name
-        return msg
 
 
 class ResponseFormat(BaseModel):

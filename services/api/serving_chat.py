@@ -20,8 +20,8 @@ from kvmesh.engine.outputs import RequestOutput
 
 def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     """The chat template's token ids; any template error (jinja raise_exception, no template)
-    is about the client's messages: a 400."""
-    dicts = [m.as_template_dict() for m in messages]
+    is about the client's messages: a 400. The tokenizer normalises the messages (prompt.messages)."""
+    dicts = [m.model_dump(exclude_none=True) for m in messages]
     try:
         return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - ValueError, jinja2 TemplateError, ...

@@ -28,7 +28,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     ctx.engine.check_capacity(len(prompts))
     for i, prompt in enumerate(prompts):
         try:
-            text, ids = ctx.engine.engine.tokenize_prompt(prompt)
+            text, ids = ctx.engine.engine.input_processor.tokenize(prompt)
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
         params = make_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs)

@@ -11,11 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-from kvmesh.engine.engine import LLMEngine, PromptInput
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.input_processor import EngineRequest, PromptInput
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -28,18 +28,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Back-pressure: the waiting queue is over its limit."""
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
-    trace_context: object = None     # OpenTelemetry context parenting the request's spans
 
 
 @dataclass(slots=True)
@@ -140,12 +128,6 @@ class AsyncLLMEngine:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); "
                                  "retry later")
 
-    def validate(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and check a request on the caller's thread (pure): ValueError if bad."""
-        text, ids = self.engine.tokenize_prompt(prompt)
-        self.engine.check_request(ids, params)
-        return text, ids
-
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
                           prompt_ids: list[int] | None = None,
@@ -180,17 +162,14 @@ class AsyncLLMEngine:
     def _submit(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                 priority: int, cache_salt: str | None, prompt_ids: list[int] | None,
                 trace_context) -> _Stream:
-        """Check the request on the caller's thread and queue it for the engine thread."""
+        """Build the validated request on the caller's thread and queue it for the engine thread."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
         if self._stop.is_set():
             raise EngineDeadError("engine is shut down")
-        if prompt_ids is None:
-            text, prompt_ids = self.validate(prompt, params)
-        else:
-            text = prompt if isinstance(prompt, str) else None
-            self.engine.check_request(prompt_ids, params)
-        self.engine.check_priority(priority)
+        request = self.engine.input_processor.process(
+            request_id, prompt, params, prompt_ids=prompt_ids, priority=priority,
+            cache_salt=cache_salt, trace_context=trace_context)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_capacity(1)
@@ -199,8 +178,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(_Add(request_id, prompt_ids, text, params, priority, cache_salt,
-                                time.monotonic(), trace_context))
+        self._commands.put(request)
         self._wakeup.set()
         if self.dead is not None or self._stop.is_set():
             # NOTE: the engine thread stopped after the checks above; its last act failed the
@@ -233,25 +211,22 @@ class AsyncLLMEngine:
 
     def _apply_commands(self) -> None:
         for cmd in self._queued_commands():
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, EngineRequest):
                 self._apply_add(cmd)
             elif isinstance(cmd, _ResetPrefixCache):
                 self._apply_reset(cmd)
             else:
                 self.engine.abort_request(cmd[1])
 
-    def _apply_add(self, cmd: _Add) -> None:
+    def _apply_add(self, request: EngineRequest) -> None:
         with self._lock:
             self._pending_adds -= 1
-        stream = self._streams.get(cmd.request_id)
+        stream = self._streams.get(request.request_id)
         if stream is None:
             return                                # cancelled before it reached the engine
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params,
-                                    arrival_time=cmd.arrival_time, priority=cmd.priority,
-                                    cache_salt=cmd.cache_salt, prompt_text=cmd.prompt_text,
-                                    trace_context=cmd.trace_context)
-        except ValueError as e:
+            self.engine.add_request(request)      # trusted: built by the input processor
+        except ValueError as e:                   # its id is still in use in the engine
             _resolve(stream.loop, stream.accepted, error=e)
             return
         _resolve(stream.loop, stream.accepted, result=None)

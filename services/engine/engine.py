@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -12,6 +12,7 @@ import torch
 from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_share import RedisKVStore
 from kvmesh.engine.loader import LoadedModel, load_model
@@ -24,12 +25,6 @@ from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
 
 logger = logging.getLogger("kvmesh.engine")
-
-PromptInput = str | Sequence[int]
-
-# NOTE: scheduling policies do arithmetic on the priority (the dynamic one multiplies it by a
-# float weight): a bounded int keeps schedule() from overflowing on a client-chosen value.
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -108,6 +103,7 @@ class LLMEngine:
             self.scheduler.kv_share = self.kv_share
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.vocab_size = mc.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, max_len)
         self._groups: dict[str, _Group] = {}
         self.last_stats = SchedulerStats()
         self.num_steps = 0
@@ -137,55 +133,24 @@ class LLMEngine:
         return blocks
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-        return None, ids
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError for a request the engine cannot serve, changing nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt is {n} tokens long but max_model_len is "
-                             f"{self.max_model_len}: at least one token must be left to generate")
-
-    @staticmethod
-    def check_priority(priority: int) -> None:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
-            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
-                             f"got {priority}")
-
-    def add_request(self, request_id: str, prompt: PromptInput,
+    def add_request(self, request: EngineRequest | str, prompt: PromptInput | None = None,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
                     prompt_text: str | None = None, trace_context=None) -> None:
-        """Queue a request. `prompt` is text or token ids; with ids, `prompt_text` may carry the
-        text they came from (for outputs). `trace_context` (an OpenTelemetry context, e.g. the
-        HTTP server span's) parents the request's spans when tracing is on."""
-        params = params or SamplingParams()
+        """Queue a request. The front ends (AsyncLLMEngine, LLM) pass an `EngineRequest` from
+        `self.input_processor`, trusted as is; a request id with a raw `prompt` (text or token
+        ids; scripts and benchmarks) and the other arguments goes through that processor first.
+        `trace_context` (an OpenTelemetry context, e.g. the HTTP server span's) parents the
+        request's spans when tracing is on. ValueError: a bad request, or an id in use."""
+        if not isinstance(request, EngineRequest):
+            request = self.input_processor.process(
+                request, prompt, params, prompt_text=prompt_text, priority=priority,
+                cache_salt=cache_salt, arrival_time=arrival_time, trace_context=trace_context)
+        request_id, params = request.request_id, request.params
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_priority(priority)
-        text, prompt_ids = self.tokenize_prompt(prompt)
-        text = text if text is not None else prompt_text
-        self.check_request(prompt_ids, params)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt_ids = list(request.prompt_token_ids)
+        assert len(prompt_ids) < self.max_model_len, "the input processor bounds prompts"
         samples: list[Request] = []
         for i in range(params.n):
             gen = None
@@ -194,7 +159,8 @@ class LLMEngine:
                 # whatever else shares the batch.
                 gen = torch.Generator().manual_seed(params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            samples.append(Request(rid, prompt_ids, params, arrival, priority, cache_salt,
+            samples.append(Request(rid, prompt_ids, params, request.arrival_time, request.priority,
+                                   request.cache_salt,
                                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                                    max_model_len=self.max_model_len, sample_index=i,
                                    parent_id=request_id, generator=gen))
@@ -202,9 +168,10 @@ class LLMEngine:
         for child in samples[1:]:
             self.scheduler.add_fork(samples[0], child)
         detoks = [IncrementalDetokenizer(self.tokenizer.hf, prompt_ids, params) for _ in samples]
-        self._groups[request_id] = _Group(request_id, text, samples, detoks, [0] * len(samples))
+        self._groups[request_id] = _Group(request_id, request.prompt_text, samples, detoks,
+                                          [0] * len(samples))
         for obs in self.observers:
-            obs.on_request_added(request_id, samples, trace_context)
+            obs.on_request_added(request_id, samples, request.trace_context)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[str]:
         """Abort unfinished requests; returns the ids that were still unfinished."""

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from kvmesh.common.config import engine_config_from_kwargs
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.input_processor import EngineRequest
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -48,12 +49,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
         # NOTE: validate everything first, so a bad prompt leaves the engine untouched.
-        tokenized = []
-        for prompt, p in zip(prompts, params):
-            _, ids = self.engine.tokenize_prompt(prompt)
-            self.engine.check_request(ids, p)
-            tokenized.append(prompt)
-        return self._run(tokenized, params, priority, cache_salt)
+        requests = [self.engine.input_processor.process(
+                        f"llm-{next(self._ids)}", prompt, p,
+                        priority=priority[i] if priority else 0, cache_salt=cache_salt)
+                    for i, (prompt, p) in enumerate(zip(prompts, params))]
+        return self._run(requests)
 
     def chat(
         self,
@@ -79,14 +79,12 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
 
-    def _run(self, prompts, params, priority, cache_salt) -> list[RequestOutput]:
+    def _run(self, requests: list[EngineRequest]) -> list[RequestOutput]:
         ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
-                                        cache_salt=cache_salt)
-                ids.append(rid)
+            for request in requests:
+                self.engine.add_request(request)
+                ids.append(request.request_id)
             final: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

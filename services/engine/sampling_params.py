@@ -1,15 +1,12 @@
-"""Per-request sampling settings (vLLM's names and semantics), validated once at construction."""
+"""Per-request sampling settings (vLLM's names and semantics), validated at construction; the
+input processor validates its own copy again (a caller may change the fields afterwards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.limits import SEED_MAX, SEED_MIN, TOP_K_MAX
+
 _GREEDY_EPS = 1e-5
-# NOTE: top_k >= vocab means "all tokens", so 2**31 - 1 is no real limit; it keeps the sampler's
-# long tensor from overflowing on a client-chosen value.
-TOP_K_MAX = 2**31 - 1
-# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; sample i of n uses
-# seed + i, so a signed 64-bit seed always stays within what it accepts.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParamsError(ValueError):

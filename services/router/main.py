@@ -7,6 +7,7 @@ import os
 import sys
 
 from kvmesh.common.http_server import run_until_signal
+from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.policy import STRATEGIES
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = None
     if cfg.strategy == "kv-aware":
-        from kvmesh.router.prompt import load_tokenizer  # noqa: PLC0415
+        from kvmesh.prompt.sources import load_tokenizer  # noqa: PLC0415 (transformers is slow to import)
         try:
             tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
         except (FileNotFoundError, ValueError) as e:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_model_name(model: str | None) -> str:
     if not model:
-        return "SmolLM2-135M-Instruct"
+        return BUILTIN_MODEL_NAME
     from pathlib import Path  # noqa: PLC0415
     p = Path(model)
     return p.stem if p.suffix.lower() == ".gguf" else p.name

@@ -1,41 +1,17 @@
 """Request body -> prompt token ids -> chained block hashes, exactly as an engine computes them.
 
-The tokenizer comes from the model path without loading weights: an HF directory's tokenizer.json,
-or a GGUF file's converted tokenizer (cached under ${KVMESH_CACHE_DIR:-~/.cache/kvmesh}).
+The tokenizer and the message normalisation are the engines' own (`kvmesh.prompt`), loaded
+without weights or torch (`kvmesh.prompt.sources.load_tokenizer`).
 """
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from kvmesh.common.block_hash import hash_prompt_blocks
+from kvmesh.prompt.messages import normalise_messages
 
 logger = logging.getLogger("kvmesh.router")
-
-
-def load_tokenizer(model: str | None, tokenizer: str | None = None):
-    """A `Tokenizer` for `tokenizer` (a directory) or `model` (directory, .gguf file, None or
-    the built-in model's name). Raises FileNotFoundError / ValueError when there is none."""
-    from kvmesh.engine.tokenizer import Tokenizer  # noqa: PLC0415 (transformers is slow to import)
-
-    if tokenizer:
-        return Tokenizer.from_dir(Path(tokenizer).expanduser())
-    from kvmesh.engine import loader  # noqa: PLC0415 (imports torch)
-
-    if not model or model == loader.BUILTIN_MODEL_NAME:
-        path = loader.builtin_model_path()
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {model!r} is neither a directory nor a .gguf file here; pass the model "
-                "path (or --tokenizer DIR) so the router hashes prompts like the engines do")
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    from kvmesh.engine.models.gguf import GGUFFile  # noqa: PLC0415
-
-    return Tokenizer.from_dir(GGUFFile(path).tokenizer_dir(loader.cache_dir()))
 
 
 def _first_prompt(prompt: Any) -> str | list[int] | None:
@@ -49,19 +25,6 @@ def _first_prompt(prompt: Any) -> str | list[int] | None:
     return None
 
 
-def _template_message(m: dict[str, Any]) -> dict[str, Any]:
-    """The message as the engine's API server renders it (protocol.ChatMessage.as_template_dict):
-    `developer` is `system`, text parts are joined by newlines, no content is ""."""
-    role = m.get("role")
-    content = m.get("content")
-    if isinstance(content, list):
-        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out = {"role": "system" if role == "developer" else role, "content": content or ""}
-    if m.get("name"):
-        out["name"] = m["name"]
-    return out
-
-
 def prompt_token_ids(tokenizer, endpoint: str, body: dict[str, Any]) -> list[int] | None:
     """The token ids the engine will see for this request, or None when they cannot be known
     (the request is then routed by load; the engine reports any error in the body itself)."""
@@ -72,8 +35,10 @@ def prompt_token_ids(tokenizer, endpoint: str, body: dict[str, Any]) -> list[int
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 return None
+            # NOTE: the body is raw JSON: normalise it here, as the API server's pydantic models
+            # are absent (the engines' Tokenizer normalises again, idempotently).
             return tokenizer.apply_chat_template(
-                [_template_message(m) for m in messages],
+                normalise_messages(messages),
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)))
         prompt = _first_prompt(body.get("prompt"))
         if isinstance(prompt, str):

@@ -18,7 +18,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from kvmesh.engine.loader import builtin_model_path, cache_dir, load_model  # noqa: E402
+from kvmesh.common.model_files import builtin_model_path, cache_dir  # noqa: E402
+from kvmesh.engine.loader import load_model  # noqa: E402
 from kvmesh.kernels.metadata import AttentionMetadata  # noqa: E402
 
 CHAT_PROMPTS = [
@@ -146,7 +147,7 @@ def builtin_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm_tokenizer_dir(smollm, builtin_path) -> Path:
     """The cached tokenizer.json + tokenizer_config.json converted from the built-in GGUF."""
-    from kvmesh.engine.models.gguf import cache_key
+    from kvmesh.prompt.sources import cache_key
 
     path = cache_dir() / cache_key(builtin_path)
     assert (path / "tokenizer.json").is_file()

@@ -11,8 +11,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvmesh.engine.loader import load_model
-from kvmesh.engine.models.gguf import GGUFFile, cache_key, hf_tensor_name, unpermute_rows
-from kvmesh.engine.models.gguf_reader import GGUFReader
+from kvmesh.common.gguf_reader import GGUFReader
+from kvmesh.engine.models.gguf import hf_tensor_name, unpermute_rows
+from kvmesh.prompt.sources import cache_key, gguf_tokenizer_dir
 
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
@@ -139,7 +140,7 @@ def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_pat
     if arch == "llama":
         assert (cache / cache_key(path) / "tokenizer_config.json").read_text().count("im_start") >= 1
         start = time.perf_counter()
-        GGUFFile(path).tokenizer_dir(cache)
+        gguf_tokenizer_dir(path, cache)
         assert time.perf_counter() - start < 1.0  # warm: no conversion
 
 

@@ -10,7 +10,8 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+from kvmesh.prompt.sources import load_tokenizer
+from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
 
 from .helpers import NS, SVC, index_call, wait_until
 

@@ -13,7 +13,8 @@ from kvmesh.common.kv_events import BlockStored, KVEventSequencer
 from kvmesh.engine.kv_publisher import KVEventPublisher
 from kvmesh.router.app import create_app
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+from kvmesh.prompt.sources import load_tokenizer
+from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
 
 from .conftest import UvicornThread
 from .fake_backend import make_fake_backend

@@ -9,7 +9,7 @@ from kvmesh.router.backends import BackendPool, normalize_url, parse_load_metric
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.main import config_from_args, build_parser, main
 from kvmesh.router.prefix_index import PodLoad
-from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
 
 
 def test_key_layout(monkeypatch):
@@ -90,13 +90,6 @@ def test_prompt_token_ids_shapes():
     assert prompt_block_hashes(None, 16, "kvmesh") == []
     assert prompt_block_hashes([1] * 16, 16, "kvmesh", "") == prompt_block_hashes([1] * 16, 16,
                                                                                   "kvmesh")
-
-
-def test_load_tokenizer_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--tokenizer"):
-        load_tokenizer("some-served-name")
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        load_tokenizer(None, str(tmp_path))
 
 
 def test_cli_and_config_validation(capsys):

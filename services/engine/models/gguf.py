@@ -1,26 +1,21 @@
-"""GGUF file -> (HF config dict, HF-named float32 weights, tokenizer directory).
+"""GGUF file -> (HF config dict, HF-named float32 weights).
 
-Our lean reader (gguf_reader.py) parses, the `gguf` package dequantizes; this module maps
+Our lean reader (common/gguf_reader.py) parses, the `gguf` package dequantizes; this module maps
 llama.cpp's names and layout back to HF's: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`), the Q/K row
 permutation llama.cpp applies to llama-architecture checkpoints, and the metadata keys of the
-config. The tokenizer is converted once by transformers (slow, ~5 s) and cached on disk.
+config. The tokenizer is converted from the same file by `kvmesh.prompt.sources`.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from kvmesh.engine.models.gguf_reader import GGUFFormatError, GGUFReader
+from kvmesh.common.gguf_reader import open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +45,7 @@ class GGUFFile:
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            self.reader = GGUFReader(path)
-        except GGUFFormatError:
-            raise
-        except Exception as e:  # struct / unicode errors on a corrupt header
-            raise GGUFFormatError(f"malformed GGUF file {path}: {type(e).__name__}: {e}") from None
+        self.reader = open_gguf(path)
         self.arch = self.field("general.architecture")
         if self.arch not in _ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r} in GGUF file {path}; "
@@ -141,45 +131,6 @@ class GGUFFile:
                 arr = np.array(arr, copy=True)
             yield name, torch.from_numpy(arr)
 
-    # -------------------------------------------------------------------------- tokenizer
-
-    def tokenizer_dir(self, cache_root: Path) -> Path:
-        """Directory with tokenizer.json + tokenizer_config.json, converted once and cached."""
-        target = cache_root / cache_key(self.path)
-        if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
-            return target
-        if self.field("tokenizer.ggml.model") is None:
-            raise ValueError(f"GGUF file {self.path} has no tokenizer metadata (tokenizer.ggml.*)")
-        cache_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_root))
-        try:
-            self._convert_tokenizer(tmp)
-            try:
-                os.rename(tmp, target)  # atomic: readers see all files or none
-            except OSError:
-                if not (target / "tokenizer.json").is_file():  # not a lost race: a real error
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return target
-
-    def _convert_tokenizer(self, out: Path) -> None:
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
-        # NOTE: transformers' GGUF converter is the tested path from llama.cpp vocab to a
-        # tokenizers BPE/Unigram model; we only keep its output and the metadata's template.
-        hf = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
-                                           local_files_only=True)
-        hf.save_pretrained(str(out))
-        (out / "chat_template.jinja").unlink(missing_ok=True)
-        config = {k: getattr(hf, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                  if getattr(hf, k, None) is not None}
-        template = self.field("tokenizer.chat_template")
-        if template is not None:
-            config["chat_template"] = template
-        config["source_gguf"] = str(self.path)
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
@@ -204,13 +155,3 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def cache_key(path: Path) -> str:
-    """Stable per file: name, size and the sha256 of the first MiB (cheap; no full hash)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)
-    return f"{stem}-{size}-{digest}"
-

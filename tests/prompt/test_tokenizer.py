@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.prompt.tokenizer import Tokenizer
 
 CHATML = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
           "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")

@@ -157,3 +157,13 @@ class GGUFReader:
             data = np.frombuffer(self._mm, np.uint8, n_bytes, start).reshape(
                 quant_shape_to_byte_shape(shape, qtype))
         return GGUFTensor(name=name, ggml_type=ggml_type, shape=shape, data=data)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A GGUFReader for `path`; every parse failure is a GGUFFormatError naming the file."""
+    try:
+        return GGUFReader(path)
+    except GGUFFormatError:
+        raise
+    except Exception as e:  # struct / unicode errors on a corrupt header
+        raise GGUFFormatError(f"malformed GGUF file {path}: {type(e).__name__}: {e}") from None

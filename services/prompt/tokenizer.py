@@ -11,7 +11,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from kvmesh.engine.errors import ModelFileNotFoundError
+from kvmesh.common.model_files import ModelFileNotFoundError
+from kvmesh.prompt.messages import normalise_messages
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -76,20 +77,24 @@ class Tokenizer:
         return self.hf.chat_template
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template applied to `messages`, as text."""
+                    tools: list[dict[str, Any]] | None = None,
+                    documents: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to `messages` (normalised: see prompt.messages), as text.
+        `tools` and `documents` reach the template as its `tools` / `documents` variables."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template (no 'chat_template' in "
                              "tokenizer_config.json, no chat_template.jinja); use a plain completion prompt")
         text = self.hf.apply_chat_template(
-            [_normalise_message(m) for m in messages], tools=tools,
+            normalise_messages(messages), tools=tools, documents=documents,
             add_generation_prompt=add_generation_prompt, tokenize=False)
         return text if isinstance(text, str) else text[0]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            documents: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat (the template carries its own special tokens)."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                documents=documents)
         return self.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ ids
@@ -126,16 +131,3 @@ def _chat_template(cfg: dict[str, Any], path: Path) -> str | None:
         template = (path / "chat_template.jinja").read_text()
     return template
 
-
-def _normalise_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts ([{"type": "text", "text": ...}]) -> one string, as templates expect."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"unsupported message content part {kind!r}; only 'text' parts are supported")
-        texts.append(part.get("text", ""))
-    return {**message, "content": "\n".join(texts)}

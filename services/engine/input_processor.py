@@ -1,0 +1,104 @@
+"""The engine's one input boundary: (request id, prompt, SamplingParams, priority, cache salt)
+-> a frozen, fully validated `EngineRequest`. Torch-free.
+
+Every front end builds its requests here, on its own thread: AsyncLLMEngine before a request is
+queued for the engine thread, the offline `LLM` before any request reaches the engine.
+`LLMEngine.add_request` trusts an `EngineRequest` as is, so a bad request is refused before it
+can change engine state, and each rule is checked in one place. The bounds live in limits.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN
+from kvmesh.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmesh.prompt.tokenizer import Tokenizer
+
+PromptInput = str | Sequence[int]
+
+
+@dataclass(slots=True, frozen=True)
+class EngineRequest:
+    """A request the input processor has checked; the engine adds it without checking again."""
+    request_id: str                     # user-visible id (samples of n > 1 become `id#i`)
+    prompt_token_ids: tuple[int, ...]   # non-empty and shorter than max_model_len
+    prompt_text: str | None             # the text the ids came from, for outputs; None if unknown
+    params: SamplingParams              # the processor's validated copy: the caller's edits never reach it
+    priority: int                       # in [PRIORITY_MIN, PRIORITY_MAX]; lower is served first
+    cache_salt: str | None              # isolates prefix-cache sharing between tenants
+    arrival_time: float                 # monotonic seconds at processing: FCFS order and aging
+    trace_context: object = None        # OpenTelemetry context parenting the request's spans
+
+
+class InputProcessor:
+    """Tokenizes prompts and validates requests against one engine's limits."""
+
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size          # the model's: prompt token ids must index its embedding
+        self.max_model_len = max_model_len    # a prompt must leave room for one generated token
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a text or token-id prompt; ValueError if it is empty or
+        an id is outside the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return None, ids
+
+    def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                *, prompt_ids: Sequence[int] | None = None, prompt_text: str | None = None,
+                priority: int = 0, cache_salt: str | None = None,
+                arrival_time: float | None = None, trace_context=None) -> EngineRequest:
+        """The validated request, or ValueError saying what is wrong (nothing else changes).
+
+        `prompt` is text or token ids. `prompt_ids` are its token ids when the caller has them
+        already, from `tokenize` or the chat template: they are not tokenized or looked up in
+        the vocabulary again. `prompt_text` names the text token ids came from (for outputs)."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if prompt_ids is None:
+            text, ids = self.tokenize(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_ids)
+        params = _checked_copy(SamplingParams() if params is None else params)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long but max_model_len is "
+                             f"{self.max_model_len}: at least one token must be left to generate")
+        _check_priority(priority)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        return EngineRequest(
+            request_id, tuple(ids), text if text is not None else prompt_text, params, priority,
+            cache_salt, time.monotonic() if arrival_time is None else arrival_time, trace_context)
+
+
+def _checked_copy(params: SamplingParams) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError("sampling_params must be a SamplingParams")
+    # NOTE: replace() builds a new object through __post_init__, which validates it: fields the
+    # caller changed after construction are checked here, and later changes never reach the engine.
+    return dataclasses.replace(params)
+
+
+def _check_priority(priority: int) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                         f"got {priority}")
