@@ -24,6 +24,20 @@ def _ready(obj: dict[str, Any] | None) -> int:
     return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
 
 
+def _unobserved(dep: dict[str, Any]) -> str | None:
+    """Why the Deployment controller has not caught up with the latest spec, or None when it has.
+
+    NOTE: right after the operator patches a Deployment its status still describes the previous
+    generation (all old pods ready), so readiness counts mean nothing until the controller has
+    observed the new generation.
+    """
+    generation = (dep.get("metadata") or {}).get("generation")
+    observed = (dep.get("status") or {}).get("observedGeneration")
+    if generation is not None and (observed is None or int(observed) < int(generation)):
+        return f"the Deployment controller has not observed generation {generation} yet (at {observed or 0})"
+    return None
+
+
 def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
     if dep is None:
         return _cond("EnginesReady", False, "DeploymentMissing", "the engine Deployment does not exist yet")
@@ -31,15 +45,22 @@ def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
     for c in st.get("conditions") or []:
         if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
             return _cond("EnginesReady", False, "ProgressDeadlineExceeded", c.get("message", "rollout stuck"))
+    # NOTE: with no pod ready yet the counts cannot claim too much (AwaitingPods below).
+    if (pending := _unobserved(dep)) is not None and _ready(dep) > 0:
+        return _cond("EnginesReady", False, "RollingUpdate", pending)
     ready, updated = _ready(dep), int(st.get("updatedReplicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
     # NOTE: pods of an older template still running (updated < total) means a rollout is under way.
     rolling = updated < int(st.get("replicas") or 0)
     if want == 0:
         return _cond("EnginesReady", True, "ScaledToZero", "0 engine pods wanted")
-    if ready >= want and not rolling:
+    if ready >= want and available >= want and updated >= want and not rolling:
         return _cond("EnginesReady", True, "MinimumReplicasAvailable", f"{ready}/{want} engine pods ready")
-    if rolling:
+    if rolling or (ready >= want and updated < want):
         return _cond("EnginesReady", False, "RollingUpdate", f"{updated}/{want} engine pods updated, {ready} ready")
+    if ready >= want:
+        return _cond("EnginesReady", False, "PartiallyReady",
+                     f"{available}/{want} engine pods available ({ready} ready, not yet for minReadySeconds)")
     if ready > 0:
         return _cond("EnginesReady", False, "PartiallyReady", f"{ready}/{want} engine pods ready")
     return _cond("EnginesReady", False, "AwaitingPods", f"0/{want} engine pods ready (loading the model?)")
@@ -48,6 +69,8 @@ def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
 def _deployment_condition(type_: str, dep: dict[str, Any] | None, what: str) -> dict[str, str]:
     if dep is None:
         return _cond(type_, False, "DeploymentMissing", f"the {what} Deployment does not exist yet")
+    if (pending := _unobserved(dep)) is not None and _ready(dep) > 0:
+        return _cond(type_, False, "RollingUpdate", pending)
     if _ready(dep) >= 1:
         return _cond(type_, True, "MinimumReplicasAvailable", f"{_ready(dep)} {what} pod(s) ready")
     return _cond(type_, False, "AwaitingPods", f"no {what} pod is ready yet")

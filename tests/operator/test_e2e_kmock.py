@@ -42,11 +42,18 @@ def _events(server: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _deployment_status(server: Any, name: str, **status: int) -> None:
+    """Play the Deployment controller: write a Deployment's status (observedGeneration defaults to
+    the current generation, as after the controller has seen the latest spec)."""
+    key = (__import__("kmock").resource("apps/v1/deployments"), NAMESPACE, name)
+    generation = int(server.objects[key].raw["metadata"].get("generation") or 1)
+    server.objects[key].patch({"status": {"observedGeneration": generation, **status}})
+
+
 def _make_ready(server: Any, name: str, replicas: int) -> None:
     """Play the Deployment controller: mark a Deployment's pods ready."""
-    key = (__import__("kmock").resource("apps/v1/deployments"), NAMESPACE, name)
-    server.objects[key].patch({"status": {"replicas": replicas, "readyReplicas": replicas,
-                                          "updatedReplicas": replicas, "availableReplicas": replicas}})
+    _deployment_status(server, name, replicas=replicas, readyReplicas=replicas, updatedReplicas=replicas,
+                       availableReplicas=replicas)
 
 
 async def test_lifecycle(cluster: Any) -> None:
@@ -116,7 +123,11 @@ async def test_lifecycle(cluster: Any) -> None:
                 content_type="application/merge-patch+json")
     await wait_for(lambda: obj(server, "apps/v1/deployments", "smol-engine")["spec"]["replicas"] == 3,
                    what="engine scaled to 3")
-    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["replicas"] == 3 and c, what="status replicas")
+    # the Deployment controller sees the new generation and starts two more pods
+    _deployment_status(server, "smol-engine", replicas=3, updatedReplicas=3, readyReplicas=1, availableReplicas=1)
+    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["replicas"] == 3
+                        and _cond(c, "EnginesReady")["message"] == "1/3 engine pods ready" and c,
+                        what="status replicas")
     assert cr["status"]["phase"] == "Progressing"  # 1 of 3 ready
     assert _cond(cr, "EnginesReady")["message"] == "1/3 engine pods ready"
     assert cr["status"]["selector"] == "app.kubernetes.io/component=engine,kvmesh.io/inference-service=smol"
@@ -148,6 +159,36 @@ async def test_lifecycle(cluster: Any) -> None:
     assert not [r for r in requests if r.method.value == "PUT"]
     written = {r.resource.plural for r in requests if r.method.value in ("POST", "PATCH", "DELETE")}
     assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events"}
+
+
+async def test_a_spec_change_is_not_ready_until_the_new_pods_are(cluster: Any) -> None:
+    server = cluster
+    await _create(server, "roll", {"model": {}, "router": {"enabled": False}})
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "roll-engine"), what="engine Deployment")
+    for name in ("roll-engine", "roll-redis"):
+        _make_ready(server, name, 1)
+    await wait_for(lambda: _cr(server, "roll")["status"]["phase"] == "Ready", what="Ready")
+
+    # a new model: the operator patches the template (generation 2); the old pod is still the ready one
+    await _post(server, f"{CR_PATH}/roll", {"spec": {"model": {"source": "uri", "uri": "/opt/models/m"}}},
+                method="patch", content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "roll-engine")["metadata"]["generation"] == 2,
+                   what="engine template patched")
+    cr = await wait_for(lambda: (c := _cr(server, "roll")) and c["status"]["observedGeneration"] == 2
+                        and _cond(c, "EnginesReady")["status"] == "False" and c, what="EnginesReady False")
+    assert cr["status"]["phase"] == "Progressing"
+    assert _cond(cr, "EnginesReady")["message"] == (
+        "the Deployment controller has not observed generation 2 yet (at 1)")
+    # the controller saw it and surged a new pod, not ready yet: still rolling
+    _deployment_status(server, "roll-engine", replicas=2, updatedReplicas=1, readyReplicas=1, availableReplicas=1)
+    await wait_for(lambda: _cond(_cr(server, "roll"), "EnginesReady")["message"] ==
+                   "1/1 engine pods updated, 1 ready", what="RollingUpdate with the controller caught up")
+    assert _cr(server, "roll")["status"]["phase"] == "Progressing"
+    # the new pod is ready and the old one gone: Ready again
+    _make_ready(server, "roll-engine", 1)
+    cr = await wait_for(lambda: (c := _cr(server, "roll")) and c["status"]["phase"] == "Ready" and c,
+                        what="Ready after the rollout")
+    assert _cond(cr, "EnginesReady")["reason"] == "MinimumReplicasAvailable"
 
 
 async def test_invalid_spec_is_a_permanent_error_and_creates_nothing(cluster: Any) -> None:
