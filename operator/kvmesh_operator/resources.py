@@ -122,6 +122,14 @@ def _common_env(svc: InferenceService) -> list[dict[str, Any]]:
     return env
 
 
+def _api_key_env(svc: InferenceService) -> list[dict[str, Any]]:
+    """KVMESH_API_KEY, read by `kvmesh serve` and `kvmesh router` alike; empty without apiKeySecret."""
+    if svc.api_key_secret is None:
+        return []
+    return [{"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}}]
+
+
 def tracing_env(svc: InferenceService) -> list[dict[str, Any]]:
     """OpenTelemetry settings of the engines (the router has no tracing); empty when tracing is off."""
     t = svc.tracing
@@ -204,9 +212,7 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
     # NOTE: the root filesystem is read-only; Triton would write its kernel cache to ~/.triton.
     env = _common_env(svc) + tracing_env(svc) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
                                                  {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
-    if svc.api_key_secret is not None:
-        env.append({"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}})
+    env += _api_key_env(svc)
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
               {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     volumes: list[dict[str, Any]] = [
@@ -302,7 +308,8 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
                                                                   "readOnly": True}})
     container = {
         "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-        "args": router_args(svc), "env": _common_env(svc),
+        # NOTE: the router checks the same API key as the engines: the Service and Ingress point at it.
+        "args": router_args(svc), "env": _common_env(svc) + _api_key_env(svc),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},

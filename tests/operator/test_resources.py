@@ -149,8 +149,9 @@ def test_router_and_front_service() -> None:
         "--served-model-name", "llama-3.1-8b-instruct", "--block-size", "32",
         "--model", "/models/Llama-3.1-8B-Instruct", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct"]
     # the router has no tracing: no OTEL_* variables even though spec.tracing is set
-    assert [e["name"] for e in router["spec"]["template"]["spec"]["containers"][0]["env"]] == [
-        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD"]
+    router_env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e["name"] for e in router_env] == [
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_API_KEY"]
     pod_spec = router["spec"]["template"]["spec"]
     assert pod_spec["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {
         "claimName": svc.model.pvc_claim, "readOnly": True}}
@@ -167,6 +168,15 @@ def test_router_and_front_service() -> None:
     assert direct["spec"]["ports"][0]["targetPort"] == 8000
     headless = R.build_engine_service(svc, OWNER)
     assert headless["spec"]["clusterIP"] == "None"
+
+
+def test_router_gets_the_api_key_the_engines_check() -> None:
+    router_env = R.build_router_deployment(_full(), OWNER)["spec"]["template"]["spec"]["containers"][0]["env"]
+    engine_env = R.build_engine_deployment(_full(), OWNER, 1)["spec"]["template"]["spec"]["containers"][0]["env"]
+    key = {"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}}
+    assert key in router_env and key in engine_env
+    no_key = R.build_router_deployment(_svc(), OWNER)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "KVMESH_API_KEY" not in [e["name"] for e in no_key]
 
 
 def test_ingress_and_url() -> None:
