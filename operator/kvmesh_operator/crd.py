@@ -262,7 +262,8 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     rd = root.sub("redis")
     redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"))
     if redis.password_secret is not None and redis.url is None:
-        problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)")
+        problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis gets a generated "
+                        "password)")
 
     a = root.sub("autoscaling")
     autoscaling = AutoscalingSpec(
@@ -283,6 +284,10 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     i = root.sub("ingress")
     ingress = IngressSpec(enabled=i.get("enabled"), class_name=i.get("className"), host=i.get("host"),
                           tls_secret=i.get("tlsSecretName"), annotations=dict(i.get("annotations") or {}))
+    snippets = sorted(k for k in ingress.annotations if re.search(S.SNIPPET_ANNOTATION_PATTERN, k))
+    if snippets:
+        problems.append(f"spec.ingress.annotations {', '.join(snippets)}: configuration snippets are refused "
+                        f"(they inject raw proxy configuration); use the controller's dedicated annotations")
     if ingress.tls_secret is not None and ingress.host is None:
         problems.append("spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)")
 
@@ -291,6 +296,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
         resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
         tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"))
+    if suffix := next((x for x in S.CHILD_SUFFIXES if name.endswith(x)), None):
+        problems.append(f"metadata.name {name!r} must not end in {suffix!r}: it would collide with the children "
+                        f"of InferenceService {name[:-len(suffix)]!r}; choose another name")
     if len(name) > 45:
         problems.append(f"metadata.name {name!r} is too long: at most 45 characters, so that child names "
                         f"like '<name>-engine-config' stay valid")
