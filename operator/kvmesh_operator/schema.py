@@ -201,7 +201,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
 }, required=["model"])
 
 _CONDITION = _obj("A KServe-style condition.", {
-    "type": _str("EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
+    "type": _str("ChildrenOwned, EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),

@@ -1,12 +1,13 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
-Conditions: EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and
-keda modes), and Ready (all of them True).
+Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
+EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes), and
+Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
 """
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Any
 
 from . import resources as R
@@ -103,9 +104,13 @@ def autoscaling_condition(svc: InferenceService, observed: Observed,
 
 
 def conditions(svc: InferenceService, observed: Observed, want: int,
-               forbidden: Set[str] = frozenset()) -> list[dict[str, str]]:
-    """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses."""
-    out = [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
+               forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = ()) -> list[dict[str, str]]:
+    """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses;
+    `conflicts`: children whose names are taken by objects the operator does not own (ChildrenOwned)."""
+    out = []
+    if conflicts:
+        out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
+    out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
     if svc.router.enabled:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
                                          "router"))
@@ -132,7 +137,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
     failing = [c for c in out if c["status"] != "True"]
     if failing:
         first = failing[0]
-        out.append(_cond("Ready", False, first["type"].replace("Ready", "NotReady"), first["message"]))
+        reason = "NameConflict" if first["type"] == "ChildrenOwned" else first["type"].replace("Ready", "NotReady")
+        out.append(_cond("Ready", False, reason, first["message"]))
     else:
         out.append(_cond("Ready", True, "AllComponentsReady", f"serving {svc.model.served_name}"))
     return out
@@ -150,13 +156,15 @@ def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now:
 
 
 def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
-                 previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset()
-                 ) -> dict[str, Any]:
-    conds = stamp(conditions(svc, observed, want, forbidden), previous, now)
+                 previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset(),
+                 conflicts: Sequence[str] = ()) -> dict[str, Any]:
+    conds = stamp(conditions(svc, observed, want, forbidden, conflicts), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
     is_ready = conds[-1]["status"] == "True"
     phase = "Ready" if is_ready else ("Progressing" if ready_replicas > 0 else "Pending")
+    if conflicts:
+        phase = "Failed"  # NOTE: not fixable by waiting: someone must rename or remove an object
     url = R.service_url(svc)
     address = _ingress_address(observed.get(("networking.k8s.io/v1", "Ingress", svc.name)))
     if svc.ingress.enabled and not svc.ingress.host and address:

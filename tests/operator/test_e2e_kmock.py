@@ -191,6 +191,53 @@ async def test_a_spec_change_is_not_ready_until_the_new_pods_are(cluster: Any) -
     assert _cond(cr, "EnginesReady")["reason"] == "MinimumReplicasAvailable"
 
 
+async def test_foreign_objects_with_a_childs_name_are_never_adopted(cluster: Any) -> None:
+    server = cluster
+    # another tenant's objects that happen to carry the names of "own"'s children
+    foreign_cm = await _post(server, f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "data": {"engine.json": '{"theirs": true}'},
+        "metadata": {"name": "own-engine-config", "namespace": NAMESPACE, "labels": {"team": "b"}}})
+    foreign_svc = await _post(server, f"/api/v1/namespaces/{NAMESPACE}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {
+            "name": "own-engine", "namespace": NAMESPACE, "ownerReferences": [{
+                "apiVersion": "apps/v1", "kind": "Deployment", "name": "theirs", "uid": "uid-theirs",
+                "controller": True}]},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 9000}]}})
+    before = {"cm": obj(server, "v1/configmaps", "own-engine-config"), "svc": obj(server, "v1/services", "own-engine")}
+    assert before["cm"]["metadata"]["uid"] == foreign_cm["metadata"]["uid"]
+    assert before["svc"]["metadata"]["uid"] == foreign_svc["metadata"]["uid"]
+    await _create(server, "own", {"model": {}})
+    cr = await wait_for(lambda: (c := _cr(server, "own")) and _cond(c, "ChildrenOwned") and c, what="conflict")
+    uid = cr["metadata"]["uid"]
+    message = ("ConfigMap own-engine-config exists and is not controlled by this InferenceService (no controller "
+               f"ownerReference to uid {uid}); it is left untouched: delete or rename it, or rename this "
+               "InferenceService; Service own-engine exists and is not controlled by this InferenceService (no "
+               f"controller ownerReference to uid {uid}); it is left untouched: delete or rename it, or rename "
+               "this InferenceService")
+    assert {k: v for k, v in _cond(cr, "ChildrenOwned").items() if k != "lastTransitionTime"} == {
+        "type": "ChildrenOwned", "status": "False", "reason": "NameConflict", "message": message}
+    assert (_cond(cr, "Ready")["reason"], cr["status"]["phase"]) == ("NameConflict", "Failed")
+    import asyncio
+    await asyncio.sleep(1.0)  # a few resync ticks: still nothing written to them
+    assert obj(server, "v1/configmaps", "own-engine-config") == before["cm"]
+    assert obj(server, "v1/services", "own-engine") == before["svc"]
+    foreign_paths = {f"/api/v1/namespaces/{NAMESPACE}/configmaps/own-engine-config",
+                     f"/api/v1/namespaces/{NAMESPACE}/services/own-engine"}
+    assert not [r for r in list(server) if r.url.path in foreign_paths and r.method.value != "GET"]
+    # the engines would read that ConfigMap and the router would follow that Service: not created
+    assert obj(server, "apps/v1/deployments", "own-engine") is None
+    assert obj(server, "apps/v1/deployments", "own-router") is None
+    assert [e for e in _events(server) if e[0] == "NameConflict"] == [("NameConflict", message)]
+    # the other tenant removes them: the next resync builds the service
+    for path in sorted(foreign_paths):
+        async with server.request("DELETE", path) as resp:
+            assert resp.status == 200
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "own-engine"), what="engine after the conflict")
+    cm = await wait_for(lambda: obj(server, "v1/configmaps", "own-engine-config"), what="own ConfigMap")
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == uid
+    await wait_for(lambda: not _cond(_cr(server, "own"), "ChildrenOwned"), what="condition cleared")
+
+
 async def test_invalid_spec_is_a_permanent_error_and_creates_nothing(cluster: Any) -> None:
     server = cluster
     bad = {"model": {"source": "uri"}, "engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}}

@@ -158,3 +158,13 @@ def test_autoscaling_condition_by_mode() -> None:
     operator_mode = crd.parse("smol", "team-a", {"model": {}, "autoscaling": {"enabled": True}})
     assert S.autoscaling_condition(operator_mode, {}, frozenset({"ScaledObject"})) is None
     assert S.autoscaling_condition(SVC, {}, frozenset({"ScaledObject"})) is None
+
+
+def test_a_name_conflict_fails_the_service_and_says_which_object() -> None:
+    st = S.build_status(SVC, _observed(_dep(1), _dep(1), _dep(1)), 1, 2, None, NOW,
+                        conflicts=["Service smol-engine exists and is not controlled by this InferenceService"])
+    assert st["phase"] == "Failed"
+    assert [(c["type"], c["status"], c["reason"]) for c in st["conditions"]][0] == (
+        "ChildrenOwned", "False", "NameConflict")
+    assert st["conditions"][-1]["reason"] == "NameConflict"
+    assert st["conditions"][-1]["message"] == "Service smol-engine exists and is not controlled by this InferenceService"
