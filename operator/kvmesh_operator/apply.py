@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .kube import KubeClient
+from .kube import KubeClient, KubeError
 
 APPLIED_HASH = "kvmesh.io/applied-hash"
 RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"
@@ -174,7 +174,15 @@ async def apply(kube: KubeClient, desired: dict[str, Any], recorded: str | None 
         raise NotOwned(kind, meta["name"], owner_uid(desired))
     action = decide(desired, digest, live, recorded)
     if action == "create":
-        out = await kube.create(stamped)
+        try:
+            out = await kube.create(stamped)
+        except KubeError as err:
+            # NOTE: created meanwhile (a resync racing the change handler, or someone else): look again.
+            if err.status != 409 or (live := await kube.get(api_version, kind, meta["namespace"], meta["name"])) is None:
+                raise
+            if not controlled_by(live, owner_uid(desired)):
+                raise NotOwned(kind, meta["name"], owner_uid(desired)) from err
+            return Applied(live, "unchanged", live_fingerprint(desired, live))
         return Applied(out, "created", live_fingerprint(desired, out))
     assert live is not None
     if action in ("wait", "keep"):

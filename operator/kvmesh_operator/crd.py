@@ -64,10 +64,19 @@ class RouterSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CABundleRef:
+    """The CA certificate(s) of an external rediss:// Redis: one key of a ConfigMap or a Secret."""
+    kind: str  # ConfigMap | Secret, in the service's namespace
+    name: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class RedisSpec:
     url: str | None  # None: the operator runs a Redis for this service
     password_secret: SecretRef | None
     image: str  # image of the managed Redis
+    ca_bundle: CABundleRef | None = None  # external rediss:// only
 
     @property
     def managed(self) -> bool:
@@ -260,7 +269,19 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     router = RouterSpec(enabled=r.get("enabled"), strategy=r.get("strategy"), replicas=r.get("replicas"))
 
     rd = root.sub("redis")
-    redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"))
+    ca_bundle = None
+    if rd.has("caBundle"):
+        ca = rd.sub("caBundle")
+        sources = [(kind, ca.get(field)) for kind, field in (("ConfigMap", "configMap"), ("Secret", "secret"))
+                   if ca.has(field)]
+        if len(sources) != 1:
+            problems.append("spec.redis.caBundle needs exactly one of configMap or secret")
+        else:
+            ca_bundle = CABundleRef(kind=sources[0][0], name=sources[0][1], key=ca.get("key"))
+    redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"),
+                      ca_bundle=ca_bundle)
+    if redis.ca_bundle is not None and not (redis.url or "").startswith("rediss://"):
+        problems.append("spec.redis.caBundle needs a rediss:// spec.redis.url (TLS)")
     if redis.password_secret is not None and redis.url is None:
         problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis gets a generated "
                         "password)")

@@ -10,6 +10,7 @@ import base64
 import contextlib
 import datetime
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ class OperatorConfig:
     cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
     cleanup_delay_seconds: float = 10.0  # between those attempts
     metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+    operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
 
 
 def _now() -> str:
@@ -96,8 +98,32 @@ def _note_action(body: Any, child: dict[str, Any], action: str) -> None:
         kopf.event(body, type="Normal", reason=action.capitalize(), message=f"{action} {what}")
 
 
+async def ensure_redis_secret(kube: KubeClient, svc: crd.InferenceService, owner: R.Owner, body: Any
+                              ) -> NotOwned | None:
+    """Create the managed Redis' password Secret once; never patch or rotate it. A conflict if not ours."""
+    name = R.redis_secret_name(svc)
+    try:
+        live = await kube.get("v1", "Secret", svc.namespace, name)
+    except KubeError as err:
+        if err.status != 403:
+            raise
+        live = None  # NOTE: rbac.readSecrets=false: create-if-absent only (a 409 means it exists)
+    if live is not None:
+        return None if controlled_by(live, owner.uid) else NotOwned("Secret", name, owner.uid)
+    try:
+        # NOTE: 32 random bytes from `secrets`; the only copy is the Secret (never logged or in status).
+        await kube.create(R.build_redis_secret(svc, owner, secrets.token_urlsafe(32)))
+    except KubeError as err:
+        if err.status != 409:
+            raise
+        return None
+    kopf.event(body, type="Normal", reason="Created", message=f"created Secret {name}")
+    return None
+
+
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
-               patch: Any, autoscaled: int | None, warned: set[str] | None = None) -> None:
+               patch: Any, autoscaled: int | None, warned: set[str] | None = None,
+               operator_namespace: str | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
@@ -105,13 +131,15 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     warned = set() if warned is None else warned
     owner = R.Owner(name=svc.name, uid=uid)
     replicas = R.engine_replicas(svc, autoscaled)
-    desired = R.build_children(svc, owner, replicas)
+    desired = R.build_children(svc, owner, replicas, operator_namespace)
     observed: S.Observed = {}
     forbidden: set[str] = set()
     recorded = dict(status.get("childFingerprints") or {})
     fingerprints: dict[str, str] = {}
     conflicts: list[NotOwned] = []
     try:
+        if svc.redis.managed and (conflict := await ensure_redis_secret(kube, svc, owner, body)) is not None:
+            conflicts.append(conflict)
         for child in desired:
             key = fingerprint_key(child)
             try:
@@ -250,7 +278,8 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         svc = _parse(name, namespace, spec, body, patch, status, meta)
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
         try:
-            await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
+            await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
+                       config.operator_namespace)
         except ChildConflict as err:  # shown in status; retried when the spec changes (and by resync)
             raise kopf.PermanentError(str(err)) from err
 
@@ -266,7 +295,8 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if autoscaled is None and svc.autoscaling.enabled:
             autoscaled = status.get("replicas")
         with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
-            await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
+            await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
+                       config.operator_namespace)
 
     @kopf.on.delete(**on, id="redis-cleanup")
     async def delete(name: str, namespace: str, spec: Any, body: Any, retry: int, memo: Any,

@@ -13,7 +13,7 @@ import kopf
 
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
-    "Deployment": "deployments", "Ingress": "ingresses",
+    "Deployment": "deployments", "Ingress": "ingresses", "NetworkPolicy": "networkpolicies",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
     "InferenceService": "inferenceservices",
 }

@@ -157,8 +157,18 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                     pattern=REDIS_URL_PATTERN),
         "passwordSecret": _secret_ref("Secret holding the external Redis password.", "password"),
         "image": _str("Image of the managed Redis.", default=DEFAULT_REDIS_IMAGE, minLength=1),
+        "caBundle": _obj("CA certificates of an external rediss:// Redis, mounted into the engine and router "
+                         "pods; KVMESH_REDIS_CA_FILE names the file.", {
+            "configMap": _str("ConfigMap holding the bundle.", pattern=K8S_NAME_PATTERN, maxLength=253),
+            "secret": _str("Secret holding the bundle.", pattern=K8S_NAME_PATTERN, maxLength=253),
+            "key": _str("Key of the bundle in the ConfigMap or Secret.", default="ca.crt", minLength=1,
+                        pattern=r"^[-._a-zA-Z0-9]+$"),
+        }, rules=[{"rule": "has(self.configMap) != has(self.secret)",
+                   "message": "redis.caBundle needs exactly one of configMap or secret"}]),
     }, rules=[{"rule": "!has(self.url) || self.url.startsWith('redis://') || self.url.startsWith('rediss://')",
                "message": "redis.url must start with redis:// or rediss:// (no unix sockets or other schemes)"},
+              {"rule": "!has(self.caBundle) || (has(self.url) && self.url.startsWith('rediss://'))",
+               "message": "redis.caBundle needs a rediss:// redis.url (TLS)"},
               {"rule": "!has(self.passwordSecret) || has(self.url)",
                "message": "redis.passwordSecret needs redis.url (the managed Redis gets a generated password)"}],
         default={}),

@@ -30,6 +30,7 @@ RESOURCES = {
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
     "networking.k8s.io/v1/ingresses": kmock.ResourceInfo(kind="Ingress", namespaced=True, subresources={"status"}),
     "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "kvmesh.io/v1alpha1/inferenceservices": kmock.ResourceInfo(

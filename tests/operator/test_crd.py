@@ -133,6 +133,10 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
      ["spec.ingress.annotations haproxy-ingress.github.io/config-backend, "
       "nginx.ingress.kubernetes.io/configuration-snippet, nginx.org/server-snippets: configuration snippets are "
       "refused (they inject raw proxy configuration); use the controller's dedicated annotations"]),
+    ({"model": {}, "redis": {"url": "redis://r:6379/0", "caBundle": {"configMap": "ca"}}},
+     ["spec.redis.caBundle needs a rediss:// spec.redis.url (TLS)"]),
+    ({"model": {}, "redis": {"url": "rediss://r:6380/0", "caBundle": {"configMap": "ca", "secret": "ca"}}},
+     ["spec.redis.caBundle needs exactly one of configMap or secret"]),
     ({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}},
      ["spec.model.uri 'HuggingFaceTB/SmolLM2-360M' is not an absolute path: it must be an absolute path to an "
       "HF-format directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake "

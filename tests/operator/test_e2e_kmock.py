@@ -69,7 +69,8 @@ async def test_lifecycle(cluster: Any) -> None:
     children = {("apps/v1/deployments", "smol-engine"), ("apps/v1/deployments", "smol-router"),
                 ("apps/v1/deployments", "smol-redis"), ("v1/services", "smol-engine"), ("v1/services", "smol"),
                 ("v1/services", "smol-redis"), ("v1/configmaps", "smol-engine-config"),
-                ("networking.k8s.io/v1/ingresses", "smol")}
+                ("networking.k8s.io/v1/ingresses", "smol"), ("networking.k8s.io/v1/networkpolicies", "smol-redis"),
+                ("v1/secrets", "smol-redis-auth")}
     for resource, name in children:
         child = obj(server, resource, name)
         assert child is not None, (resource, name)
@@ -148,7 +149,7 @@ async def test_lifecycle(cluster: Any) -> None:
     assert cr["status"]["url"] == "http://smol.team-a.svc"
     assert sorted(cr["status"]["childFingerprints"]) == [
         "ConfigMap/smol-engine-config", "Deployment/smol-engine", "Deployment/smol-redis", "Deployment/smol-router",
-        "Service/smol", "Service/smol-engine", "Service/smol-redis"]
+        "NetworkPolicy/smol-redis", "Service/smol", "Service/smol-engine", "Service/smol-redis"]
 
     # delete: kopf runs the finalizer handler (managed Redis: nothing to clean), then releases the object
     async with server.request("DELETE", f"{CR_PATH}/smol") as resp:
@@ -158,7 +159,8 @@ async def test_lifecycle(cluster: Any) -> None:
     # the operator never PUTs (no lost updates), and writes only the kinds it manages (plus Events)
     assert not [r for r in requests if r.method.value == "PUT"]
     written = {r.resource.plural for r in requests if r.method.value in ("POST", "PATCH", "DELETE")}
-    assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events"}
+    assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events",
+                       "networkpolicies", "secrets"}
 
 
 async def test_a_spec_change_is_not_ready_until_the_new_pods_are(cluster: Any) -> None:
@@ -236,6 +238,33 @@ async def test_foreign_objects_with_a_childs_name_are_never_adopted(cluster: Any
     cm = await wait_for(lambda: obj(server, "v1/configmaps", "own-engine-config"), what="own ConfigMap")
     assert cm["metadata"]["ownerReferences"][0]["uid"] == uid
     await wait_for(lambda: not _cond(_cr(server, "own"), "ChildrenOwned"), what="condition cleared")
+
+
+async def test_managed_redis_password_is_generated_once_and_never_rotated(cluster: Any) -> None:
+    import asyncio
+    server = cluster
+    await _create(server, "pw", {"model": {}, "router": {"enabled": False}})
+    secret = await wait_for(lambda: obj(server, "v1/secrets", "pw-redis-auth"), what="password Secret")
+    password = secret["stringData"]["password"]
+    assert len(password) >= 40 and secret["stringData"]["redis.conf"] == f"requirepass {password}\n"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == _cr(server, "pw")["metadata"]["uid"]
+    redis = await wait_for(lambda: obj(server, "apps/v1/deployments", "pw-redis"), what="managed Redis")
+    assert redis["spec"]["template"]["spec"]["volumes"][1]["secret"]["secretName"] == "pw-redis-auth"
+    policy = obj(server, "networking.k8s.io/v1/networkpolicies", "pw-redis")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    # a spec change and several resyncs later: the same Secret, never written again
+    await _post(server, f"{CR_PATH}/pw", {"spec": {"replicas": 2}}, method="patch",
+                content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "pw-engine")["spec"]["replicas"] == 2, what="scaled")
+    await asyncio.sleep(1.0)
+    assert obj(server, "v1/secrets", "pw-redis-auth") == secret
+    # (a create racing another one gets a 409 and changes nothing; nothing ever patches or deletes it)
+    assert not [r for r in list(server) if r.resource is not None and r.resource.plural == "secrets"
+                and r.method.value not in ("GET", "POST")]
+    # a second service gets its own, different password
+    await _create(server, "pw2", {"model": {}})
+    other = await wait_for(lambda: obj(server, "v1/secrets", "pw2-redis-auth"), what="second Secret")
+    assert other["stringData"]["password"] != password
 
 
 async def test_invalid_spec_is_a_permanent_error_and_creates_nothing(cluster: Any) -> None:
@@ -402,14 +431,14 @@ async def test_edits_behind_the_operators_back_are_reverted(cluster: Any) -> Non
     import asyncio
     server = cluster
     await _create(server, "drift", {"model": {}, "replicas": 2, "router": {"enabled": False}})
-    children = {"Deployment/drift-redis", "Service/drift-redis", "ConfigMap/drift-engine-config",
+    children = {"Deployment/drift-redis", "Service/drift-redis", "NetworkPolicy/drift-redis", "ConfigMap/drift-engine-config",
                 "Service/drift-engine", "Deployment/drift-engine", "Service/drift"}
     before = await _steady(server, "drift", children)
     engine = obj(server, "apps/v1/deployments", "drift-engine")
     config = obj(server, "v1/configmaps", "drift-engine-config")
 
     # nothing edited: resyncs read every child and write none
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)  # NOTE: room for two resyncs on a loaded machine
     window = list(server)[len(before):]
     engine_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/drift-engine"
     assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
@@ -443,7 +472,7 @@ async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
     server = cluster
     await _create(server, "hpa", {"model": {}, "router": {"enabled": False}, "autoscaling": {
         "enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 8}})
-    children = {"Deployment/hpa-redis", "Service/hpa-redis", "ConfigMap/hpa-engine-config",
+    children = {"Deployment/hpa-redis", "Service/hpa-redis", "NetworkPolicy/hpa-redis", "ConfigMap/hpa-engine-config",
                 "Service/hpa-engine", "Deployment/hpa-engine", "Service/hpa",
                 "HorizontalPodAutoscaler/hpa-engine"}
     await _steady(server, "hpa", children)
@@ -451,7 +480,7 @@ async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
     await _post(server, engine_path, {"spec": {"replicas": 4}}, method="patch",  # what the HPA does
                 content_type="application/merge-patch+json")
     before = list(server)
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)  # NOTE: room for two resyncs on a loaded machine
     window = list(server)[len(before):]
     assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
     assert _writes_to_children(window) == []
