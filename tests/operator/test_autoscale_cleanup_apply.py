@@ -173,3 +173,12 @@ def test_cleanup_refuses_other_transports_before_connecting(url: str) -> None:
     from kvmesh.operator import redis_cleanup
     with pytest.raises(ValueError, match="only redis:// and rediss://"):
         redis_cleanup.cleanup(url, "s3cr3t", "ns", "svc")
+
+
+@pytest.mark.parametrize(("namespace", "name"), [("team-a", "../../kube-system/secrets/x"), ("team-a", "other/x"),
+                                                 ("team-a", "a..b"), ("kube-system/x", "y"), ("team-a", "%2Fx")])
+def test_object_paths_never_leave_the_namespace(namespace: str, name: str) -> None:
+    from kvmesh.operator.kube import object_path
+    with pytest.raises(ValueError):
+        object_path("v1", "Secret", namespace, name)
+    assert object_path("v1", "Secret", "team-a", "redis-auth") == "/api/v1/namespaces/team-a/secrets/redis-auth"

@@ -328,6 +328,25 @@ async def test_finalizer_cleans_external_redis(cluster: Any, monkeypatch: pytest
         lambda: [e for e in _events(server) if e[0] == "RedisCleaned"], what="event")
 
 
+async def test_the_finalizer_never_sends_a_secret_to_a_unix_socket(cluster: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """kmock runs no CEL and no pattern: the operator's own checks must refuse the URL."""
+    from kvmesh.operator import redis_cleanup
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(redis_cleanup, "cleanup", lambda *args: calls.append(args) or 0)
+    server = cluster
+    await _create(server, "sock", {"model": {}, "redis": {"url": "unix:///var/run/docker.sock",
+                                                          "passwordSecret": {"name": "redis-auth"}}})
+    cr = await wait_for(lambda: (c := _cr(server, "sock")) and (c.get("status") or {}).get("phase") and c,
+                        what="status")
+    assert (cr["status"]["phase"], _cond(cr, "Ready")["reason"]) == ("Failed", "InvalidSpec")
+    async with server.request("DELETE", f"{CR_PATH}/sock") as resp:
+        assert resp.status == 200
+    await wait_for(lambda: _cr(server, "sock") is None, what="released")
+    assert calls == []
+    assert not [r for r in list(server) if r.resource is not None and r.resource.plural == "secrets"]
+
+
 async def test_failing_redis_does_not_block_deletion(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvmesh.operator import redis_cleanup
     attempts: list[int] = []
