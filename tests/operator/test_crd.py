@@ -62,7 +62,7 @@ def test_full_example_parses_every_field() -> None:
     assert svc.gpu.count == 2 and svc.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap")
     assert svc.redis == crd.RedisSpec("rediss://redis.infra.svc:6380/2", crd.SecretRef("redis-auth", "password"),
-                                      "redis:7.4.1-alpine")
+                                      "redis:7.4.1-alpine", crd.CABundleRef("ConfigMap", "redis-ca", "ca.crt"))
     assert svc.autoscaling == crd.AutoscalingSpec(True, "keda", 2, 8, 6, 120, "http://prometheus.monitoring:9090")
     assert svc.tracing == crd.TracingSpec("http://otel-collector.observability:4317", 0.25, "grpc")
     assert svc.ingress == crd.IngressSpec(True, "nginx", "llama.example.com", "llama-tls",

@@ -122,7 +122,7 @@ def test_engine_deployment_full() -> None:
     assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                               "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
     assert [e["name"] for e in c["env"]] == [
-        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD",
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_CA_FILE",
         "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",
         "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "HF_HOME", "TRITON_CACHE_DIR",
         "KVMESH_API_KEY"]
@@ -155,10 +155,11 @@ def test_router_and_front_service() -> None:
     # the router has no tracing: no OTEL_* variables even though spec.tracing is set
     router_env = router["spec"]["template"]["spec"]["containers"][0]["env"]
     assert [e["name"] for e in router_env] == [
-        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_API_KEY"]
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_CA_FILE",
+        "KVMESH_API_KEY"]
     pod_spec = router["spec"]["template"]["spec"]
-    assert pod_spec["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {
-        "claimName": svc.model.pvc_claim, "readOnly": True}}
+    assert {"name": "model", "persistentVolumeClaim": {
+        "claimName": svc.model.pvc_claim, "readOnly": True}} in pod_spec["volumes"]
     assert pod_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert R.router_args(_svc()) == [
         "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "redis://smol-redis.team-a.svc:6379/0",
@@ -310,7 +311,7 @@ def test_external_redis_ca_bundle_is_mounted_for_engine_and_router(source: str) 
         assert {"name": "KVMESH_REDIS_CA_FILE", "value": "/etc/kvmesh-redis-ca/ca.crt"} in c["env"]
         assert {"name": "redis-ca", "mountPath": "/etc/kvmesh-redis-ca", "readOnly": True} in c["volumeMounts"]
         assert volume in pod["volumes"]
-    assert "KVMESH_REDIS_CA_FILE" not in json.dumps(R.build_engine_deployment(_full(), OWNER, 1))
+    assert "KVMESH_REDIS_CA_FILE" not in json.dumps(R.build_engine_deployment(_svc(), OWNER, 1))
 
 
 def test_tracing_protocol_follows_the_spec() -> None:
