@@ -111,7 +111,7 @@ def _merged(target: Any, patch: Any) -> Any:
     return out
 
 
-async def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+async def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
     """Poll `check` (yielding to kmock's server) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
