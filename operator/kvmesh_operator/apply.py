@@ -29,10 +29,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .kube import KubeClient
+from .kube import KubeClient, KubeError
 
 APPLIED_HASH = "kvmesh.io/applied-hash"
 RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"
+
+
+class NotOwned(Exception):
+    """A live object has the child's name but is not controlled by this InferenceService: never adopted."""
+
+    def __init__(self, kind: str, name: str, uid: str) -> None:
+        super().__init__(f"{kind} {name} exists and is not controlled by this InferenceService (no controller "
+                         f"ownerReference to uid {uid}); it is left untouched: delete or rename it, or rename "
+                         f"this InferenceService")
+        self.kind, self.name = kind, name
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Does `obj` carry our controller ownerReference (the only proof that the operator made it)?"""
+    owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(o.get("uid") == uid and o.get("controller") is True for o in owners)
+
+
+def owner_uid(desired: Mapping[str, Any]) -> str:
+    return str(desired["metadata"]["ownerReferences"][0]["uid"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +162,27 @@ async def apply(kube: KubeClient, desired: dict[str, Any], recorded: str | None 
     """Create `desired` if absent, patch it if its desired form or its live fields changed, else leave it.
 
     `recorded`: the fingerprint this child had after the operator's last write, if known.
+    Raises NotOwned, writing nothing, when a same-named object is not controlled by our owner.
     """
     api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]
     digest = desired_hash(desired)
     stamped = _with_hash(desired, digest)
     live = await kube.get(api_version, kind, meta["namespace"], meta["name"])
+    # NOTE: a same-named object someone else made (another service's child, a user's own Service)
+    # is never patched: patching would rewrite its spec and ownerReferences, i.e. take it over.
+    if live is not None and not controlled_by(live, owner_uid(desired)):
+        raise NotOwned(kind, meta["name"], owner_uid(desired))
     action = decide(desired, digest, live, recorded)
     if action == "create":
-        out = await kube.create(stamped)
+        try:
+            out = await kube.create(stamped)
+        except KubeError as err:
+            # NOTE: created meanwhile (a resync racing the change handler, or someone else): look again.
+            if err.status != 409 or (live := await kube.get(api_version, kind, meta["namespace"], meta["name"])) is None:
+                raise
+            if not controlled_by(live, owner_uid(desired)):
+                raise NotOwned(kind, meta["name"], owner_uid(desired)) from err
+            return Applied(live, "unchanged", live_fingerprint(desired, live))
         return Applied(out, "created", live_fingerprint(desired, out))
     assert live is not None
     if action in ("wait", "keep"):

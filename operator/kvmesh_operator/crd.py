@@ -64,10 +64,19 @@ class RouterSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CABundleRef:
+    """The CA certificate(s) of an external rediss:// Redis: one key of a ConfigMap or a Secret."""
+    kind: str  # ConfigMap | Secret, in the service's namespace
+    name: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class RedisSpec:
     url: str | None  # None: the operator runs a Redis for this service
     password_secret: SecretRef | None
     image: str  # image of the managed Redis
+    ca_bundle: CABundleRef | None = None  # external rediss:// only
 
     @property
     def managed(self) -> bool:
@@ -260,9 +269,22 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     router = RouterSpec(enabled=r.get("enabled"), strategy=r.get("strategy"), replicas=r.get("replicas"))
 
     rd = root.sub("redis")
-    redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"))
+    ca_bundle = None
+    if rd.has("caBundle"):
+        ca = rd.sub("caBundle")
+        sources = [(kind, ca.get(field)) for kind, field in (("ConfigMap", "configMap"), ("Secret", "secret"))
+                   if ca.has(field)]
+        if len(sources) != 1:
+            problems.append("spec.redis.caBundle needs exactly one of configMap or secret")
+        else:
+            ca_bundle = CABundleRef(kind=sources[0][0], name=sources[0][1], key=ca.get("key"))
+    redis = RedisSpec(url=rd.get("url"), password_secret=_secret(rd, "passwordSecret"), image=rd.get("image"),
+                      ca_bundle=ca_bundle)
+    if redis.ca_bundle is not None and not (redis.url or "").startswith("rediss://"):
+        problems.append("spec.redis.caBundle needs a rediss:// spec.redis.url (TLS)")
     if redis.password_secret is not None and redis.url is None:
-        problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)")
+        problems.append("spec.redis.passwordSecret needs spec.redis.url (the managed Redis gets a generated "
+                        "password)")
 
     a = root.sub("autoscaling")
     autoscaling = AutoscalingSpec(
@@ -283,6 +305,10 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     i = root.sub("ingress")
     ingress = IngressSpec(enabled=i.get("enabled"), class_name=i.get("className"), host=i.get("host"),
                           tls_secret=i.get("tlsSecretName"), annotations=dict(i.get("annotations") or {}))
+    snippets = sorted(k for k in ingress.annotations if re.search(S.SNIPPET_ANNOTATION_PATTERN, k))
+    if snippets:
+        problems.append(f"spec.ingress.annotations {', '.join(snippets)}: configuration snippets are refused "
+                        f"(they inject raw proxy configuration); use the controller's dedicated annotations")
     if ingress.tls_secret is not None and ingress.host is None:
         problems.append("spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)")
 
@@ -291,6 +317,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
         resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
         tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"))
+    if suffix := next((x for x in S.CHILD_SUFFIXES if name.endswith(x)), None):
+        problems.append(f"metadata.name {name!r} must not end in {suffix!r}: it would collide with the children "
+                        f"of InferenceService {name[:-len(suffix)]!r}; choose another name")
     if len(name) > 45:
         problems.append(f"metadata.name {name!r} is too long: at most 45 characters, so that child names "
                         f"like '<name>-engine-config' stay valid")

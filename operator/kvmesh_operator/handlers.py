@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ import kopf
 from . import GROUP, PLURAL, VERSION, autoscale, crd, redis_cleanup
 from . import resources as R
 from . import status as S
-from .apply import apply, fingerprint_key, fingerprints_update
+from .apply import NotOwned, apply, controlled_by, fingerprint_key, fingerprints_update
 from .kube import KubeClient, KubeError
 
 FINALIZER = "kvmesh.io/finalizer"
@@ -31,6 +33,7 @@ class OperatorConfig:
     cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
     cleanup_delay_seconds: float = 10.0  # between those attempts
     metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+    operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
 
 
 def _now() -> str:
@@ -55,6 +58,10 @@ def _kube(memo: Any) -> KubeClient:
     if kube is None:
         raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
     return kube
+
+
+class ChildConflict(Exception):
+    """Some children's names are taken by objects the operator does not own (status says which)."""
 
 
 def _parse(name: str, namespace: str, spec: Any, body: Any, patch: Any, status: Any, meta: Any
@@ -91,8 +98,32 @@ def _note_action(body: Any, child: dict[str, Any], action: str) -> None:
         kopf.event(body, type="Normal", reason=action.capitalize(), message=f"{action} {what}")
 
 
+async def ensure_redis_secret(kube: KubeClient, svc: crd.InferenceService, owner: R.Owner, body: Any
+                              ) -> NotOwned | None:
+    """Create the managed Redis' password Secret once; never patch or rotate it. A conflict if not ours."""
+    name = R.redis_secret_name(svc)
+    try:
+        live = await kube.get("v1", "Secret", svc.namespace, name)
+    except KubeError as err:
+        if err.status != 403:
+            raise
+        live = None  # NOTE: rbac.readSecrets=false: create-if-absent only (a 409 means it exists)
+    if live is not None:
+        return None if controlled_by(live, owner.uid) else NotOwned("Secret", name, owner.uid)
+    try:
+        # NOTE: 32 random bytes from `secrets`; the only copy is the Secret (never logged or in status).
+        await kube.create(R.build_redis_secret(svc, owner, secrets.token_urlsafe(32)))
+    except KubeError as err:
+        if err.status != 409:
+            raise
+        return None
+    kopf.event(body, type="Normal", reason="Created", message=f"created Secret {name}")
+    return None
+
+
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
-               patch: Any, autoscaled: int | None, warned: set[str] | None = None) -> None:
+               patch: Any, autoscaled: int | None, warned: set[str] | None = None,
+               operator_namespace: str | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
@@ -100,16 +131,29 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     warned = set() if warned is None else warned
     owner = R.Owner(name=svc.name, uid=uid)
     replicas = R.engine_replicas(svc, autoscaled)
-    desired = R.build_children(svc, owner, replicas)
+    desired = R.build_children(svc, owner, replicas, operator_namespace)
     observed: S.Observed = {}
     forbidden: set[str] = set()
     recorded = dict(status.get("childFingerprints") or {})
     fingerprints: dict[str, str] = {}
+    conflicts: list[NotOwned] = []
     try:
+        if svc.redis.managed and (conflict := await ensure_redis_secret(kube, svc, owner, body)) is not None:
+            conflicts.append(conflict)
         for child in desired:
             key = fingerprint_key(child)
             try:
+                if conflicts:  # NOTE: later children depend on earlier ones: only look, write nothing
+                    live = await kube.get(child["apiVersion"], child["kind"], svc.namespace, child["metadata"]["name"])
+                    if live is not None and not controlled_by(live, uid):
+                        conflicts.append(NotOwned(child["kind"], child["metadata"]["name"], uid))
+                    elif live is not None:
+                        observed[R.child_key(child)] = live
+                    continue
                 result = await apply(kube, child, recorded.get(key))
+            except NotOwned as err:
+                conflicts.append(err)
+                continue
             except KubeError as err:
                 _tolerate_forbidden(err, child["kind"], warned)
                 forbidden.add(child["kind"])
@@ -123,8 +167,7 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
                 continue
             try:
                 live = await kube.get(api_version, kind, svc.namespace, name)
-                owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
-                if any(o.get("uid") == uid for o in owners):  # only ever delete what we own
+                if live is not None and controlled_by(live, uid):  # only ever delete what we own
                     await kube.delete(api_version, kind, svc.namespace, name)
                     kopf.event(body, type="Normal", reason="Deleted",
                                message=f"deleted {kind} {name} (no longer in the spec)")
@@ -135,11 +178,20 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         patch.status["childFingerprints"] = fingerprints
         kopf.event(body, type="Warning", reason="ApplyFailed", message=str(err))
         raise kopf.TemporaryError(str(err), delay=10) from err
-    patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
+    previous = list(status.get("conditions") or [])
+    if conflicts:
+        patch.status["childFingerprints"] = fingerprints
+    else:
+        patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
-    patch.status.update(S.build_status(svc, observed, want, meta.get("generation"),
-                                       list(status.get("conditions") or []), _now(), forbidden))
+    patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
+                                       [str(c) for c in conflicts]))
+    if conflicts:
+        already = any(c.get("type") == "ChildrenOwned" and c.get("status") == "False" for c in previous)
+        if not already:
+            kopf.event(body, type="Warning", reason="NameConflict", message="; ".join(map(str, conflicts)))
+        raise ChildConflict("; ".join(map(str, conflicts)))
 
 
 async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any, status: Any, patch: Any,
@@ -225,7 +277,11 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                         patch: kopf.Patch, memo: Any, **_: Any) -> None:
         svc = _parse(name, namespace, spec, body, patch, status, meta)
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
-        await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
+        try:
+            await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
+                       config.operator_namespace)
+        except ChildConflict as err:  # shown in status; retried when the spec changes (and by resync)
+            raise kopf.PermanentError(str(err)) from err
 
     @kopf.timer(**on, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
     async def resync(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
@@ -238,7 +294,9 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         autoscaled = await autoscale_step(kube, svc, body, status, patch, config)
         if autoscaled is None and svc.autoscaling.enabled:
             autoscaled = status.get("replicas")
-        await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo))
+        with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
+            await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
+                       config.operator_namespace)
 
     @kopf.on.delete(**on, id="redis-cleanup")
     async def delete(name: str, namespace: str, spec: Any, body: Any, retry: int, memo: Any,

@@ -6,6 +6,7 @@ servers all work the same way. Objects are plain dicts in and out.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -13,7 +14,7 @@ import kopf
 
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
-    "Deployment": "deployments", "Ingress": "ingresses",
+    "Deployment": "deployments", "Ingress": "ingresses", "NetworkPolicy": "networkpolicies",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
     "InferenceService": "inferenceservices",
 }
@@ -27,7 +28,15 @@ class KubeError(Exception):
         self.status = status
 
 
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+
+
 def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    # NOTE: names come from users' specs (a Secret to read at deletion): only plain DNS names, so a
+    # request can never leave the resource's own namespace ("../", "%2F", "other-ns/x").
+    if not _NAMESPACE.match(namespace) or (name is not None and (not _NAME.match(name) or ".." in name)):
+        raise ValueError(f"refusing object path for namespace {namespace!r}, name {name!r}")
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
     return f"{path}/{name}" if name else path

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import kopf
 
@@ -21,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--resync-seconds", type=float, default=15.0,
                    help="how often to repair drift, refresh status and autoscale")
+    p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE") or None,
+                   help="the operator's own namespace, admitted by each managed Redis' NetworkPolicy "
+                        "(default: $POD_NAMESPACE; none: only the service's engines and router)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return p
 
@@ -31,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         args.all_namespaces = True
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    registry = make_registry(OperatorConfig(resync_seconds=args.resync_seconds))
+    registry = make_registry(OperatorConfig(resync_seconds=args.resync_seconds,
+                                             operator_namespace=args.operator_namespace))
     kopf.run(registry=registry, standalone=args.standalone, clusterwide=args.all_namespaces,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0

@@ -14,6 +14,9 @@ class _Redis(Protocol):
     def delete(self, *keys: Any) -> int: ...
 
 
+ALLOWED_SCHEMES = ("redis://", "rediss://")
+
+
 def key_prefix(namespace: str, name: str) -> str:
     return f"kvmesh:{namespace}/{name}:"
 
@@ -36,6 +39,11 @@ def delete_keys(client: _Redis, namespace: str, name: str, batch: int = 500) -> 
 def cleanup(url: str, password: str | None, namespace: str, name: str) -> int:
     """Connect, delete, disconnect; raises redis errors for the caller to retry."""
     import redis  # imported here: only deletions need it
+
+    # NOTE: the URL comes from a user's spec and the password from a user's Secret: never send them
+    # to a local socket or any other transport (the CRD refuses these URLs too).
+    if not url.startswith(ALLOWED_SCHEMES):
+        raise ValueError(f"refusing Redis URL {url.split('://')[0]}://…: only redis:// and rediss:// are allowed")
 
     client = redis.Redis.from_url(url, password=password, socket_timeout=5, socket_connect_timeout=5)
     try:

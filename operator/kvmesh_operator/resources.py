@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import API_VERSION, KIND
-from .crd import InferenceService
+from .crd import InferenceService, SecretRef
 
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
@@ -28,6 +28,13 @@ MANAGED_BY = "kvmesh-operator"
 OWNER_LABEL = "kvmesh.io/inference-service"
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"
 WAITING_METRIC = "kvmesh:num_requests_waiting"
+REDIS_PASSWORD_KEY = "password"  # key of the generated Secret the clients read (KVMESH_REDIS_PASSWORD)
+REDIS_CONF_KEY = "redis.conf"  # key of the same Secret the managed Redis reads (`requirepass …`)
+REDIS_CONF_DIR = "/etc/redis"
+REDIS_CA_DIR = "/etc/kvmesh-redis-ca"
+REDIS_CA_FILE = f"{REDIS_CA_DIR}/ca.crt"  # KVMESH_REDIS_CA_FILE in engine and router pods
+# The operator's pods, as the chart labels them (the managed Redis' NetworkPolicy admits them).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/component": "operator"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,17 @@ def router_name(svc: InferenceService) -> str:
 
 def redis_name(svc: InferenceService) -> str:
     return f"{svc.name}-redis"
+
+
+def redis_secret_name(svc: InferenceService) -> str:
+    return f"{svc.name}-redis-auth"
+
+
+def redis_password_ref(svc: InferenceService) -> SecretRef | None:
+    """Where the Redis password lives: the external Redis' Secret, or the generated one of the managed Redis."""
+    if svc.redis.managed:
+        return SecretRef(name=redis_secret_name(svc), key=REDIS_PASSWORD_KEY)
+    return svc.redis.password_secret
 
 
 def config_name(svc: InferenceService) -> str:
@@ -116,10 +134,30 @@ def _common_env(svc: InferenceService) -> list[dict[str, Any]]:
     # Redis keys to kvmesh:{namespace}/{name}:, the prefix the finalizer deletes.
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
            _field_env("POD_IP", "status.podIP"), {"name": "KVMESH_SERVICE", "value": svc.name}]
-    if svc.redis.password_secret is not None:
-        env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
-            "name": svc.redis.password_secret.name, "key": svc.redis.password_secret.key}}})
+    if (ref := redis_password_ref(svc)) is not None:
+        env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if svc.redis.ca_bundle is not None:
+        env.append({"name": "KVMESH_REDIS_CA_FILE", "value": REDIS_CA_FILE})
     return env
+
+
+def _redis_ca_volume(svc: InferenceService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(mounts, volumes) of the external Redis' CA bundle, at REDIS_CA_FILE; empty without one."""
+    ca = svc.redis.ca_bundle
+    if ca is None:
+        return [], []
+    items = [{"key": ca.key, "path": "ca.crt"}]
+    source = ({"configMap": {"name": ca.name, "items": items}} if ca.kind == "ConfigMap"
+              else {"secret": {"secretName": ca.name, "items": items}})
+    return [{"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True}], [{"name": "redis-ca", **source}]
+
+
+def _api_key_env(svc: InferenceService) -> list[dict[str, Any]]:
+    """KVMESH_API_KEY, read by `kvmesh serve` and `kvmesh router` alike; empty without apiKeySecret."""
+    if svc.api_key_secret is None:
+        return []
+    return [{"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}}]
 
 
 def tracing_env(svc: InferenceService) -> list[dict[str, Any]]:
@@ -204,9 +242,7 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
     # NOTE: the root filesystem is read-only; Triton would write its kernel cache to ~/.triton.
     env = _common_env(svc) + tracing_env(svc) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
                                                  {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
-    if svc.api_key_secret is not None:
-        env.append({"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}})
+    env += _api_key_env(svc)
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
               {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     volumes: list[dict[str, Any]] = [
@@ -218,6 +254,8 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                    "readOnly": True}})
+    ca_mounts, ca_volumes = _redis_ca_volume(svc)
+    mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     container: dict[str, Any] = {
         "name": "engine", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
         "args": engine_args(svc), "env": env,
@@ -300,9 +338,12 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                   "readOnly": True}})
+    ca_mounts, ca_volumes = _redis_ca_volume(svc)
+    mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     container = {
         "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-        "args": router_args(svc), "env": _common_env(svc),
+        # NOTE: the router checks the same API key as the engines: the Service and Ingress point at it.
+        "args": router_args(svc), "env": _common_env(svc) + _api_key_env(svc),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
@@ -336,13 +377,17 @@ def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any
     container = {
         "name": "redis", "image": svc.redis.image, "imagePullPolicy": svc.image_pull_policy,
         # NOTE: the prefix index is a cache that engines republish; no persistence, evict under pressure.
-        "args": ["--save", "", "--appendonly", "no", "--protected-mode", "no",
+        # NOTE: the password comes from the generated Secret as a config file (`requirepass …`), so it is
+        # never in the pod spec or the process' arguments; the image's entrypoint runs redis-server
+        # with a first argument ending in .conf.
+        "args": [f"{REDIS_CONF_DIR}/{REDIS_CONF_KEY}", "--save", "", "--appendonly", "no", "--protected-mode", "no",
                  "--maxmemory", "384mb", "--maxmemory-policy", "allkeys-lru"],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": _CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                         {"name": "auth", "mountPath": REDIS_CONF_DIR, "readOnly": True}],
     }
     security = {**_POD_SECURITY, "runAsUser": REDIS_RUN_AS_USER, "runAsGroup": REDIS_RUN_AS_USER,
                 "fsGroup": REDIS_RUN_AS_USER}
@@ -352,7 +397,31 @@ def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any
                      "template": {"metadata": {"labels": labels(svc, "redis")},
                                   "spec": {"automountServiceAccountToken": False, "securityContext": security,
                                            "containers": [container],
-                                           "volumes": [{"name": "data", "emptyDir": {}}]}}}}
+                                           "volumes": [{"name": "data", "emptyDir": {}}, {
+                                               "name": "auth", "secret": {
+                                                   "secretName": redis_secret_name(svc), "defaultMode": 0o440,
+                                                   "items": [{"key": REDIS_CONF_KEY, "path": REDIS_CONF_KEY}]}}]}}}}
+
+
+def build_redis_secret(svc: InferenceService, owner: Owner, password: str) -> dict[str, Any]:
+    """The managed Redis' password (generated once by the caller, never rotated by a reconcile)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(svc, owner, redis_secret_name(svc), "redis"),
+            "stringData": {REDIS_PASSWORD_KEY: password, REDIS_CONF_KEY: f"requirepass {password}\n"}}
+
+
+def build_redis_network_policy(svc: InferenceService, owner: Owner, operator_namespace: str | None
+                               ) -> dict[str, Any]:
+    """Only this service's engines and router (and the operator's pods) may reach its Redis."""
+    peers: list[dict[str, Any]] = [{"podSelector": {"matchLabels": selector(svc, "engine")}},
+                                   {"podSelector": {"matchLabels": selector(svc, "router")}}]
+    if operator_namespace:
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+                      "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+            "spec": {"podSelector": {"matchLabels": selector(svc, "redis")}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}}
 
 
 def build_redis_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
@@ -429,6 +498,7 @@ def possible_children(svc: InferenceService) -> list[ChildKey]:
     return [("v1", "ConfigMap", config_name(svc)), ("apps/v1", "Deployment", engine_name(svc)),
             ("v1", "Service", engine_name(svc)), ("apps/v1", "Deployment", router_name(svc)),
             ("v1", "Service", n), ("apps/v1", "Deployment", redis_name(svc)), ("v1", "Service", redis_name(svc)),
+            ("networking.k8s.io/v1", "NetworkPolicy", redis_name(svc)),
             ("networking.k8s.io/v1", "Ingress", n),
             ("autoscaling/v2", "HorizontalPodAutoscaler", engine_name(svc)),
             ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))]
@@ -450,11 +520,16 @@ def engine_replicas(svc: InferenceService, autoscaled: int | None) -> int | None
     return min(max(start, a.min_replicas), a.max_replicas)
 
 
-def build_children(svc: InferenceService, owner: Owner, replicas: int | None) -> list[dict[str, Any]]:
-    """All objects this spec wants, in creation order (Redis and config before the pods using them)."""
+def build_children(svc: InferenceService, owner: Owner, replicas: int | None,
+                   operator_namespace: str | None = None) -> list[dict[str, Any]]:
+    """All objects this spec wants, in creation order (Redis and config before the pods using them).
+
+    Not here: the managed Redis' password Secret, created once before these (`build_redis_secret`).
+    """
     out: list[dict[str, Any]] = []
     if svc.redis.managed:
-        out += [build_redis_deployment(svc, owner), build_redis_service(svc, owner)]
+        out += [build_redis_network_policy(svc, owner, operator_namespace), build_redis_deployment(svc, owner),
+                build_redis_service(svc, owner)]
     out += [build_config_map(svc, owner), build_engine_service(svc, owner),
             build_engine_deployment(svc, owner, replicas)]
     if svc.router.enabled:

@@ -25,6 +25,13 @@ PULL_POLICIES = ["Always", "IfNotPresent", "Never"]
 DEFAULT_IMAGE = "ghcr.io/kvmesh/kvmesh:0.1.0"
 DEFAULT_REDIS_IMAGE = "redis:7.4.1-alpine"
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+REDIS_URL_PATTERN = r"^rediss?://.+"  # no unix:// or other schemes: the operator itself connects at deletion
+# NOTE: child names are <name>-engine, -router, -redis, -engine-config…: a resource named like a
+# child of another one (`foo-engine`) would collide with it (`foo`'s headless Service).
+CHILD_SUFFIXES = ["-engine", "-router", "-redis"]
+# Ingress annotations that inject raw proxy configuration (ingress-nginx *-snippet, NGINX Inc.
+# *-snippets, HAProxy *-config-snippet, haproxy-ingress config-*): refused.
+SNIPPET_ANNOTATION_PATTERN = r"snippet|/config-(backend|frontend|defaults|global|tcp|tcp-service)$"
 
 
 def _obj(desc: str, props: dict[str, Any], required: list[str] | None = None,
@@ -146,11 +153,24 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         "replicas": _int("Router pods.", minimum=1, maximum=64, default=1),
     }, default={}),
     "redis": _obj("The prefix index. Without url the operator runs a Redis for this service.", {
-        "url": _str("External Redis, e.g. redis://redis.infra:6379/0.", pattern=r"^(redis|rediss|unix)://.+"),
+        "url": _str("External Redis, e.g. redis://redis.infra:6379/0 or rediss:// for TLS.",
+                    pattern=REDIS_URL_PATTERN),
         "passwordSecret": _secret_ref("Secret holding the external Redis password.", "password"),
         "image": _str("Image of the managed Redis.", default=DEFAULT_REDIS_IMAGE, minLength=1),
-    }, rules=[{"rule": "!has(self.passwordSecret) || has(self.url)",
-               "message": "redis.passwordSecret needs redis.url (the managed Redis has no password)"}],
+        "caBundle": _obj("CA certificates of an external rediss:// Redis, mounted into the engine and router "
+                         "pods; KVMESH_REDIS_CA_FILE names the file.", {
+            "configMap": _str("ConfigMap holding the bundle.", pattern=K8S_NAME_PATTERN, maxLength=253),
+            "secret": _str("Secret holding the bundle.", pattern=K8S_NAME_PATTERN, maxLength=253),
+            "key": _str("Key of the bundle in the ConfigMap or Secret.", default="ca.crt", minLength=1,
+                        pattern=r"^[-._a-zA-Z0-9]+$"),
+        }, rules=[{"rule": "has(self.configMap) != has(self.secret)",
+                   "message": "redis.caBundle needs exactly one of configMap or secret"}]),
+    }, rules=[{"rule": "!has(self.url) || self.url.startsWith('redis://') || self.url.startsWith('rediss://')",
+               "message": "redis.url must start with redis:// or rediss:// (no unix sockets or other schemes)"},
+              {"rule": "!has(self.caBundle) || (has(self.url) && self.url.startsWith('rediss://'))",
+               "message": "redis.caBundle needs a rediss:// redis.url (TLS)"},
+              {"rule": "!has(self.passwordSecret) || has(self.url)",
+               "message": "redis.passwordSecret needs redis.url (the managed Redis gets a generated password)"}],
         default={}),
     "autoscaling": _obj("Scale the engines on their waiting-queue length.", {
         "enabled": _bool("Turn autoscaling on (spec.replicas is then ignored).", False),
@@ -180,14 +200,18 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         "host": _str("Host name routed to the service.",
                      pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"),
         "tlsSecretName": _str("TLS Secret for host.", pattern=K8S_NAME_PATTERN),
-        "annotations": _string_map("Extra Ingress annotations."),
+        "annotations": {**_string_map("Extra Ingress annotations; configuration snippets (keys containing "
+                                      "'snippet', haproxy-ingress config-*) are refused."), "maxProperties": 32},
     }, rules=[{"rule": "!has(self.tlsSecretName) || has(self.host)",
-               "message": "ingress.tlsSecretName needs ingress.host"}], default={}),
+               "message": "ingress.tlsSecretName needs ingress.host"},
+              {"rule": f"!has(self.annotations) || self.annotations.all(k, !k.matches('{SNIPPET_ANNOTATION_PATTERN}'))",
+               "message": "ingress.annotations must not inject configuration snippets (*-snippet, *-snippets, "
+                          "config-backend…)"}], default={}),
     "apiKeySecret": _secret_ref("Secret whose key is the API key clients must send.", "api-key"),
 }, required=["model"])
 
 _CONDITION = _obj("A KServe-style condition.", {
-    "type": _str("EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
+    "type": _str("ChildrenOwned, EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),
@@ -247,7 +271,10 @@ def crd_manifest() -> dict[str, Any]:
                     "required": ["spec"],
                     "x-kubernetes-validations": [{
                         "rule": "self.metadata.name.size() <= 45",
-                        "message": "metadata.name must be at most 45 characters (child names add suffixes)"}],
+                        "message": "metadata.name must be at most 45 characters (child names add suffixes)"}, {
+                        "rule": " && ".join(f"!self.metadata.name.endsWith('{x}')" for x in CHILD_SUFFIXES),
+                        "message": "metadata.name must not end in " + ", ".join(CHILD_SUFFIXES)
+                                   + " (it would collide with another InferenceService's children)"}],
                 }},
             }],
         },

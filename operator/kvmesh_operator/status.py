@@ -1,12 +1,13 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
-Conditions: EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and
-keda modes), and Ready (all of them True).
+Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
+EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes), and
+Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
 """
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Any
 
 from . import resources as R
@@ -24,6 +25,20 @@ def _ready(obj: dict[str, Any] | None) -> int:
     return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
 
 
+def _unobserved(dep: dict[str, Any]) -> str | None:
+    """Why the Deployment controller has not caught up with the latest spec, or None when it has.
+
+    NOTE: right after the operator patches a Deployment its status still describes the previous
+    generation (all old pods ready), so readiness counts mean nothing until the controller has
+    observed the new generation.
+    """
+    generation = (dep.get("metadata") or {}).get("generation")
+    observed = (dep.get("status") or {}).get("observedGeneration")
+    if generation is not None and (observed is None or int(observed) < int(generation)):
+        return f"the Deployment controller has not observed generation {generation} yet (at {observed or 0})"
+    return None
+
+
 def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
     if dep is None:
         return _cond("EnginesReady", False, "DeploymentMissing", "the engine Deployment does not exist yet")
@@ -31,15 +46,22 @@ def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
     for c in st.get("conditions") or []:
         if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded":
             return _cond("EnginesReady", False, "ProgressDeadlineExceeded", c.get("message", "rollout stuck"))
+    # NOTE: with no pod ready yet the counts cannot claim too much (AwaitingPods below).
+    if (pending := _unobserved(dep)) is not None and _ready(dep) > 0:
+        return _cond("EnginesReady", False, "RollingUpdate", pending)
     ready, updated = _ready(dep), int(st.get("updatedReplicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
     # NOTE: pods of an older template still running (updated < total) means a rollout is under way.
     rolling = updated < int(st.get("replicas") or 0)
     if want == 0:
         return _cond("EnginesReady", True, "ScaledToZero", "0 engine pods wanted")
-    if ready >= want and not rolling:
+    if ready >= want and available >= want and updated >= want and not rolling:
         return _cond("EnginesReady", True, "MinimumReplicasAvailable", f"{ready}/{want} engine pods ready")
-    if rolling:
+    if rolling or (ready >= want and updated < want):
         return _cond("EnginesReady", False, "RollingUpdate", f"{updated}/{want} engine pods updated, {ready} ready")
+    if ready >= want:
+        return _cond("EnginesReady", False, "PartiallyReady",
+                     f"{available}/{want} engine pods available ({ready} ready, not yet for minReadySeconds)")
     if ready > 0:
         return _cond("EnginesReady", False, "PartiallyReady", f"{ready}/{want} engine pods ready")
     return _cond("EnginesReady", False, "AwaitingPods", f"0/{want} engine pods ready (loading the model?)")
@@ -48,6 +70,8 @@ def engines_condition(dep: dict[str, Any] | None, want: int) -> dict[str, str]:
 def _deployment_condition(type_: str, dep: dict[str, Any] | None, what: str) -> dict[str, str]:
     if dep is None:
         return _cond(type_, False, "DeploymentMissing", f"the {what} Deployment does not exist yet")
+    if (pending := _unobserved(dep)) is not None and _ready(dep) > 0:
+        return _cond(type_, False, "RollingUpdate", pending)
     if _ready(dep) >= 1:
         return _cond(type_, True, "MinimumReplicasAvailable", f"{_ready(dep)} {what} pod(s) ready")
     return _cond(type_, False, "AwaitingPods", f"no {what} pod is ready yet")
@@ -80,9 +104,13 @@ def autoscaling_condition(svc: InferenceService, observed: Observed,
 
 
 def conditions(svc: InferenceService, observed: Observed, want: int,
-               forbidden: Set[str] = frozenset()) -> list[dict[str, str]]:
-    """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses."""
-    out = [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
+               forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = ()) -> list[dict[str, str]]:
+    """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses;
+    `conflicts`: children whose names are taken by objects the operator does not own (ChildrenOwned)."""
+    out = []
+    if conflicts:
+        out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
+    out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
     if svc.router.enabled:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
                                          "router"))
@@ -109,7 +137,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
     failing = [c for c in out if c["status"] != "True"]
     if failing:
         first = failing[0]
-        out.append(_cond("Ready", False, first["type"].replace("Ready", "NotReady"), first["message"]))
+        reason = "NameConflict" if first["type"] == "ChildrenOwned" else first["type"].replace("Ready", "NotReady")
+        out.append(_cond("Ready", False, reason, first["message"]))
     else:
         out.append(_cond("Ready", True, "AllComponentsReady", f"serving {svc.model.served_name}"))
     return out
@@ -127,13 +156,15 @@ def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now:
 
 
 def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
-                 previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset()
-                 ) -> dict[str, Any]:
-    conds = stamp(conditions(svc, observed, want, forbidden), previous, now)
+                 previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset(),
+                 conflicts: Sequence[str] = ()) -> dict[str, Any]:
+    conds = stamp(conditions(svc, observed, want, forbidden, conflicts), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
     is_ready = conds[-1]["status"] == "True"
     phase = "Ready" if is_ready else ("Progressing" if ready_replicas > 0 else "Pending")
+    if conflicts:
+        phase = "Failed"  # NOTE: not fixable by waiting: someone must rename or remove an object
     url = R.service_url(svc)
     address = _ingress_address(observed.get(("networking.k8s.io/v1", "Ingress", svc.name)))
     if svc.ingress.enabled and not svc.ingress.host and address:

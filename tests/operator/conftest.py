@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import jsonpatch
+import jsonpointer
 import kmock
 import kopf
 import pytest
@@ -28,6 +30,7 @@ RESOURCES = {
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
     "networking.k8s.io/v1/ingresses": kmock.ResourceInfo(kind="Ingress", namespaced=True, subresources={"status"}),
     "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
     "kvmesh.io/v1alpha1/inferenceservices": kmock.ResourceInfo(
@@ -71,24 +74,44 @@ class StampingEmulator(kmock.KubernetesEmulator):
     def _stamp_patch(self, request: kmock.Request, data: Any) -> Any:
         rv = self._next()
         key = (request.resource, request.namespace, request.name)
-        generation = 1
+        current: dict[str, Any] = {}
         with contextlib.suppress(Exception):
-            generation = int(self.objects[key].get("metadata", {}).get("generation") or 1)
+            current = _plain(self.objects[key].raw)
+        generation = int((current.get("metadata") or {}).get("generation") or 1)
+        # NOTE: like the API server, bump the generation only when the spec really changes (a
+        # patch that re-sends the same spec must not look like a new rollout to status checks).
         if isinstance(data, list):
-            touches_spec = any(str(op.get("path", "")).startswith("/spec") for op in data)
+            try:
+                spec_changes = jsonpatch.apply_patch(current, data).get("spec") != current.get("spec")
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException):
+                spec_changes = True
             ops = [{"op": "add", "path": "/metadata/resourceVersion", "value": rv}]
-            if touches_spec:
+            if spec_changes:
                 ops.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
             return list(data) + ops
-        touches_spec = "spec" in data and request.subresource != "status"
+        spec_changes = (request.subresource != "status" and "spec" in data
+                        and _merged(current.get("spec"), data["spec"]) != current.get("spec"))
         meta = dict(data.get("metadata") or {})
         meta["resourceVersion"] = rv
-        if touches_spec:
+        if spec_changes:
             meta["generation"] = generation + 1
         return {**data, "metadata": meta}
 
 
-async def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+def _merged(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merged(out.get(k), v)
+    return out
+
+
+async def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
     """Poll `check` (yielding to kmock's server) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None

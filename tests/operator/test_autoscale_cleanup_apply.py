@@ -1,6 +1,8 @@
 """The autoscaler's decision, the metrics parser, Redis key cleanup and the patch builder (all pure)."""
 from __future__ import annotations
 
+import pytest
+
 from typing import Any
 
 from kvmesh.operator import autoscale, crd, redis_cleanup
@@ -164,3 +166,19 @@ def test_only_a_403_on_an_optional_kind_is_tolerated() -> None:
     assert is_forbidden_optional(KubeError(403, "forbidden"), "HorizontalPodAutoscaler") is True
     assert is_forbidden_optional(KubeError(403, "forbidden"), "Deployment") is False
     assert is_forbidden_optional(KubeError(500, "boom"), "ScaledObject") is False
+
+
+@pytest.mark.parametrize("url", ["unix:///var/run/redis.sock", "http://evil.example/", "file:///etc/passwd"])
+def test_cleanup_refuses_other_transports_before_connecting(url: str) -> None:
+    from kvmesh.operator import redis_cleanup
+    with pytest.raises(ValueError, match="only redis:// and rediss://"):
+        redis_cleanup.cleanup(url, "s3cr3t", "ns", "svc")
+
+
+@pytest.mark.parametrize(("namespace", "name"), [("team-a", "../../kube-system/secrets/x"), ("team-a", "other/x"),
+                                                 ("team-a", "a..b"), ("kube-system/x", "y"), ("team-a", "%2Fx")])
+def test_object_paths_never_leave_the_namespace(namespace: str, name: str) -> None:
+    from kvmesh.operator.kube import object_path
+    with pytest.raises(ValueError):
+        object_path("v1", "Secret", namespace, name)
+    assert object_path("v1", "Secret", "team-a", "redis-auth") == "/api/v1/namespaces/team-a/secrets/redis-auth"

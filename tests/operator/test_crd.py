@@ -62,7 +62,7 @@ def test_full_example_parses_every_field() -> None:
     assert svc.gpu.count == 2 and svc.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap")
     assert svc.redis == crd.RedisSpec("rediss://redis.infra.svc:6380/2", crd.SecretRef("redis-auth", "password"),
-                                      "redis:7.4.1-alpine")
+                                      "redis:7.4.1-alpine", crd.CABundleRef("ConfigMap", "redis-ca", "ca.crt"))
     assert svc.autoscaling == crd.AutoscalingSpec(True, "keda", 2, 8, 6, 120, "http://prometheus.monitoring:9090")
     assert svc.tracing == crd.TracingSpec("http://otel-collector.observability:4317", 0.25, "grpc")
     assert svc.ingress == crd.IngressSpec(True, "nginx", "llama.example.com", "llama-tls",
@@ -87,7 +87,9 @@ BAD = [
     ({"model": {}, "router": {"strategy": "sticky"}},
      "spec.router.strategy must be one of kv-aware, round-robin, least-loaded, random, got 'sticky'", "'sticky' is not one of"),
     ({"model": {}, "redis": {"url": "http://redis:6379"}},
-     "spec.redis.url 'http://redis:6379' does not match ^(redis|rediss|unix)://.+", "does not match"),
+     "spec.redis.url 'http://redis:6379' does not match ^rediss?://.+", "does not match"),
+    ({"model": {}, "redis": {"url": "unix:///var/run/docker.sock"}},
+     "spec.redis.url 'unix:///var/run/docker.sock' does not match ^rediss?://.+", "does not match"),
     ({"model": {}, "tracing": {"samplingRatio": 1.5}}, "spec.tracing.samplingRatio must be <= 1, got 1.5",
      "1.5 is greater than the maximum of 1"),
     ({"model": {}, "tracing": {"protocol": "http/json"}},
@@ -121,9 +123,20 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
     ({"model": {}, "autoscaling": {"mode": "keda"}},
      ["spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda"]),
     ({"model": {}, "redis": {"passwordSecret": {"name": "r"}}},
-     ["spec.redis.passwordSecret needs spec.redis.url (the managed Redis has no password)"]),
+     ["spec.redis.passwordSecret needs spec.redis.url (the managed Redis gets a generated password)"]),
     ({"model": {}, "ingress": {"tlsSecretName": "t"}},
      ["spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)"]),
+    ({"model": {}, "ingress": {"enabled": True, "annotations": {
+        "nginx.ingress.kubernetes.io/configuration-snippet": "more_set_headers x;",
+        "nginx.org/server-snippets": "x", "haproxy-ingress.github.io/config-backend": "x",
+        "nginx.ingress.kubernetes.io/proxy-body-size": "8m"}}},
+     ["spec.ingress.annotations haproxy-ingress.github.io/config-backend, "
+      "nginx.ingress.kubernetes.io/configuration-snippet, nginx.org/server-snippets: configuration snippets are "
+      "refused (they inject raw proxy configuration); use the controller's dedicated annotations"]),
+    ({"model": {}, "redis": {"url": "redis://r:6379/0", "caBundle": {"configMap": "ca"}}},
+     ["spec.redis.caBundle needs a rediss:// spec.redis.url (TLS)"]),
+    ({"model": {}, "redis": {"url": "rediss://r:6380/0", "caBundle": {"configMap": "ca", "secret": "ca"}}},
+     ["spec.redis.caBundle needs exactly one of configMap or secret"]),
     ({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}},
      ["spec.model.uri 'HuggingFaceTB/SmolLM2-360M' is not an absolute path: it must be an absolute path to an "
       "HF-format directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake "
@@ -158,8 +171,18 @@ def test_cross_field_rules_are_declared_in_the_crd() -> None:
                  "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
                  "self.minReplicas <= self.maxReplicas", "self.mode != 'keda' || has(self.prometheusAddress)",
                  "!has(self.passwordSecret) || has(self.url)", "!has(self.tlsSecretName) || has(self.host)",
-                 "self.metadata.name.size() <= 45"):
+                 "self.metadata.name.size() <= 45", "!self.metadata.name.endsWith('-engine')",
+                 "self.url.startsWith('rediss://')", "self.annotations.all(k, !k.matches("):
         assert rule in text
+
+
+@pytest.mark.parametrize("name", ["foo-engine", "foo-router", "foo-redis"])
+def test_names_that_collide_with_another_services_children_are_refused(name: str) -> None:
+    with pytest.raises(crd.SpecError) as err:
+        crd.parse(name, "ns", {"model": {}})
+    assert err.value.problems == [f"metadata.name {name!r} must not end in {name[3:]!r}: it would collide with "
+                                  f"the children of InferenceService 'foo'; choose another name"]
+    crd.parse("foo-engines", "ns", {"model": {}})  # only the exact suffixes
 
 
 def test_every_problem_is_reported_at_once() -> None:

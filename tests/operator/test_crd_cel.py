@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 10
+    assert len(RULES) == 15
 
 
 @pytest.mark.parametrize("spec", [
@@ -78,7 +78,21 @@ def test_a_long_name_fails_the_name_rule_alone() -> None:
     assert failures(_cr({"model": {}}, name="x" * 45)) == []
 
 
+def test_child_like_names_fail_the_suffix_rule_alone() -> None:
+    (message,) = failures(_cr({"model": {}}, name="foo-engine"))
+    assert "collide" in message
+    assert failures(_cr({"model": {}}, name="foo-engines")) == []
+
+
+def test_redis_url_schemes_are_limited_by_a_rule_too() -> None:
+    assert failures(_cr({"model": {}, "redis": {"url": "unix:///run/redis.sock"}})) == [
+        "redis.url must start with redis:// or rediss:// (no unix sockets or other schemes)"]
+    assert failures(_cr({"model": {}, "redis": {"url": "rediss://r:6380/0"}})) == []
+
+
 def test_every_rule_rejects_some_example() -> None:
     seen = {m for spec, _ in CROSS_FIELD for m in failures(_cr(spec))}
     seen |= set(failures(_cr({"model": {}}, name="x" * 46)))
+    seen |= set(failures(_cr({"model": {}}, name="foo-redis")))
+    seen |= set(failures(_cr({"model": {}, "redis": {"url": "unix:///run/redis.sock"}})))
     assert seen == {message for _, _, message in RULES}

@@ -42,11 +42,18 @@ def _events(server: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _deployment_status(server: Any, name: str, **status: int) -> None:
+    """Play the Deployment controller: write a Deployment's status (observedGeneration defaults to
+    the current generation, as after the controller has seen the latest spec)."""
+    key = (__import__("kmock").resource("apps/v1/deployments"), NAMESPACE, name)
+    generation = int(server.objects[key].raw["metadata"].get("generation") or 1)
+    server.objects[key].patch({"status": {"observedGeneration": generation, **status}})
+
+
 def _make_ready(server: Any, name: str, replicas: int) -> None:
     """Play the Deployment controller: mark a Deployment's pods ready."""
-    key = (__import__("kmock").resource("apps/v1/deployments"), NAMESPACE, name)
-    server.objects[key].patch({"status": {"replicas": replicas, "readyReplicas": replicas,
-                                          "updatedReplicas": replicas, "availableReplicas": replicas}})
+    _deployment_status(server, name, replicas=replicas, readyReplicas=replicas, updatedReplicas=replicas,
+                       availableReplicas=replicas)
 
 
 async def test_lifecycle(cluster: Any) -> None:
@@ -62,7 +69,8 @@ async def test_lifecycle(cluster: Any) -> None:
     children = {("apps/v1/deployments", "smol-engine"), ("apps/v1/deployments", "smol-router"),
                 ("apps/v1/deployments", "smol-redis"), ("v1/services", "smol-engine"), ("v1/services", "smol"),
                 ("v1/services", "smol-redis"), ("v1/configmaps", "smol-engine-config"),
-                ("networking.k8s.io/v1/ingresses", "smol")}
+                ("networking.k8s.io/v1/ingresses", "smol"), ("networking.k8s.io/v1/networkpolicies", "smol-redis"),
+                ("v1/secrets", "smol-redis-auth")}
     for resource, name in children:
         child = obj(server, resource, name)
         assert child is not None, (resource, name)
@@ -116,7 +124,11 @@ async def test_lifecycle(cluster: Any) -> None:
                 content_type="application/merge-patch+json")
     await wait_for(lambda: obj(server, "apps/v1/deployments", "smol-engine")["spec"]["replicas"] == 3,
                    what="engine scaled to 3")
-    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["replicas"] == 3 and c, what="status replicas")
+    # the Deployment controller sees the new generation and starts two more pods
+    _deployment_status(server, "smol-engine", replicas=3, updatedReplicas=3, readyReplicas=1, availableReplicas=1)
+    cr = await wait_for(lambda: (c := _cr(server)) and c["status"]["replicas"] == 3
+                        and _cond(c, "EnginesReady")["message"] == "1/3 engine pods ready" and c,
+                        what="status replicas")
     assert cr["status"]["phase"] == "Progressing"  # 1 of 3 ready
     assert _cond(cr, "EnginesReady")["message"] == "1/3 engine pods ready"
     assert cr["status"]["selector"] == "app.kubernetes.io/component=engine,kvmesh.io/inference-service=smol"
@@ -137,7 +149,7 @@ async def test_lifecycle(cluster: Any) -> None:
     assert cr["status"]["url"] == "http://smol.team-a.svc"
     assert sorted(cr["status"]["childFingerprints"]) == [
         "ConfigMap/smol-engine-config", "Deployment/smol-engine", "Deployment/smol-redis", "Deployment/smol-router",
-        "Service/smol", "Service/smol-engine", "Service/smol-redis"]
+        "NetworkPolicy/smol-redis", "Service/smol", "Service/smol-engine", "Service/smol-redis"]
 
     # delete: kopf runs the finalizer handler (managed Redis: nothing to clean), then releases the object
     async with server.request("DELETE", f"{CR_PATH}/smol") as resp:
@@ -147,7 +159,113 @@ async def test_lifecycle(cluster: Any) -> None:
     # the operator never PUTs (no lost updates), and writes only the kinds it manages (plus Events)
     assert not [r for r in requests if r.method.value == "PUT"]
     written = {r.resource.plural for r in requests if r.method.value in ("POST", "PATCH", "DELETE")}
-    assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events"}
+    assert written == {"deployments", "services", "configmaps", "ingresses", "inferenceservices", "events",
+                       "networkpolicies", "secrets"}
+
+
+async def test_a_spec_change_is_not_ready_until_the_new_pods_are(cluster: Any) -> None:
+    server = cluster
+    await _create(server, "roll", {"model": {}, "router": {"enabled": False}})
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "roll-engine"), what="engine Deployment")
+    for name in ("roll-engine", "roll-redis"):
+        _make_ready(server, name, 1)
+    await wait_for(lambda: _cr(server, "roll")["status"]["phase"] == "Ready", what="Ready")
+
+    # a new model: the operator patches the template (generation 2); the old pod is still the ready one
+    await _post(server, f"{CR_PATH}/roll", {"spec": {"model": {"source": "uri", "uri": "/opt/models/m"}}},
+                method="patch", content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "roll-engine")["metadata"]["generation"] == 2,
+                   what="engine template patched")
+    cr = await wait_for(lambda: (c := _cr(server, "roll")) and c["status"]["observedGeneration"] == 2
+                        and _cond(c, "EnginesReady")["status"] == "False" and c, what="EnginesReady False")
+    assert cr["status"]["phase"] == "Progressing"
+    assert _cond(cr, "EnginesReady")["message"] == (
+        "the Deployment controller has not observed generation 2 yet (at 1)")
+    # the controller saw it and surged a new pod, not ready yet: still rolling
+    _deployment_status(server, "roll-engine", replicas=2, updatedReplicas=1, readyReplicas=1, availableReplicas=1)
+    await wait_for(lambda: _cond(_cr(server, "roll"), "EnginesReady")["message"] ==
+                   "1/1 engine pods updated, 1 ready", what="RollingUpdate with the controller caught up")
+    assert _cr(server, "roll")["status"]["phase"] == "Progressing"
+    # the new pod is ready and the old one gone: Ready again
+    _make_ready(server, "roll-engine", 1)
+    cr = await wait_for(lambda: (c := _cr(server, "roll")) and c["status"]["phase"] == "Ready" and c,
+                        what="Ready after the rollout")
+    assert _cond(cr, "EnginesReady")["reason"] == "MinimumReplicasAvailable"
+
+
+async def test_foreign_objects_with_a_childs_name_are_never_adopted(cluster: Any) -> None:
+    server = cluster
+    # another tenant's objects that happen to carry the names of "own"'s children
+    foreign_cm = await _post(server, f"/api/v1/namespaces/{NAMESPACE}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "data": {"engine.json": '{"theirs": true}'},
+        "metadata": {"name": "own-engine-config", "namespace": NAMESPACE, "labels": {"team": "b"}}})
+    foreign_svc = await _post(server, f"/api/v1/namespaces/{NAMESPACE}/services", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {
+            "name": "own-engine", "namespace": NAMESPACE, "ownerReferences": [{
+                "apiVersion": "apps/v1", "kind": "Deployment", "name": "theirs", "uid": "uid-theirs",
+                "controller": True}]},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 9000}]}})
+    before = {"cm": obj(server, "v1/configmaps", "own-engine-config"), "svc": obj(server, "v1/services", "own-engine")}
+    assert before["cm"]["metadata"]["uid"] == foreign_cm["metadata"]["uid"]
+    assert before["svc"]["metadata"]["uid"] == foreign_svc["metadata"]["uid"]
+    await _create(server, "own", {"model": {}})
+    cr = await wait_for(lambda: (c := _cr(server, "own")) and _cond(c, "ChildrenOwned") and c, what="conflict")
+    uid = cr["metadata"]["uid"]
+    message = ("ConfigMap own-engine-config exists and is not controlled by this InferenceService (no controller "
+               f"ownerReference to uid {uid}); it is left untouched: delete or rename it, or rename this "
+               "InferenceService; Service own-engine exists and is not controlled by this InferenceService (no "
+               f"controller ownerReference to uid {uid}); it is left untouched: delete or rename it, or rename "
+               "this InferenceService")
+    assert {k: v for k, v in _cond(cr, "ChildrenOwned").items() if k != "lastTransitionTime"} == {
+        "type": "ChildrenOwned", "status": "False", "reason": "NameConflict", "message": message}
+    assert (_cond(cr, "Ready")["reason"], cr["status"]["phase"]) == ("NameConflict", "Failed")
+    import asyncio
+    await asyncio.sleep(1.0)  # a few resync ticks: still nothing written to them
+    assert obj(server, "v1/configmaps", "own-engine-config") == before["cm"]
+    assert obj(server, "v1/services", "own-engine") == before["svc"]
+    foreign_paths = {f"/api/v1/namespaces/{NAMESPACE}/configmaps/own-engine-config",
+                     f"/api/v1/namespaces/{NAMESPACE}/services/own-engine"}
+    assert not [r for r in list(server) if r.url.path in foreign_paths and r.method.value != "GET"]
+    # the engines would read that ConfigMap and the router would follow that Service: not created
+    assert obj(server, "apps/v1/deployments", "own-engine") is None
+    assert obj(server, "apps/v1/deployments", "own-router") is None
+    # (once per appearance; the change handler and a first resync may both see it appear)
+    assert {e for e in _events(server) if e[0] == "NameConflict"} == {("NameConflict", message)}
+    # the other tenant removes them: the next resync builds the service
+    for path in sorted(foreign_paths):
+        async with server.request("DELETE", path) as resp:
+            assert resp.status == 200
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "own-engine"), what="engine after the conflict")
+    cm = await wait_for(lambda: obj(server, "v1/configmaps", "own-engine-config"), what="own ConfigMap")
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == uid
+    await wait_for(lambda: not _cond(_cr(server, "own"), "ChildrenOwned"), what="condition cleared")
+
+
+async def test_managed_redis_password_is_generated_once_and_never_rotated(cluster: Any) -> None:
+    import asyncio
+    server = cluster
+    await _create(server, "pw", {"model": {}, "router": {"enabled": False}})
+    secret = await wait_for(lambda: obj(server, "v1/secrets", "pw-redis-auth"), what="password Secret")
+    password = secret["stringData"]["password"]
+    assert len(password) >= 40 and secret["stringData"]["redis.conf"] == f"requirepass {password}\n"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == _cr(server, "pw")["metadata"]["uid"]
+    redis = await wait_for(lambda: obj(server, "apps/v1/deployments", "pw-redis"), what="managed Redis")
+    assert redis["spec"]["template"]["spec"]["volumes"][1]["secret"]["secretName"] == "pw-redis-auth"
+    policy = obj(server, "networking.k8s.io/v1/networkpolicies", "pw-redis")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    # a spec change and several resyncs later: the same Secret, never written again
+    await _post(server, f"{CR_PATH}/pw", {"spec": {"replicas": 2}}, method="patch",
+                content_type="application/merge-patch+json")
+    await wait_for(lambda: obj(server, "apps/v1/deployments", "pw-engine")["spec"]["replicas"] == 2, what="scaled")
+    await asyncio.sleep(1.0)
+    assert obj(server, "v1/secrets", "pw-redis-auth") == secret
+    # (a create racing another one gets a 409 and changes nothing; nothing ever patches or deletes it)
+    assert not [r for r in list(server) if r.resource is not None and r.resource.plural == "secrets"
+                and r.method.value not in ("GET", "POST")]
+    # a second service gets its own, different password
+    await _create(server, "pw2", {"model": {}})
+    other = await wait_for(lambda: obj(server, "v1/secrets", "pw2-redis-auth"), what="second Secret")
+    assert other["stringData"]["password"] != password
 
 
 async def test_invalid_spec_is_a_permanent_error_and_creates_nothing(cluster: Any) -> None:
@@ -209,6 +327,25 @@ async def test_finalizer_cleans_external_redis(cluster: Any, monkeypatch: pytest
     assert calls == [("redis://redis.infra:6379/0", "s3cr3t", NAMESPACE, "ext")]
     assert ("RedisCleaned", "deleted 7 Redis keys") in await wait_for(
         lambda: [e for e in _events(server) if e[0] == "RedisCleaned"], what="event")
+
+
+async def test_the_finalizer_never_sends_a_secret_to_a_unix_socket(cluster: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """kmock runs no CEL and no pattern: the operator's own checks must refuse the URL."""
+    from kvmesh.operator import redis_cleanup
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(redis_cleanup, "cleanup", lambda *args: calls.append(args) or 0)
+    server = cluster
+    await _create(server, "sock", {"model": {}, "redis": {"url": "unix:///var/run/docker.sock",
+                                                          "passwordSecret": {"name": "redis-auth"}}})
+    cr = await wait_for(lambda: (c := _cr(server, "sock")) and (c.get("status") or {}).get("phase") and c,
+                        what="status")
+    assert (cr["status"]["phase"], _cond(cr, "Ready")["reason"]) == ("Failed", "InvalidSpec")
+    async with server.request("DELETE", f"{CR_PATH}/sock") as resp:
+        assert resp.status == 200
+    await wait_for(lambda: _cr(server, "sock") is None, what="released")
+    assert calls == []
+    assert not [r for r in list(server) if r.resource is not None and r.resource.plural == "secrets"]
 
 
 async def test_failing_redis_does_not_block_deletion(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,14 +451,14 @@ async def test_edits_behind_the_operators_back_are_reverted(cluster: Any) -> Non
     import asyncio
     server = cluster
     await _create(server, "drift", {"model": {}, "replicas": 2, "router": {"enabled": False}})
-    children = {"Deployment/drift-redis", "Service/drift-redis", "ConfigMap/drift-engine-config",
+    children = {"Deployment/drift-redis", "Service/drift-redis", "NetworkPolicy/drift-redis", "ConfigMap/drift-engine-config",
                 "Service/drift-engine", "Deployment/drift-engine", "Service/drift"}
     before = await _steady(server, "drift", children)
     engine = obj(server, "apps/v1/deployments", "drift-engine")
     config = obj(server, "v1/configmaps", "drift-engine-config")
 
     # nothing edited: resyncs read every child and write none
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)  # NOTE: room for two resyncs on a loaded machine
     window = list(server)[len(before):]
     engine_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/drift-engine"
     assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
@@ -355,7 +492,7 @@ async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
     server = cluster
     await _create(server, "hpa", {"model": {}, "router": {"enabled": False}, "autoscaling": {
         "enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 8}})
-    children = {"Deployment/hpa-redis", "Service/hpa-redis", "ConfigMap/hpa-engine-config",
+    children = {"Deployment/hpa-redis", "Service/hpa-redis", "NetworkPolicy/hpa-redis", "ConfigMap/hpa-engine-config",
                 "Service/hpa-engine", "Deployment/hpa-engine", "Service/hpa",
                 "HorizontalPodAutoscaler/hpa-engine"}
     await _steady(server, "hpa", children)
@@ -363,7 +500,7 @@ async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
     await _post(server, engine_path, {"spec": {"replicas": 4}}, method="patch",  # what the HPA does
                 content_type="application/merge-patch+json")
     before = list(server)
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(2.0)  # NOTE: room for two resyncs on a loaded machine
     window = list(server)[len(before):]
     assert len([r for r in window if r.method.value == "GET" and r.url.path == engine_path]) >= 2
     assert _writes_to_children(window) == []

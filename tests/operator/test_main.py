@@ -40,3 +40,11 @@ def test_operator_imports_neither_torch_nor_the_engine() -> None:
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('kvmesh.engine')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_operator_namespace_defaults_to_the_pods(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "kvmesh-system")
+    assert operator_main.build_parser().parse_args([]).operator_namespace == "kvmesh-system"
+    assert operator_main.build_parser().parse_args(["--operator-namespace", "ops"]).operator_namespace == "ops"
+    monkeypatch.delenv("POD_NAMESPACE")
+    assert operator_main.build_parser().parse_args([]).operator_namespace is None

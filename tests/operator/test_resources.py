@@ -49,6 +49,7 @@ def test_every_built_object_is_valid_kubernetes(spec_name: str) -> None:
 def test_minimal_children_in_creation_order() -> None:
     svc = _svc()
     assert [R.child_key(c) for c in R.build_children(svc, OWNER, 1)] == [
+        ("networking.k8s.io/v1", "NetworkPolicy", "smol-redis"),
         ("apps/v1", "Deployment", "smol-redis"), ("v1", "Service", "smol-redis"),
         ("v1", "ConfigMap", "smol-engine-config"), ("v1", "Service", "smol-engine"),
         ("apps/v1", "Deployment", "smol-engine"), ("apps/v1", "Deployment", "smol-router"),
@@ -82,6 +83,9 @@ def test_engine_deployment_minimal() -> None:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "KVMESH_SERVICE", "value": "smol"},
+        # the managed Redis' generated password
+        {"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "smol-redis-auth",
+                                                                         "key": "password"}}},
         {"name": "HF_HOME", "value": "/home/kvmesh/.cache/huggingface"},
         {"name": "TRITON_CACHE_DIR", "value": "/home/kvmesh/.cache/triton"}]
     # the Triton cache lives on the writable model-cache emptyDir (the root filesystem is read-only)
@@ -118,7 +122,7 @@ def test_engine_deployment_full() -> None:
     assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                               "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
     assert [e["name"] for e in c["env"]] == [
-        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD",
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_CA_FILE",
         "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",
         "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "HF_HOME", "TRITON_CACHE_DIR",
         "KVMESH_API_KEY"]
@@ -149,11 +153,13 @@ def test_router_and_front_service() -> None:
         "--served-model-name", "llama-3.1-8b-instruct", "--block-size", "32",
         "--model", "/models/Llama-3.1-8B-Instruct", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct"]
     # the router has no tracing: no OTEL_* variables even though spec.tracing is set
-    assert [e["name"] for e in router["spec"]["template"]["spec"]["containers"][0]["env"]] == [
-        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD"]
+    router_env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e["name"] for e in router_env] == [
+        "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_CA_FILE",
+        "KVMESH_API_KEY"]
     pod_spec = router["spec"]["template"]["spec"]
-    assert pod_spec["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {
-        "claimName": svc.model.pvc_claim, "readOnly": True}}
+    assert {"name": "model", "persistentVolumeClaim": {
+        "claimName": svc.model.pvc_claim, "readOnly": True}} in pod_spec["volumes"]
     assert pod_spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert R.router_args(_svc()) == [
         "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "redis://smol-redis.team-a.svc:6379/0",
@@ -167,6 +173,15 @@ def test_router_and_front_service() -> None:
     assert direct["spec"]["ports"][0]["targetPort"] == 8000
     headless = R.build_engine_service(svc, OWNER)
     assert headless["spec"]["clusterIP"] == "None"
+
+
+def test_router_gets_the_api_key_the_engines_check() -> None:
+    router_env = R.build_router_deployment(_full(), OWNER)["spec"]["template"]["spec"]["containers"][0]["env"]
+    engine_env = R.build_engine_deployment(_full(), OWNER, 1)["spec"]["template"]["spec"]["containers"][0]["env"]
+    key = {"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}}
+    assert key in router_env and key in engine_env
+    no_key = R.build_router_deployment(_svc(), OWNER)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert "KVMESH_API_KEY" not in [e["name"] for e in no_key]
 
 
 def test_ingress_and_url() -> None:
@@ -238,8 +253,65 @@ def test_redis_is_non_root_and_ephemeral() -> None:
     pod = dep["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == 999
     assert pod["containers"][0]["image"] == "redis:7.4.1-alpine"
-    assert pod["containers"][0]["args"][:4] == ["--save", "", "--appendonly", "no"]
+    assert pod["containers"][0]["args"][:5] == ["/etc/redis/redis.conf", "--save", "", "--appendonly", "no"]
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_managed_redis_requires_the_generated_password() -> None:
+    secret = R.build_redis_secret(_svc(), OWNER, "pw-123")
+    _validate(secret)
+    assert secret["metadata"]["name"] == "smol-redis-auth"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+    assert secret["stringData"] == {"password": "pw-123", "redis.conf": "requirepass pw-123\n"}
+    pod = R.build_redis_deployment(_svc(), OWNER)["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"][0] == "/etc/redis/redis.conf"  # read as the config file: the password is in no arg
+    assert "pw-123" not in json.dumps(pod)
+    assert {"name": "auth", "mountPath": "/etc/redis", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "auth", "secret": {"secretName": "smol-redis-auth", "defaultMode": 0o440,
+                                       "items": [{"key": "redis.conf", "path": "redis.conf"}]}} in pod["volumes"]
+    # engines and router authenticate with the same Secret
+    for dep in (R.build_engine_deployment(_svc(), OWNER, 1), R.build_router_deployment(_svc(), OWNER)):
+        env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+            "name": "smol-redis-auth", "key": "password"}}} in env
+
+
+def test_redis_network_policy_admits_only_the_services_engines_router_and_operator() -> None:
+    pol = R.build_redis_network_policy(_svc(), OWNER, "kvmesh-system")
+    _validate(pol)
+    assert pol["spec"] == {
+        "podSelector": {"matchLabels": {"kvmesh.io/inference-service": "smol", "app.kubernetes.io/component": "redis"}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [
+            {"podSelector": {"matchLabels": {"kvmesh.io/inference-service": "smol",
+                                             "app.kubernetes.io/component": "engine"}}},
+            {"podSelector": {"matchLabels": {"kvmesh.io/inference-service": "smol",
+                                             "app.kubernetes.io/component": "router"}}},
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvmesh-system"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvmesh",
+                                             "app.kubernetes.io/component": "operator"}}}],
+            "ports": [{"protocol": "TCP", "port": 6379}]}]}
+    assert len(R.build_redis_network_policy(_svc(), OWNER, None)["spec"]["ingress"][0]["from"]) == 2
+    external = _svc({"model": {}, "redis": {"url": "redis://r:6379/0"}})
+    assert "NetworkPolicy" not in [c["kind"] for c in R.build_children(external, OWNER, 1)]
+
+
+@pytest.mark.parametrize("source", ["configMap", "secret"])
+def test_external_redis_ca_bundle_is_mounted_for_engine_and_router(source: str) -> None:
+    svc = _svc({"model": {}, "redis": {"url": "rediss://redis.infra:6380/0", "passwordSecret": {"name": "auth"},
+                                       "caBundle": {source: "redis-ca", "key": "bundle.pem"}}})
+    items = [{"key": "bundle.pem", "path": "ca.crt"}]
+    volume = ({"name": "redis-ca", "configMap": {"name": "redis-ca", "items": items}} if source == "configMap"
+              else {"name": "redis-ca", "secret": {"secretName": "redis-ca", "items": items}})
+    for dep in (R.build_engine_deployment(svc, OWNER, 1), R.build_router_deployment(svc, OWNER)):
+        _validate(dep)
+        pod = dep["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert {"name": "KVMESH_REDIS_CA_FILE", "value": "/etc/kvmesh-redis-ca/ca.crt"} in c["env"]
+        assert {"name": "redis-ca", "mountPath": "/etc/kvmesh-redis-ca", "readOnly": True} in c["volumeMounts"]
+        assert volume in pod["volumes"]
+    assert "KVMESH_REDIS_CA_FILE" not in json.dumps(R.build_engine_deployment(_svc(), OWNER, 1))
 
 
 def test_tracing_protocol_follows_the_spec() -> None:

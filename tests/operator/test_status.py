@@ -10,8 +10,9 @@ NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 
 def _dep(ready: int, replicas: int | None = None, updated: int | None = None, **extra: Any) -> dict[str, Any]:
+    """A Deployment's status as its controller writes it (every ready pod available)."""
     replicas = ready if replicas is None else replicas
-    return {"status": {"replicas": replicas, "readyReplicas": ready,
+    return {"status": {"replicas": replicas, "readyReplicas": ready, "availableReplicas": ready,
                        "updatedReplicas": replicas if updated is None else updated, **extra}}
 
 
@@ -58,6 +59,42 @@ def test_engine_states() -> None:
                                              "reason": "ProgressDeadlineExceeded", "message": "timed out"}])
     assert S.engines_condition(stuck, 1) == {"type": "EnginesReady", "status": "False",
                                              "reason": "ProgressDeadlineExceeded", "message": "timed out"}
+
+
+def _generation(dep: dict[str, Any], generation: int, observed: int | None) -> dict[str, Any]:
+    status = dict(dep["status"])
+    if observed is not None:
+        status["observedGeneration"] = observed
+    return {"metadata": {"generation": generation}, "status": status}
+
+
+def test_engines_ready_honours_observed_generation() -> None:
+    # the operator just patched the template (generation 3): the old pods' counts say nothing yet
+    stale = _generation(_dep(2), 3, 2)
+    assert S.engines_condition(stale, 2) == {
+        "type": "EnginesReady", "status": "False", "reason": "RollingUpdate",
+        "message": "the Deployment controller has not observed generation 3 yet (at 2)"}
+    assert S.engines_condition(_generation(_dep(2), 1, None), 2)["reason"] == "RollingUpdate"
+    # a new Deployment the controller has not seen: nothing ready, nothing claimed
+    assert S.engines_condition({"metadata": {"generation": 1}}, 1)["reason"] == "AwaitingPods"
+    # observed, but no pod of the new template yet: the old ones still serve
+    observed = _generation(_dep(2, replicas=3, updated=1), 3, 3)
+    assert S.engines_condition(observed, 2) == {
+        "type": "EnginesReady", "status": "False", "reason": "RollingUpdate",
+        "message": "1/2 engine pods updated, 2 ready"}
+    # every pod updated and ready but not yet available (minReadySeconds)
+    unavailable = _generation(_dep(2, availableReplicas=1), 3, 3)
+    assert S.engines_condition(unavailable, 2) == {
+        "type": "EnginesReady", "status": "False", "reason": "PartiallyReady",
+        "message": "1/2 engine pods available (2 ready, not yet for minReadySeconds)"}
+    # fewer updated pods than wanted, even with no old ones left, is a rollout too
+    assert S.engines_condition(_generation(_dep(2, updated=1), 3, 3), 2)["status"] == "False"
+    assert S.engines_condition(_generation(_dep(2), 3, 3), 2)["status"] == "True"
+    # the router and the managed Redis follow the same rule
+    conds = {c["type"]: c for c in S.conditions(SVC, _observed(_generation(_dep(1), 1, 1),
+                                                               _generation(_dep(1), 2, 1), _dep(1)), 1)}
+    assert (conds["RouterReady"]["status"], conds["RouterReady"]["reason"]) == ("False", "RollingUpdate")
+    assert conds["RedisReady"]["status"] == "True"
 
 
 def test_disabled_and_external_components_count_as_ready() -> None:
@@ -121,3 +158,13 @@ def test_autoscaling_condition_by_mode() -> None:
     operator_mode = crd.parse("smol", "team-a", {"model": {}, "autoscaling": {"enabled": True}})
     assert S.autoscaling_condition(operator_mode, {}, frozenset({"ScaledObject"})) is None
     assert S.autoscaling_condition(SVC, {}, frozenset({"ScaledObject"})) is None
+
+
+def test_a_name_conflict_fails_the_service_and_says_which_object() -> None:
+    st = S.build_status(SVC, _observed(_dep(1), _dep(1), _dep(1)), 1, 2, None, NOW,
+                        conflicts=["Service smol-engine exists and is not controlled by this InferenceService"])
+    assert st["phase"] == "Failed"
+    assert [(c["type"], c["status"], c["reason"]) for c in st["conditions"]][0] == (
+        "ChildrenOwned", "False", "NameConflict")
+    assert st["conditions"][-1]["reason"] == "NameConflict"
+    assert st["conditions"][-1]["message"] == "Service smol-engine exists and is not controlled by this InferenceService"

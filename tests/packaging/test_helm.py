@@ -82,7 +82,9 @@ def test_full_render() -> None:
     assert pod["priorityClassName"] == "system-cluster-critical"
     role = next(o for o in objects if o["kind"] == "Role")
     groups = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    assert ("keda.sh", "scaledobjects") in groups and ("", "secrets") not in groups
+    assert ("keda.sh", "scaledobjects") in groups
+    (secrets,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets["verbs"] == ["create"]  # readSecrets: false
     redis = next(o for o in objects if o["metadata"]["name"] == "kvmesh-redis" and o["kind"] == "Deployment")
     assert "2gb" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -170,7 +172,30 @@ def test_rbac_grants_exactly_what_the_operator_uses() -> None:
         ("kvmesh.io", "inferenceservices"): {"get", "list", "watch", "patch"},
         ("kvmesh.io", "inferenceservices/status"): {"get", "patch"},
         ("kvmesh.io", "inferenceservices/finalizers"): {"update"},
-        ("", "pods"): {"list"}, ("", "events"): {"create"}, ("", "secrets"): {"get"}}
+        ("", "pods"): {"list"}, ("", "events"): {"create"}, ("", "secrets"): {"create"}}
+    assert _rules({"rbac": {"readSecrets": True}})[("", "secrets")] == {"get", "create"}
+
+
+def test_no_secret_is_readable_cluster_wide_by_default() -> None:
+    """The finalizer reads a user-named Secret: by default the operator may not read any (create only)."""
+    for obj in render():
+        for rule in obj.get("rules", []):
+            if "secrets" in rule["resources"]:
+                assert rule["verbs"] == ["create"], (obj["kind"], rule)
+    reading = [o["kind"] for o in render({"rbac": {"readSecrets": True}}) for rule in o.get("rules", [])
+               if "secrets" in rule["resources"] and "get" in rule["verbs"]]
+    assert reading == ["ClusterRole"]  # only when asked for
+    namespaced = [(o["kind"], o["metadata"]["namespace"]) for o in render(
+        {"rbac": {"readSecrets": True}, "operator": {"watchNamespaces": ["llm"]}})
+        for rule in o.get("rules", []) if "secrets" in rule["resources"] and "get" in rule["verbs"]]
+    assert namespaced == [("Role", "llm")]
+
+
+def test_the_operator_knows_its_namespace() -> None:
+    dep = next(o for o in render() if o["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["env"] == [
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    assert R.OPERATOR_POD_LABELS.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     # no wildcards anywhere
     for obj in render(FULL):
         for rule in obj.get("rules", []):

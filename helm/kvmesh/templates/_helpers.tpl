@@ -50,7 +50,7 @@ app.kubernetes.io/component: {{ .component }}
   resources: ["services", "configmaps"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
-  resources: ["ingresses"]
+  resources: ["ingresses", "networkpolicies"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
@@ -68,9 +68,9 @@ app.kubernetes.io/component: {{ .component }}
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
 {{- end }}
-{{- if .Values.rbac.readSecrets }}
+{{- /* NOTE: create (not read) Secrets: the managed Redis' generated password. Reading any Secret
+       of a namespace is opt-in: rbac.readSecrets. */}}
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get"]
-{{- end }}
+  verbs: {{ if .Values.rbac.readSecrets }}["get", "create"]{{ else }}["create"]{{ end }}
 {{- end -}}
