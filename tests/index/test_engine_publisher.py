@@ -8,11 +8,12 @@ import pytest
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
+from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.router.prompt import load_tokenizer, prompt_block_hashes, prompt_token_ids
+from kvmesh.index.hashing import prompt_block_hashes
+from kvmesh.router.prompt import load_tokenizer, prompt_token_ids
 
-from .helpers import NS, SVC, index_call, wait_until
+from index_helpers import NS, SVC, index_call, wait_until
 
 POD = "engine-0"
 
