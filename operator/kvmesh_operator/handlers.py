@@ -16,6 +16,8 @@ from typing import Any
 
 import kopf
 
+from kvmesh.index.layout import KeySpace
+
 from . import GROUP, PLURAL, VERSION, autoscale, crd, redis_cleanup
 from . import resources as R
 from . import status as S
@@ -235,7 +237,7 @@ async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry
         if retry + 1 < config.cleanup_retries:
             raise kopf.TemporaryError(f"Redis cleanup failed ({err}); retrying", delay=config.cleanup_delay_seconds)
         kopf.event(body, type="Warning", reason="RedisCleanupFailed",
-                  message=f"gave up removing keys {redis_cleanup.key_prefix(svc.namespace, svc.name)}* "
+                  message=f"gave up removing keys {KeySpace(svc.namespace, svc.name).prefix}* "
                           f"after {retry + 1} attempts: {err}")
         return
     kopf.event(body, type="Normal", reason="RedisCleaned", message=f"deleted {deleted} Redis keys")

@@ -1,39 +1,13 @@
 """Finalizer work: remove one InferenceService's keys from an external Redis.
 
-All keys of a service start with `kvmesh:{namespace}/{name}:`; SCAN + DEL in batches so a big
-index never blocks Redis.
+The key layout and the delete-by-prefix live in the prefix-index package (kvmesh.index.layout,
+kvmesh.index.purge); this module only connects with the operator's timeouts.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-
-class _Redis(Protocol):
-    def scan_iter(self, match: str, count: int) -> Any: ...
-
-    def delete(self, *keys: Any) -> int: ...
-
+from kvmesh.index.purge import delete_keys
 
 ALLOWED_SCHEMES = ("redis://", "rediss://")
-
-
-def key_prefix(namespace: str, name: str) -> str:
-    return f"kvmesh:{namespace}/{name}:"
-
-
-def delete_keys(client: _Redis, namespace: str, name: str, batch: int = 500) -> int:
-    """Delete every key of the service; returns how many were deleted."""
-    # NOTE: escape glob characters a name could never hold today, but a namespace pattern might.
-    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in key_prefix(namespace, name)) + "*"
-    deleted, pending = 0, []
-    for key in client.scan_iter(match=pattern, count=batch):
-        pending.append(key)
-        if len(pending) >= batch:
-            deleted += client.delete(*pending)
-            pending = []
-    if pending:
-        deleted += client.delete(*pending)
-    return deleted
 
 
 def cleanup(url: str, password: str | None, namespace: str, name: str) -> int:

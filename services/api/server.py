@@ -21,7 +21,7 @@ from typing import Callable
 
 import uvicorn
 
-from kvmesh.api import kv_publishing
+from kvmesh.index import serve as kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,

@@ -14,7 +14,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.kv_share import RedisKVStore
+from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
@@ -23,6 +23,7 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
+from kvmesh.index.events import KVEventBatch
 
 logger = logging.getLogger("kvmesh.engine")
 
@@ -90,17 +91,15 @@ class LLMEngine:
                                          enable_caching=config.enable_prefix_caching,
                                          hash_seed=config.hash_seed,
                                          enable_events=config.enable_kv_events)
-        self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes)
         self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, mc.num_key_value_heads,
                                   mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
                                   self.loaded.dtype, self.loaded.device, seed=config.seed)
-        self.kv_share: RedisKVStore | None = None
-        if config.kv_share_url:
-            self.kv_share = RedisKVStore(config.kv_share_url, self.model_name,
-                                         str(self.loaded.dtype).removeprefix("torch."),
-                                         self.runner.block_layout,
-                                         password=os.environ.get("KVMESH_REDIS_PASSWORD"))
-            self.scheduler.kv_share = self.kv_share
+        # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
+        self.kv_share: KVConnector | None = make_kv_connector(
+            config, self.model_name, str(self.loaded.dtype).removeprefix("torch."),
+            self.runner.block_layout)
+        self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes,
+                                   kv_connector=self.kv_share)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, max_len)
@@ -246,7 +245,7 @@ class LLMEngine:
             for i in range(full):
                 h = req.block_hashes[i]
                 if self.kv_share.wants(h):
-                    self.kv_share.store(h, self.runner.block_data(sr.block_ids[i]))
+                    self.kv_share.save(h, self.runner.block_data(sr.block_ids[i]))
 
     def _learn_prefill_rate(self, tokens: int, seconds: float) -> None:
         if tokens >= 64 and seconds > 0:
@@ -318,6 +317,11 @@ class LLMEngine:
         """(block hash, tier) of every block in the prefix cache; safe from another thread (the
         prefix-index publisher's resync snapshot)."""
         return self.kv_manager.cached_blocks()
+
+    def take_kv_event_batch(self) -> KVEventBatch | None:
+        """The KV events recorded since the last step or take, as one numbered batch (the
+        prefix-index publisher drains them once when it attaches)."""
+        return self.kv_manager.take_event_batch()
 
     def take_kv_events(self) -> list:
         return self.kv_manager.take_events()

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from kvmesh.common.block_hash import extend_block_hashes
-from kvmesh.common.kv_events import KVEventBatch, KVEventSequencer
+from kvmesh.index.events import KVEventBatch, KVEventSequencer
 from kvmesh.engine.block_pool import BlockPool, KVCacheStats
 
 __all__ = ["KVCacheManager", "KVCacheStats", "swap_blocks_from_gib"]

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 from kvmesh.common.config import EngineConfig
 from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.kv_share import RedisKVStore
+from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.policies import Policy, make_policy
 from kvmesh.engine.request import Logprob, Request, RequestStatus
 from kvmesh.engine.sampler import stop_by_token
@@ -37,7 +37,7 @@ class Scheduler:
         block_bytes: int,                       # bytes of one block across all layers (K and V)
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
-        kv_share: RedisKVStore | None = None,   # cross-pod KV bytes (--kv-share redis)
+        kv_connector: KVConnector | None = None,   # cross-pod KV blocks (--kv-share redis)
     ) -> None:
         self.config = config
         self.kv = kv
@@ -45,7 +45,7 @@ class Scheduler:
         self.block_bytes = block_bytes
         self.clock = clock
         self.policy = policy or make_policy(config)
-        self.kv_share = kv_share
+        self.kv_connector = kv_connector
         self.token_budget = config.token_budget(max_model_len)
         self.chunked = config.enable_chunked_prefill
         self.waiting: list[Request] = []
@@ -276,7 +276,7 @@ class Scheduler:
 
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored."""
-        if self.kv_share is None:
+        if self.kv_connector is None:
             return []
         bs = self.kv.block_size
         limit = (req.num_tokens - 1) // bs          # at least one token is left to compute
@@ -285,7 +285,7 @@ class Scheduler:
         if len(req.block_hashes) < limit:
             extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.kv.hash_seed,
                                 req.cache_salt)
-        return self.kv_share.lookup(req.block_hashes[num_hit // bs:limit])
+        return self.kv_connector.lookup(req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens

@@ -29,12 +29,13 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvmesh.index.hashing import prompt_block_hashes
+from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.policy import BackendState, choose
-from kvmesh.router.prefix_index import PrefixIndex
-from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
+from kvmesh.router.prompt import prompt_token_ids
 from kvmesh.router.recent import RecentRoutes, merge_hits
 
 logger = logging.getLogger("kvmesh.router")

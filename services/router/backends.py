@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvmesh.router.policy import BackendState
-from kvmesh.router.prefix_index import PodLoad
+from kvmesh.index.lookup import PodLoad
 
 logger = logging.getLogger("kvmesh.router")
 

@@ -1,4 +1,4 @@
-"""Request body -> prompt token ids -> chained block hashes, exactly as an engine computes them.
+"""Request body -> prompt token ids, exactly as an engine sees them (hashing: kvmesh.index.hashing).
 
 The tokenizer and the message normalisation are the engines' own (`kvmesh.prompt`), loaded
 without weights or torch (`kvmesh.prompt.sources.load_tokenizer`).
@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvmesh.common.block_hash import hash_prompt_blocks
 from kvmesh.prompt.messages import normalise_messages
 
 logger = logging.getLogger("kvmesh.router")
@@ -47,15 +46,3 @@ def prompt_token_ids(tokenizer, endpoint: str, body: dict[str, Any]) -> list[int
     except Exception as e:  # noqa: BLE001 - a malformed body is the engine's to reject
         logger.debug("cannot tokenize the request for routing: %s", e)
         return None
-
-
-def prompt_block_hashes(token_ids: list[int] | None, block_size: int, seed: str | int,
-                        cache_salt: Any = None) -> list[bytes]:
-    """The engine's chained hashes of the prompt's full blocks (cache salt included)."""
-    if not token_ids:
-        return []
-    salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-    try:
-        return hash_prompt_blocks(token_ids, block_size, seed=seed, cache_salt=salt)
-    except (ValueError, TypeError):
-        return []

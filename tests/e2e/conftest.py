@@ -1,7 +1,6 @@
 """The e2e suite's shared server (one `kvmesh serve` process) and openai clients."""
 from __future__ import annotations
 
-import httpx
 import pytest
 from processes import free_port  # noqa: F401  (tests/support; re-exported)
 from servers import ServerProcess, start_server  # noqa: F401  (tests/support)

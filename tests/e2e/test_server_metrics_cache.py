@@ -175,7 +175,7 @@ def _index_dump(redis_url: str) -> dict[str, set[bytes]]:
 
     import redis.asyncio as aioredis
 
-    from kvmesh.router.prefix_index import PrefixIndex
+    from kvmesh.index.lookup import PrefixIndex
 
     async def go():
         client = aioredis.from_url(redis_url, decode_responses=True)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams

@@ -19,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from kvmesh.common.model_files import builtin_model_path, cache_dir  # noqa: E402
-from kvmesh.engine.loader import load_model  # noqa: E402
 from kvmesh.kernels.metadata import AttentionMetadata  # noqa: E402
 
 CHAT_PROMPTS = [

@@ -1,11 +1,11 @@
-"""The autoscaler's decision, the metrics parser, Redis key cleanup and the patch builder (all pure)."""
+"""The autoscaler's decision, the metrics parser and the patch builder (all pure)."""
 from __future__ import annotations
 
 import pytest
 
 from typing import Any
 
-from kvmesh.operator import autoscale, crd, redis_cleanup
+from kvmesh.operator import autoscale, crd
 from kvmesh.operator.apply import (APPLIED_HASH, RESTARTED_AT, decide, desired_hash, fingerprint_key,
                                    fingerprints_update, live_fingerprint, patch_ops)
 
@@ -45,31 +45,6 @@ def test_parse_waiting_prefers_the_kvmesh_gauge() -> None:
     assert autoscale.parse_waiting(page) == 3.0
     assert autoscale.parse_waiting('vllm:num_requests_waiting{model_name="a"} 2\n') == 2.0
     assert autoscale.parse_waiting("") == 0.0
-
-
-class FakeRedis:
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = set(keys)
-        self.deletes: list[int] = []
-
-    def scan_iter(self, match: str, count: int) -> Any:
-        import fnmatch
-        assert match == "kvmesh:team-a/smol:*"
-        return iter(sorted(k for k in self.keys if fnmatch.fnmatchcase(k, match)))
-
-    def delete(self, *keys: str) -> int:
-        self.deletes.append(len(keys))
-        self.keys -= set(keys)
-        return len(keys)
-
-
-def test_delete_keys_removes_only_the_services_prefix_in_batches() -> None:
-    mine = [f"kvmesh:team-a/smol:block:{i}" for i in range(5)]
-    others = ["kvmesh:team-a/smol2:block:0", "kvmesh:team-b/smol:block:0", "other"]
-    fake = FakeRedis(mine + others)
-    assert redis_cleanup.delete_keys(fake, "team-a", "smol", batch=2) == 5
-    assert fake.deletes == [2, 2, 1]
-    assert fake.keys == set(others)
 
 
 def test_patch_ops_keep_foreign_annotations_and_hpa_replicas() -> None:

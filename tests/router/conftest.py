@@ -1,20 +1,12 @@
-"""Fixtures: a private redis-server per test (restartable), free loopback ports, uvicorn threads."""
+"""Fixtures: a private redis-server per test (tests/support/redis_fixtures.py), free loopback
+ports, uvicorn threads."""
 from __future__ import annotations
 
 import threading
 import time
 
-import pytest
-
-from processes import RedisServer, free_port  # noqa: F401  (tests/support)
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
+from processes import free_port  # noqa: F401  (tests/support)
+from redis_fixtures import redis_server  # noqa: F401  (tests/support)
 
 
 class UvicornThread:

@@ -9,16 +9,17 @@ import openai
 import pytest
 import redis
 
-from kvmesh.common.kv_events import BlockStored, KVEventSequencer
-from kvmesh.engine.kv_publisher import KVEventPublisher
+from kvmesh.index.events import BlockStored, KVEventSequencer
+from kvmesh.index.publisher import KVEventPublisher
 from kvmesh.router.app import create_app
 from kvmesh.router.config import RouterConfig
+from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.prompt.sources import load_tokenizer
-from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
+from kvmesh.router.prompt import prompt_token_ids
 
 from .conftest import UvicornThread
 from .fake_backend import make_fake_backend
-from .helpers import NS, SVC, wait_until
+from index_helpers import NS, SVC, wait_until
 
 BS = 16
 SYSTEM = ("You are a meticulous assistant for a logistics company. Answer in two sentences, cite "

@@ -15,7 +15,7 @@ from kvmesh.router.config import RouterConfig
 
 from .conftest import UvicornThread
 from .fake_backend import make_fake_backend
-from .helpers import wait_until
+from index_helpers import wait_until
 
 
 class ReadsThenCloses:

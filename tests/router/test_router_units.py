@@ -3,32 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.common.redis_keys import (KeySpace, parse_block_member, parse_pod_block_member,
-                                      pod_block_member)
+from kvmesh.index.lookup import PodLoad
 from kvmesh.router.backends import BackendPool, normalize_url, parse_load_metrics
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.main import config_from_args, build_parser, main
-from kvmesh.router.prefix_index import PodLoad
-from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
-
-
-def test_key_layout(monkeypatch):
-    monkeypatch.setenv("POD_NAMESPACE", "prod")
-    monkeypatch.setenv("KVMESH_SERVICE", "llama")
-    k = KeySpace.from_env()
-    assert k.prefix == "kvmesh:prod/llama:"
-    assert k.block("m", "ab") == "kvmesh:prod/llama:blk:m:ab"
-    assert k.pod("p-1") == "kvmesh:prod/llama:pod:p-1"
-    assert k.pod_blocks("p-1") == "kvmesh:prod/llama:podblk:p-1"
-    assert k.pods == "kvmesh:prod/llama:pods"
-    assert KeySpace.from_env("ns", None).prefix == "kvmesh:ns/llama:"
-    monkeypatch.delenv("POD_NAMESPACE")
-    monkeypatch.delenv("KVMESH_SERVICE")
-    assert KeySpace.from_env().prefix == "kvmesh:default/kvmesh:"
-    assert KeySpace("a", "b").block_pattern("m*[x]") == r"kvmesh:a/b:blk:m\*\[x\]:*"
-    assert parse_block_member("pod|with|bars|gpu") == ("pod|with|bars", "gpu")
-    member = pod_block_member("cpu", "org|model", "ff")
-    assert parse_pod_block_member(member) == ("cpu", "org|model", "ff")
+from kvmesh.router.prompt import prompt_token_ids
 
 
 def test_normalize_url():
@@ -85,11 +64,6 @@ def test_prompt_token_ids_shapes():
     assert t.seen == [{"role": "system", "content": "a\nb"},
                       {"role": "assistant", "content": "", "name": "bot"}]
     assert prompt_token_ids(None, "completion", {"prompt": "abc"}) is None
-    assert prompt_block_hashes([1] * 33, 16, "kvmesh") == prompt_block_hashes([1] * 32, 16,
-                                                                               "kvmesh")
-    assert prompt_block_hashes(None, 16, "kvmesh") == []
-    assert prompt_block_hashes([1] * 16, 16, "kvmesh", "") == prompt_block_hashes([1] * 16, 16,
-                                                                                  "kvmesh")
 
 
 def test_cli_and_config_validation(capsys):

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSequencer
-from kvmesh.common.redis_keys import KeySpace
-from kvmesh.engine.kv_publisher import KVEventPublisher
+from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSequencer
+from kvmesh.index.layout import KeySpace
+from kvmesh.index.publisher import KVEventPublisher
 
-from .helpers import NS, SVC, h, index_call, wait_until
+from index_helpers import NS, SVC, h, index_call, wait_until
 
 MODEL = "m"
 
@@ -168,7 +168,7 @@ def _publish_with_deadline(pub, batch, timeout: float = 1.0) -> None:
 
 
 def test_redis_outage_logs_once_keeps_accepting_and_resyncs(redis_server, caplog):
-    caplog.set_level(logging.INFO, logger="kvmesh.engine.kv_publisher")
+    caplog.set_level(logging.INFO, logger="kvmesh.index.publisher")
     rng = random.Random(7)
     pod = FakePod(rng)
     pub = make_publisher(redis_server, "pod-a", snapshot_fn=pod.snapshot)

@@ -22,18 +22,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.common.block_hash import hash_hex
-from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvmesh.common.redis_keys import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
-                                      pod_block_member)
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
+from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.index.layout import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
+                                 pod_block_member)
 
-logger = logging.getLogger("kvmesh.engine.kv_publisher")
+logger = logging.getLogger("kvmesh.index.publisher")
 
 SnapshotFn = Callable[[], Iterable[tuple[bytes, str]]]
 _REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
@@ -352,8 +353,16 @@ class KVEventPublisher(EngineObserver):
         pipe.execute()
 
 
-def publish_engine_state(publisher: KVEventPublisher, engine) -> None:
+class EngineState(Protocol):
+    """What the publisher needs of an engine outside its observer calls (LLMEngine has both)."""
+
+    def take_kv_event_batch(self) -> KVEventBatch | None: ...
+
+    def load(self) -> LoadSnapshot: ...
+
+
+def publish_engine_state(publisher: KVEventPublisher, engine: EngineState) -> None:
     """Drain the engine's pending KV events into the publisher and refresh its load (the
     state before the publisher observed any step)."""
-    publisher.publish(engine.kv_manager.take_event_batch())
+    publisher.publish(engine.take_kv_event_batch())
     publisher.update_load(*_load_tuple(engine.load()))

@@ -1,6 +1,7 @@
 """The Redis key layout of the prefix index, in one place (engines write it, the router reads it).
 
-Every key of one InferenceService lives under one prefix, which the operator's finalizer deletes:
+This module is the ONLY place key names are spelled. Every key of one InferenceService lives under
+one prefix, which the operator's finalizer deletes (purge.py):
 
     kvmesh:{namespace}/{service}:blk:{model}:{hash_hex}   SET  of "{pod_id}|{tier}"      who holds a block
     kvmesh:{namespace}/{service}:podblk:{pod_id}          SET  of "{tier}|{model}|{hash_hex}"
@@ -8,6 +9,8 @@ Every key of one InferenceService lives under one prefix, which the operator's f
     kvmesh:{namespace}/{service}:pod:{pod_id}             HASH url, model, running, waiting,
                                                            swapped, kv_usage, seq, ts;  PEXPIRE = TTL
     kvmesh:{namespace}/{service}:pods                     ZSET pod_id -> last heartbeat (unix s)
+    kvmesh:{namespace}/{service}:kv:{model}:{dtype}:{layout}:{hash_hex}
+                                                           STRING one block's KV bytes (--kv-share)
 
 A pod is live while its `pod:` key exists. Lookups ignore members whose pod is not live, so a pod
 that died without cleanup stops counting when its heartbeat expires; `PURGE_DEAD_PODS` (run by the
@@ -42,13 +45,23 @@ class KeySpace:
     def prefix(self) -> str:
         return f"kvmesh:{self.namespace}/{self.service}:"
 
+    @property
+    def all_keys_pattern(self) -> str:
+        """SCAN pattern for every key of the service (what the finalizer deletes)."""
+        return glob_escape(self.prefix) + "*"
+
     def block(self, model: str, hash_hex: str) -> str:
         return f"{self.prefix}blk:{model}:{hash_hex}"
 
     def block_pattern(self, model: str) -> str:
-        """SCAN pattern for every block key of `model` (glob characters escaped)."""
-        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix + f"blk:{model}:")
-        return escaped + "*"
+        """SCAN pattern for every block key of `model`."""
+        return glob_escape(self.prefix + f"blk:{model}:") + "*"
+
+    def kv_bytes_prefix(self, model: str, dtype: str, layout: tuple[int, ...]) -> str:
+        """Prefix of the KV-bytes keys of one model, dtype and cache layout; a key is this
+        prefix + the block's hash_hex. NOTE: the layout is in the name, so engines whose caches
+        differ in shape never read each other's bytes."""
+        return f"{self.prefix}kv:{model}:{dtype}:{'x'.join(str(d) for d in layout)}:"
 
     def pod(self, pod_id: str) -> str:
         return f"{self.prefix}pod:{pod_id}"
@@ -63,6 +76,11 @@ class KeySpace:
     @property
     def pods(self) -> str:
         return f"{self.prefix}pods"
+
+
+def glob_escape(text: str) -> str:
+    """`text` with Redis glob characters escaped, for a literal match in a SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def block_member(pod_id: str, tier: str) -> str:

@@ -7,7 +7,7 @@ import hashlib
 import redis.asyncio as aioredis
 from waiting import wait_until  # noqa: F401  (tests/support; re-exported)
 
-from kvmesh.router.prefix_index import PrefixIndex
+from kvmesh.index.lookup import PrefixIndex
 
 NS, SVC = "testns", "testsvc"
 

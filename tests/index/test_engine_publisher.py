@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
-from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
+from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.prompt.sources import load_tokenizer
-from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
+from kvmesh.router.prompt import prompt_token_ids
 
-from .helpers import NS, SVC, index_call, wait_until
+from index_helpers import NS, SVC, index_call, wait_until
 
 POD = "engine-0"
 

@@ -6,13 +6,17 @@ import logging
 import os
 import socket
 
+from typing import TYPE_CHECKING
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvmesh.api.metrics import EngineMetrics
-from kvmesh.engine.async_engine import AsyncLLMEngine
-from kvmesh.engine.kv_publisher import KVEventPublisher, publish_engine_state
+from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
 
-logger = logging.getLogger("kvmesh.kv_publishing")
+if TYPE_CHECKING:     # NOTE: both import torch; the server hands them in at run time
+    from kvmesh.api.metrics import EngineMetrics
+    from kvmesh.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger("kvmesh.index.serve")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
 """Cross-pod KV bytes (`--kv-share redis`): full prefix blocks stored in Redis, loaded by any pod.
+The engine's KVConnector (engine/kv_connector.py); key names come from layout.py.
 
 An engine that completes a prompt stores the KV bytes of its full blocks under a key naming the
 model, dtype, cache layout and the chained block hash; an engine that misses locally but finds
@@ -20,12 +21,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.common.block_hash import hash_hex
-from kvmesh.common.redis_keys import KeySpace
+from kvmesh.engine.kv_connector import KVConnector
+from kvmesh.index.layout import KeySpace
 
-logger = logging.getLogger("kvmesh.kv_share")
+logger = logging.getLogger("kvmesh.index.kv_bytes")
 
 
-class RedisKVStore:
+class RedisKVStore(KVConnector):
     def __init__(self, redis_url: str, model: str, dtype: str, layout: tuple[int, ...],
                  namespace: str | None = None, service: str | None = None,
                  password: str | None = None, ttl_s: int = 3600, max_pending: int = 512,
@@ -33,8 +35,7 @@ class RedisKVStore:
         self.block_bytes = 1
         for d in layout:
             self.block_bytes *= d
-        layout_s = "x".join(str(d) for d in layout)
-        self.prefix = f"{KeySpace.from_env(namespace, service).prefix}kv:{model}:{dtype}:{layout_s}:"
+        self.prefix = KeySpace.from_env(namespace, service).kv_bytes_prefix(model, dtype, layout)
         self.ttl_s = ttl_s
         self._client = redis.Redis.from_url(redis_url, password=password,
                                             socket_timeout=socket_timeout_s,
@@ -77,7 +78,7 @@ class RedisKVStore:
         """False for a block already stored by this engine (no second copy is sent)."""
         return block_hash not in self._stored
 
-    def store(self, block_hash: bytes, data: bytes) -> None:
+    def save(self, block_hash: bytes, data: bytes) -> None:
         """Queue one block's bytes for writing; never blocks (drops when the queue is full)."""
         if len(data) != self.block_bytes:
             raise ValueError(f"block of {len(data)} bytes; this layout has {self.block_bytes}")

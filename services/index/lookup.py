@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.common.block_hash import hash_hex
-from kvmesh.common.redis_keys import (LOOKUP, PURGE_DEAD_PODS, KeySpace, parse_block_member)
+from kvmesh.index.layout import (LOOKUP, PURGE_DEAD_PODS, KeySpace, parse_block_member)
 
 
 @dataclass(frozen=True, slots=True)

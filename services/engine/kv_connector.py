@@ -1,0 +1,55 @@
+"""KVConnector: the engine's one seam to a store of KV blocks outside this pod (step 4 of issue 11).
+
+    Scheduler._remote_blocks ──▶ connector.lookup(hashes)   bytes of the leading run it holds
+    LLMEngine._share_prompt_blocks ─▶ connector.wants(h) / connector.save(h, bytes)
+    its owner, when done ─────▶ connector.close()
+
+Both sides key blocks by the chained block hash, which pins the whole prefix (cache salt
+included), so bytes found under a hash are exactly what this engine would compute. Today's one
+implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`);
+`make_kv_connector` picks it from the engine config.
+
+NOTE: every call runs on the engine thread, so an implementation must never raise on a store
+outage (answer "nothing found" and drop saves) and must do slow writes off that thread.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.common.config import EngineConfig
+
+
+class KVConnector(ABC):
+    """A store of full KV blocks shared between engines, keyed by chained block hash."""
+
+    @abstractmethod
+    def lookup(self, block_hashes: list[bytes]) -> list[bytes]:
+        """KV bytes of the longest run of `block_hashes`, from the first, that the store holds
+        ([] when none, or when the store cannot be reached)."""
+
+    @abstractmethod
+    def wants(self, block_hash: bytes) -> bool:
+        """False when saving this block again is pointless (this engine already sent it)."""
+
+    @abstractmethod
+    def save(self, block_hash: bytes, data: bytes) -> None:
+        """Offer one computed block's bytes to the store; never blocks the caller."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work and release connections."""
+
+
+def make_kv_connector(config: EngineConfig, model: str, dtype: str,
+                      block_layout: tuple[int, ...]) -> KVConnector | None:
+    """The connector `config` asks for (None without --kv-share). `block_layout` is the runner's
+    shape of one block plus item size: bytes are only shared between identical layouts."""
+    if not config.kv_share_url:
+        return None
+    from kvmesh.index.kv_bytes import RedisKVStore  # noqa: PLC0415 (only --kv-share needs redis)
+
+    return RedisKVStore(config.kv_share_url, model, dtype, block_layout,
+                        password=os.environ.get("KVMESH_REDIS_PASSWORD"))
