@@ -223,10 +223,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.monotonic()
@@ -351,6 +347,3 @@ class LLMEngine:
         """(block hash, tier) of every block in the prefix cache; safe from another thread (the
         prefix-index publisher's resync snapshot)."""
         return self.kv_manager.cached_blocks()
-
-    def take_kv_events(self) -> list:
-        return self.kv_manager.take_events()

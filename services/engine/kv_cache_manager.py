@@ -299,9 +299,6 @@ class KVCacheManager:
             self._copies = []
         return copies
 
-    def take_events(self) -> list:
-        return self.pool.take_events()
-
     def cached_blocks(self) -> list[tuple[bytes, str]]:
         """Snapshot of the prefix cache as (block hash, tier): safe from another thread.
 

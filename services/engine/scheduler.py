@@ -114,10 +114,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
