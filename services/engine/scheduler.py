@@ -14,7 +14,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_share import RedisKVStore
-from kvmesh.engine.policies import Policy, make_policy
+from kvmesh.engine.sched_policy import Policy, make_policy
 from kvmesh.engine.request import Logprob, Request, RequestStatus
 from kvmesh.engine.sampler import stop_by_token
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,

@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policy import BackendState, choose
+from kvmesh.router.routing_policy import BackendState, choose
 from kvmesh.router.prefix_index import PrefixIndex
 from kvmesh.router.prompt import prompt_block_hashes, prompt_token_ids
 from kvmesh.router.recent import RecentRoutes, merge_hits

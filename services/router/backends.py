@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvmesh.router.policy import BackendState
+from kvmesh.router.routing_policy import BackendState
 from kvmesh.router.prefix_index import PodLoad
 
 logger = logging.getLogger("kvmesh.router")
