@@ -10,7 +10,6 @@ status. With Redis unreachable the kv-aware strategy falls back to least-loaded.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -25,6 +24,8 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvmesh.common.auth import check_bearer
+from kvmesh.common.openai_errors import error_json
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
@@ -43,12 +44,6 @@ _PASS_BACK = ("content-type", "x-request-id", "retry-after")
 # reset before the response headers (ReadError) is one of them.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 _INLINE_TOKENIZE_BYTES = 16 * 1024
-
-
-def error_response(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
-    """An OpenAI-style error body."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
-                                   "code": code}}, status_code=status)
 
 
 class _Release:
@@ -210,11 +205,9 @@ class RouterState:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}",
-                                  "invalid_request_error")
+            return error_json(400, f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object",
-                                  "invalid_request_error")
+            return error_json(400, "request body must be a JSON object")
         cfg = self.cfg
         session_key = request.headers.get(cfg.session_header) if cfg.session_header else None
         hits: dict[str, int] = {}
@@ -245,8 +238,8 @@ class RouterState:
                               self.rng, session_key, index == "ok", cfg.policy,
                               "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
             if decision is None:
-                return error_response(503, "no healthy backend to serve the request",
-                                      "service_unavailable", "no_healthy_backend")
+                return error_json(503, "no healthy backend to serve the request",
+                                  "no_healthy_backend")
             b = decision.backend
             if hashes and b.pod_id is not None:
                 self.recent.record(b.pod_id, hashes, time.monotonic())
@@ -279,8 +272,7 @@ class RouterState:
         try:
             content = await resp.aread()
         except httpx.HTTPError as e:
-            return error_response(502, f"backend {b.url} failed mid-response: {e}",
-                                  "bad_gateway")
+            return error_json(502, f"backend {b.url} failed mid-response: {e}")
         finally:
             await resp.aclose()
             b.in_flight -= 1
@@ -313,8 +305,8 @@ class RouterState:
             for m in r.json().get("data", []):
                 seen.setdefault(m.get("id"), m)
         if not seen:
-            return last_error or error_response(503, "no healthy backend answered /v1/models",
-                                                "service_unavailable", "no_healthy_backend")
+            return last_error or error_json(503, "no healthy backend answered /v1/models",
+                                            "no_healthy_backend")
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
 
@@ -336,13 +328,7 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
     def unauthorized(request: Request) -> Response | None:
         if not cfg.api_key:
             return None
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              cfg.api_key.encode()):
-            return None
-        return error_response(401, "Incorrect or missing API key; send 'Authorization: Bearer "
-                              "<key>'", "invalid_request_error", "invalid_api_key")
+        return check_bearer(request.headers.get("authorization", ""), cfg.api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
