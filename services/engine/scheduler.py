@@ -17,6 +17,7 @@ from kvmesh.engine.sched_policy import Policy, make_policy
 from kvmesh.engine.request import Logprob, Request, RequestStatus
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                         SchedulerStats)
+from kvmesh.engine.preemption import Preemption, count_scheduled
 from kvmesh.engine.step_state import StepState
 
 _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copies",
@@ -27,7 +28,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(
         self,
         config: EngineConfig,
@@ -294,74 +295,14 @@ class Scheduler:
         # NOTE: the live table, not a copy: the runner reads it within this step only.
         sr = ScheduledRequest(req, start, num_new, self.kv.block_table(req.request_id),
                               sample, list(children))
-        self._count(st.stats, sr, +1)
+        count_scheduled(st.stats, sr, +1)
         st.scheduled[req.request_id] = sr
         st.budget -= num_new
-
-    @staticmethod
-    def _count(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> None:
-        if sr.is_decode:
-            stats.num_decode_reqs += sign
-        else:
-            stats.num_prefill_reqs += sign
-            if not sr.sample:
-                stats.num_chunked_prefills += sign
-        stats.num_scheduled_tokens += sign * sr.num_tokens
-
-    # ---- preemption ----------------------------------------------------------------------
-    def _choose_swap(self, req: Request) -> bool:
-        mode = self.config.preemption_mode
-        if mode == "recompute" or req.num_computed_tokens == 0 or not self.kv.can_swap_out(req):
-            return False
-        if mode == "swap":
-            return True
-        num_blocks = len(self.kv.get_block_ids(req.request_id))
-        swap_cost = 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
-        recompute_cost = req.num_computed_tokens / self.recompute_tokens_per_s
-        return swap_cost < recompute_cost
 
     def _drain_copies(self, st: StepState) -> None:
         copies = self.kv.take_copies()
         if copies:            # rare (copy-on-write after a fork): keep the common path cheap
             st.ops.extend(("copy", src, dst) for src, dst in copies)
-
-    def _preempt(self, victim: Request, st: StepState) -> None:
-        self.running.remove(victim)
-        stats = st.stats
-        if self._choose_swap(victim):
-            st.ops.extend(("swap_out", g, c) for g, c in self.kv.swap_out(victim))
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
-            stats.num_preempted_swap += 1
-            stats.num_swapped_out += 1
-        else:
-            self.kv.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.WAITING
-            self.waiting.append(victim)
-            stats.num_preempted_recompute += 1
-        victim.num_preemptions += 1
-        victim.last_preempted_step = self.step_id
-        stats.num_preempted += 1
-        st.preempted.append(victim)
-
-    def _preempt_for(self, req: Request, need: int, st: StepState, need_seat: bool = False) -> None:
-        """Priority policy: evict strictly lower-priority running requests, worst first, but
-        only if together they can make room (`need` more blocks, and a max_num_seqs seat when
-        need_seat). Their scheduled tokens go back to the step's budget."""
-        victims = [r for r in reversed(self.running) if r.priority > req.priority]
-        held = sum(len(self.kv.get_block_ids(v.request_id)) for v in victims)
-        if not victims or self.kv.num_free_blocks + held < need:
-            return
-        for victim in victims:
-            sr = st.scheduled.pop(victim.request_id, None)
-            if sr is not None:
-                st.budget += sr.num_tokens
-                self._count(st.stats, sr, -1)
-            self._preempt(victim, st)
-            seated = not need_seat or len(self.running) < self.config.max_num_seqs
-            if seated and self.kv.num_free_blocks >= need:
-                break
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
