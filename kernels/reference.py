@@ -37,33 +37,6 @@ def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> t
     return cache[table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
-def _decode_batch(
-    query: torch.Tensor,        # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor,     # [num_seqs]
-    max_seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_blocks = (max_seq_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    # [num_seqs, ctx, num_kv_heads, head_dim]
-    k = k_cache[table].flatten(1, 2)[:, :max_seq_len].float()
-    v = v_cache[table].flatten(1, 2)[:, :max_seq_len].float()
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,sckd->skgc", q, k) * scale  # [num_seqs, kvh, group, ctx]
-    pos = torch.arange(max_seq_len, device=query.device)
-    mask = pos[None, :] >= seq_lens[:, None].long()          # [num_seqs, ctx]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgc,sckd->skgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
 def _extend_one(
     q: torch.Tensor,            # [q_len, num_heads, head_dim]
     k: torch.Tensor,            # [ctx, num_kv_heads, head_dim]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -14,13 +13,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvmesh.api.errors import APIError, error_body, error_response
+from kvmesh.api.errors import APIError, error_response
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest)
 from kvmesh.api.serving_chat import apply_template, create_chat_completion
 from kvmesh.api.serving_common import ServingContext, now_s
 from kvmesh.api.serving_completions import create_completion
+from kvmesh.common.auth import check_bearer
+from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 
@@ -104,13 +105,9 @@ class RequestContextMiddleware:
 
         key = self.state.api_key
         if key and not scope["path"].startswith(OPEN_PATHS):
-            auth = headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                msg = ("Incorrect API key provided." if token else
-                       "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
-                resp = JSONResponse(error_body(401, msg, code="invalid_api_key"), status_code=401)
-                await resp(scope, receive, send_with_id)
+            refused = check_bearer(headers.get("authorization", ""), key)
+            if refused is not None:
+                await refused(scope, receive, send_with_id)
                 return
         scope = _force_json_body(scope)
         if get_tracer() is not None and not scope["path"].startswith(OPEN_PATHS):
@@ -154,8 +151,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(400, _validation_message(exc), param=_validation_param(exc)),
-                            status_code=400)
+        return error_json(400, _validation_message(exc), param=_validation_param(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(req: Request, exc: StarletteHTTPException):
@@ -167,8 +163,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _on_value_error(_req: Request, exc: ValueError):
-        return JSONResponse(error_body(400, str(exc), param=getattr(exc, "param", None)),
-                            status_code=400)
+        return error_json(400, str(exc), param=getattr(exc, "param", None))
 
     @app.exception_handler(QueueFullError)
     async def _on_queue_full(_req: Request, exc: QueueFullError):
@@ -183,7 +178,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _on_error(_req: Request, exc: Exception):
         logger.exception("unhandled error")
-        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+        return error_json(500, "internal server error")
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -194,9 +189,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def health():
         failure = _engine_failure(state)
         if failure:
-            return JSONResponse(error_body(503, failure, code="engine_dead"), status_code=503)
+            return error_json(503, failure, "engine_dead")
         if state.load_error:
-            return JSONResponse(error_body(500, state.load_error), status_code=500)
+            return error_json(500, state.load_error)
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -272,8 +267,7 @@ def _http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "method_not_allowed"
     else:
         message, code = str(exc.detail), None
-    return JSONResponse(error_body(exc.status_code, message, code=code),
-                        status_code=exc.status_code, headers=exc.headers)
+    return error_json(exc.status_code, message, code, headers=exc.headers)
 
 
 async def warm_up(engine: AsyncLLMEngine) -> None:

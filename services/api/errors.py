@@ -1,18 +1,9 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+"""APIError: a request the server refuses (the body: common/openai_errors.py)."""
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
+from kvmesh.common.openai_errors import error_json
 
 
 class APIError(Exception):
@@ -26,14 +17,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
-
-
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.code, err.param),
-                        status_code=err.status, headers=err.headers)
+    return error_json(err.status, err.message, err.code, err.param, err.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

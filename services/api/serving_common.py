@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from starlette.requests import Request as HTTPRequest
 
-from kvmesh.api.errors import APIError, bad_request, error_body
+from kvmesh.api.errors import APIError, bad_request
+from kvmesh.common.openai_errors import error_body
 from kvmesh.api.protocol import _SamplingFields
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from kvmesh.engine.outputs import RequestOutput

@@ -63,7 +63,7 @@ class IncrementalDetokenizer:
         """Append tokens; return the stop string if one now appears in the text, else None.
 
         stop_terminated: the last id is the EOS or stop token that ends the request (the
-        engine's stop_by_token said so); as in vLLM it is not detokenized unless
+        output stage's token stop check said so); as in vLLM it is not detokenized unless
         include_stop_str_in_output. Once a stop string has matched, later ids change no text."""
         last = len(new_token_ids) - 1
         for i, token_id in enumerate(new_token_ids):

@@ -1,15 +1,13 @@
-"""LLMEngine: add_request / step / abort. step() is schedule -> run -> postprocess."""
+"""LLMEngine: add_request / step / abort. step() is schedule -> run -> output stage -> observers."""
 from __future__ import annotations
 
 import logging
-import time
 import os
-from dataclasses import dataclass, field
+import time
 from typing import Sequence
 
 import torch
 
-from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
@@ -18,8 +16,10 @@ from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
-from kvmesh.engine.outputs import CompletionOutput, RequestOutput
-from kvmesh.engine.request import Request, RequestStatus
+# NOTE: add_request builds the groups under their old name
+from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
@@ -41,20 +41,6 @@ def _available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-@dataclass(slots=True)
-class _Group:
-    """The samples of one user request (n > 1 shares the prompt's blocks)."""
-    request_id: str
-    prompt: str | None
-    samples: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    emitted: list[int] = field(default_factory=list)   # token ids already reported, per sample
-
-    @property
-    def finished(self) -> bool:
-        return all(r.is_finished for r in self.samples)
 
 
 class LLMEngine:
@@ -104,6 +90,7 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, max_len)
         self._groups: dict[str, _Group] = {}
+        self.output = OutputProcessor(self.scheduler, self._groups)
         self.last_stats = SchedulerStats()
         self.num_steps = 0
         # tracing, metrics, the prefix-index publisher: see observers.py
@@ -189,10 +176,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.monotonic()
@@ -203,10 +186,11 @@ class LLMEngine:
         if self.kv_share is not None:
             self._share_prompt_blocks(sched)
         touched = self.scheduler.update_from_output(sched, result)
+        outputs = self.output.process(touched)
+        self.scheduler.end_step(sched)
         self.last_stats = sched.stats
         self.num_steps += 1
         self._learn_prefill_rate(sched.num_scheduled_tokens, result.model_time_s)
-        outputs = self._postprocess(touched)
         if self.observers:           # NOTE: without observers this check is the whole cost
             report = StepReport(self.num_steps, t_start, t_scheduled, t_executed,
                                 time.monotonic(), result.sample_window, sched, outputs,
@@ -240,8 +224,7 @@ class LLMEngine:
                 continue                  # only a prompt's first completion; forks share it
             full = req.num_prompt_tokens // bs
             if len(req.block_hashes) < full:      # prefix caching off: nobody hashed them yet
-                extend_block_hashes(req.block_hashes, req.all_token_ids, bs,
-                                    self.config.hash_seed, req.cache_salt)
+                self.kv_manager.hash_blocks(req)
             for i in range(full):
                 h = req.block_hashes[i]
                 if self.kv_share.wants(h):
@@ -252,55 +235,6 @@ class LLMEngine:
             rate = tokens / seconds
             s = self.scheduler
             s.recompute_tokens_per_s = 0.8 * s.recompute_tokens_per_s + 0.2 * rate
-
-    def _postprocess(self, touched: list[Request]) -> list[RequestOutput]:
-        group_ids: dict[str, None] = {}
-        for req in touched:
-            group = self._groups.get(req.parent_id)
-            if group is None:
-                continue
-            # every touched request got exactly one new token this step
-            stop = group.detokenizers[req.sample_index].update(
-                [req.output_token_ids[-1]],
-                stop_terminated=req.status == RequestStatus.FINISHED_STOPPED)
-            if stop is not None:
-                if req.is_finished:
-                    # NOTE: the stop string wins over a length / EOS finish in the same token.
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                else:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop)
-            group_ids[group.request_id] = None
-        outputs = []
-        for gid in group_ids:
-            group = self._groups[gid]
-            outputs.append(self._make_output(group))
-            if group.finished:
-                del self._groups[gid]
-        return outputs
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for i, (req, detok) in enumerate(zip(group.samples, group.detokenizers)):
-            new_ids = req.output_token_ids[group.emitted[i]:]
-            group.emitted[i] = req.num_output_tokens
-            completions.append(CompletionOutput(
-                index=i,
-                text=detok.output_text,
-                token_ids=list(req.output_token_ids),
-                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
-                finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason,
-                delta_text=detok.get_delta(req.is_finished),
-                delta_token_ids=new_ids,
-            ))
-        first = group.samples[0]
-        metrics = {"arrival_time": first.arrival_time}
-        if first.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = first.first_scheduled_time
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
-                             group.finished, max(first.num_cached_tokens, 0), metrics)
 
     # ---- cache control -------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -322,6 +256,3 @@ class LLMEngine:
         """The KV events recorded since the last step or take, as one numbered batch (the
         prefix-index publisher drains them once when it attaches)."""
         return self.kv_manager.take_event_batch()
-
-    def take_kv_events(self) -> list:
-        return self.kv_manager.take_events()

@@ -82,6 +82,14 @@ class KVCacheManager:
         return self._tables.get(request_id, _NO_BLOCKS)
 
     # ---- prefix cache ----------------------------------------------------------------------
+    def hash_blocks(self, request) -> list:
+        """Bring request.block_hashes up to date with its known tokens and return it: the one
+        place block hashes are computed (the prefix cache, --kv-share lookups and stores).
+        O(1) when no block became full since the last call."""
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            self.hash_seed, request.cache_salt)
+        return request.block_hashes
+
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
         """Longest cached prefix of request.all_token_ids (full blocks only, hashes from
         request.block_hashes, which this method brings up to date). At least one token is
@@ -93,8 +101,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
-        hashes = request.block_hashes
-        extend_block_hashes(hashes, request.all_token_ids, bs, self.hash_seed, request.cache_salt)
+        hashes = self.hash_blocks(request)
         num_tokens = request.num_tokens
         max_blocks = max(0, (num_tokens - 1) // bs)
         lookup = self.pool.cached.get
@@ -203,8 +210,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         if len(hashes) < num_full:
-            extend_block_hashes(hashes, request.all_token_ids, bs, self.hash_seed,
-                                request.cache_salt)
+            self.hash_blocks(request)
         tokens = request.all_token_ids
         blocks = self.pool.blocks
         cache = self.pool.cache_full_block

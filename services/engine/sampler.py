@@ -122,26 +122,6 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def stop_by_token(
-    token_id: int,
-    num_output_tokens: int,          # including token_id
-    params: SamplingParams,
-    eos_token_ids: Sequence[int],
-    max_tokens: int,                 # the request's cap (max_tokens, bounded by the context)
-) -> tuple[str, int | None] | None:
-    """("stop", token_id) for EOS (unless ignore_eos) or a stop token id once min_tokens are out,
-    else ("length", None) once max_tokens are out, else None. A stop token on the last allowed
-    position reports "stop", as it is the more precise reason."""
-    if num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return ("stop", token_id)
-        if token_id in params.stop_token_ids:
-            return ("stop", token_id)
-    if num_output_tokens >= max_tokens:
-        return ("length", None)
-    return None
-
-
 class Sampler:
     """Stateless apart from the default generator shared by unseeded rows."""
 

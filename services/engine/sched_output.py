@@ -66,10 +66,6 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return self.stats.num_scheduled_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.block_ops)
-
 
 @dataclass(slots=True)
 class ModelRunnerOutput:

@@ -11,14 +11,14 @@ import time
 from typing import Callable, Iterable
 
 from kvmesh.common.config import EngineConfig
-from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_connector import KVConnector
-from kvmesh.engine.policies import Policy, make_policy
+from kvmesh.engine.sched_policy import Policy, make_policy
 from kvmesh.engine.request import Logprob, Request, RequestStatus
-from kvmesh.engine.sampler import stop_by_token
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                         SchedulerStats)
+from kvmesh.engine.preemption import Preemption, count_scheduled
+from kvmesh.engine.step_state import StepState
 
 _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copies",
                 "prefix_queries", "prefix_hits")
@@ -28,7 +28,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(
         self,
         config: EngineConfig,
@@ -93,7 +93,7 @@ class Scheduler:
         return aborted
 
     def finish_request(self, req: Request, status: RequestStatus, stop_reason=None) -> None:
-        """Finish a live request (a stop string found by the detokenizer, say)."""
+        """Finish a live request (the output stage found a stop)."""
         if req.request_id in self.requests:
             req.stop_reason = stop_reason
             self._finish(req, status)
@@ -114,141 +114,49 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         now = self.clock()
-        key = lambda r: self.policy.key(r, now)  # noqa: E731
-        budget = self.token_budget
-        scheduled: dict[str, ScheduledRequest] = {}
-        preempted: list[Request] = []
-        ops: list[tuple[str, int, int]] = []   # block moves in decision order
-        loads: list[bytes] = []                # KV bytes of the "load" ops
-        stats = SchedulerStats(step=self.step_id, policy=self.policy.name, token_budget=budget)
+        st = StepState(self.step_id, now, lambda r: self.policy.key(r, now), self.token_budget,
+                       SchedulerStats(step=self.step_id, policy=self.policy.name,
+                                      token_budget=self.token_budget))
+        self._schedule_running(st)
+        self._schedule_swapped(st)
+        self._schedule_waiting(st)
+        self._commit(st)
+        return st.output()
 
-        # 1) Running requests, best first. When blocks run out, the worst running request is
-        #    preempted (possibly the one being scheduled). Victims always come from behind.
-        self.running.sort(key=key)
+    def _schedule_running(self, st: StepState) -> None:
+        """1) Running requests, best first. When blocks run out, the worst running request is
+        preempted (possibly the one being scheduled). Victims always come from behind."""
+        self.running.sort(key=st.key)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and st.budget > 0:
             req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
+            num_new = self._num_new_tokens(req, st.budget)
             if num_new == 0:
                 i += 1
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running[-1]
-                self._preempt(victim, preempted, ops, stats)
+                self._preempt(victim, st)
                 if victim is req:
                     break
             else:
-                self._drain_copies(ops)
-                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
-                budget -= num_new
+                self._drain_copies(st)
+                self._schedule_tokens(req, num_new, st)
                 i += 1
 
-        # 2) Swapped requests come back before any new request is admitted.
-        if not preempted:
-            budget -= self._schedule_swapped(key, budget, scheduled, ops, stats)
-
-        # 3) New (or recompute-preempted) requests, in policy order. NOTE: the loop re-checks
-        #    self.swapped: a priority preemption may swap requests out partway through, and
-        #    those must come back before anything else new is admitted.
-        if not preempted and not self.swapped:
-            self.waiting.sort(key=key)
-            idx = 0
-            while idx < len(self.waiting) and budget > 0 and not self.swapped:
-                req = self.waiting[idx]
-                if req.last_preempted_step == self.step_id:
-                    idx += 1          # NOTE: never re-admit a request in the step that evicted it
-                    continue
-                if self._never_fits(req.num_tokens):
-                    self._finish_too_long(req)
-                    continue
-                seated = len(self.running) < self.config.max_num_seqs
-                if not seated and not self.policy.preempts_for_waiting:
-                    break
-                hits, num_hit = self.kv.get_computed_blocks(req)
-                remote = self._remote_blocks(req, num_hit)
-                num_remote = len(remote) * self.kv.block_size
-                num_new = req.num_tokens - num_hit - num_remote
-                if num_new > budget:
-                    if not self.chunked:
-                        break
-                    num_new = budget
-                if not seated:
-                    # NOTE: priority policy, all max_num_seqs seats taken: like vLLM, evict a
-                    # lower-priority running request for the seat (and the blocks it needs).
-                    budget += self._preempt_for(req, num_remote + num_new, hits, num_hit,
-                                                scheduled, preempted, ops, stats, need_seat=True)
-                    if len(self.running) >= self.config.max_num_seqs:
-                        break
-                # NOTE: a waiting request has computed nothing; the prefix hits are counted
-                # by allocate_slots and committed only once it succeeds. Remote blocks need
-                # slots like computed tokens but cost no budget: their KV is loaded.
-                allocated = self.kv.allocate_slots(req, num_remote + num_new, hits, num_hit)
-                if allocated is None and self.policy.preempts_for_waiting:
-                    budget += self._preempt_for(req, num_remote + num_new, hits, num_hit,
-                                                scheduled, preempted, ops, stats)
-                    allocated = self.kv.allocate_slots(req, num_remote + num_new, hits, num_hit)
-                if allocated is None:
-                    break
-                self._drain_copies(ops)
-                if remote:
-                    table = self.kv.get_block_ids(req.request_id)
-                    first = num_hit // self.kv.block_size
-                    for i, data in enumerate(remote):
-                        ops.append(("load", len(loads), table[first + i]))
-                        loads.append(data)
-                    stats.external_hit_tokens += num_remote
-                self.waiting.pop(idx)
-                req.num_computed_tokens = num_hit + num_remote
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled[req.request_id] = self._scheduled(req, num_new, stats)
-                budget -= num_new
-
-        # Commit: the scheduled tokens will be computed by this step's forward pass.
-        for sr in scheduled.values():
-            sr.request.num_computed_tokens = sr.start + sr.num_tokens
-        self._fill_stats(stats)
-        return SchedulerOutput(
-            step=self.step_id,
-            scheduled=list(scheduled.values()),
-            block_ops=ops,
-            kv_loads=loads,
-            preempted_ids=[r.request_id for r in preempted],
-            stats=stats,
-        )
-
-    def _never_fits(self, num_tokens: int) -> bool:
-        """True when even an empty GPU cache cannot hold num_tokens tokens' KV."""
-        return _cdiv(num_tokens, self.kv.block_size) > self.kv.num_gpu_blocks
-
-    def _finish_too_long(self, req: Request) -> None:
-        """NOTE: a request that outgrew the whole cache (only if max_model_len exceeds it) ends
-        as "length", like vLLM's FINISHED_IGNORED, instead of blocking every admission."""
-        for child in self.pending_forks.pop(req.request_id, []):
-            self._finish(child, RequestStatus.FINISHED_LENGTH)
-        self._finish(req, RequestStatus.FINISHED_LENGTH)
-
-    def _schedule_swapped(self, key: Callable[[Request], tuple], budget: int,
-                          scheduled: dict[str, ScheduledRequest],
-                          ops: list[tuple[str, int, int]], stats: SchedulerStats) -> int:
-        """Swap requests back in, best first, while they fit. Returns the tokens scheduled."""
-        used = 0
-        self.swapped.sort(key=key)
-        while self.swapped and budget > used and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, st: StepState) -> None:
+        """2) Swapped requests come back, best first while they fit, before any new request is
+        admitted (and not in a step that preempted)."""
+        if st.preempted:
+            return
+        self.swapped.sort(key=st.key)
+        while self.swapped and st.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            num_new = self._num_new_tokens(req, budget - used)
+            num_new = self._num_new_tokens(req, st.budget)
             if num_new == 0:
                 break
             need = _cdiv(req.num_computed_tokens + num_new, self.kv.block_size)
@@ -262,17 +170,102 @@ class Scheduler:
                 break
             pairs = self.kv.swap_in(req)
             assert pairs is not None, "swap-in found fewer free blocks than counted"
-            ops.extend(("swap_in", c, g) for c, g in pairs)
+            st.ops.extend(("swap_in", c, g) for c, g in pairs)
             allocated = self.kv.allocate_slots(req, num_new)
             assert allocated is not None, "swap-in reserved too few blocks"
-            self._drain_copies(ops)
+            self._drain_copies(st)
             self.swapped.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            stats.num_swapped_in += 1
-            scheduled[req.request_id] = self._scheduled(req, num_new, stats)
-            used += num_new
-        return used
+            st.stats.num_swapped_in += 1
+            self._schedule_tokens(req, num_new, st)
+
+    def _schedule_waiting(self, st: StepState) -> None:
+        """3) New (or recompute-preempted) requests, in policy order.
+
+        NOTE: the loop re-checks self.swapped: a priority preemption may swap requests out
+        partway through, and those must come back before anything else new is admitted."""
+        if st.preempted or self.swapped:
+            return
+        self.waiting.sort(key=st.key)
+        idx = 0
+        while idx < len(self.waiting) and st.budget > 0 and not self.swapped:
+            req = self.waiting[idx]
+            if req.last_preempted_step == self.step_id:
+                idx += 1          # NOTE: never re-admit a request in the step that evicted it
+                continue
+            if self._never_fits(req.num_tokens):
+                self._finish_too_long(req)
+                continue
+            if not self._admit(req, st):
+                break
+            self.waiting.pop(idx)
+
+    def _admit(self, req: Request, st: StepState) -> bool:
+        """Seat a waiting request and give it blocks (prefix hits, remote KV, new slots);
+        False when it cannot start now, which ends the waiting phase."""
+        seated = len(self.running) < self.config.max_num_seqs
+        if not seated and not self.policy.preempts_for_waiting:
+            return False
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        remote = self._remote_blocks(req, num_hit)
+        num_remote = len(remote) * self.kv.block_size
+        num_new = req.num_tokens - num_hit - num_remote
+        if num_new > st.budget:
+            if not self.chunked:
+                return False
+            num_new = st.budget
+        # NOTE: a waiting request has computed nothing; the prefix hits are counted by
+        # allocate_slots and committed only once it succeeds. Remote blocks need slots like
+        # computed tokens but cost no budget: their KV is loaded.
+        num_slots = num_remote + num_new
+        need = _cdiv(num_hit + num_slots, self.kv.block_size) - len(hits)
+        if not seated:
+            # NOTE: priority policy, all max_num_seqs seats taken: like vLLM, evict a
+            # lower-priority running request for the seat (and the blocks it needs).
+            self._preempt_for(req, need, st, need_seat=True)
+            if len(self.running) >= self.config.max_num_seqs:
+                return False
+        allocated = self.kv.allocate_slots(req, num_slots, hits, num_hit)
+        if allocated is None and self.policy.preempts_for_waiting:
+            self._preempt_for(req, need, st)
+            allocated = self.kv.allocate_slots(req, num_slots, hits, num_hit)
+        if allocated is None:
+            return False
+        self._drain_copies(st)
+        if remote:
+            table = self.kv.get_block_ids(req.request_id)
+            first = num_hit // self.kv.block_size
+            for i, data in enumerate(remote):
+                st.ops.append(("load", len(st.loads), table[first + i]))
+                st.loads.append(data)
+            st.stats.external_hit_tokens += num_remote
+        req.num_computed_tokens = num_hit + num_remote
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = st.now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._schedule_tokens(req, num_new, st)
+        return True
+
+    def _commit(self, st: StepState) -> None:
+        """The scheduled tokens will be computed by this step's forward pass."""
+        for sr in st.scheduled.values():
+            sr.request.num_computed_tokens = sr.start + sr.num_tokens
+        self._fill_stats(st.stats)
+
+    def _never_fits(self, num_tokens: int) -> bool:
+        """True when even an empty GPU cache cannot hold num_tokens tokens' KV."""
+        return _cdiv(num_tokens, self.kv.block_size) > self.kv.num_gpu_blocks
+
+    def _finish_too_long(self, req: Request) -> None:
+        """NOTE: a request that outgrew the whole cache (only if max_model_len exceeds it) ends
+        as "length", like vLLM's FINISHED_IGNORED, instead of blocking every admission."""
+        for child in self.pending_forks.pop(req.request_id, []):
+            self._finish(child, RequestStatus.FINISHED_LENGTH)
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored."""
@@ -283,8 +276,7 @@ class Scheduler:
         if num_hit // bs >= limit:
             return []
         if len(req.block_hashes) < limit:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, bs, self.kv.hash_seed,
-                                req.cache_salt)
+            self.kv.hash_blocks(req)
         return self.kv_connector.lookup(req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -294,7 +286,7 @@ class Scheduler:
             return budget if self.chunked else 0
         return max(num_new, 0)
 
-    def _scheduled(self, req: Request, num_new: int, stats: SchedulerStats) -> ScheduledRequest:
+    def _schedule_tokens(self, req: Request, num_new: int, st: StepState) -> None:
         start = req.num_computed_tokens
         sample = start + num_new == req.num_tokens
         children = []
@@ -303,85 +295,21 @@ class Scheduler:
         # NOTE: the live table, not a copy: the runner reads it within this step only.
         sr = ScheduledRequest(req, start, num_new, self.kv.block_table(req.request_id),
                               sample, list(children))
-        self._count(stats, sr, +1)
-        return sr
+        count_scheduled(st.stats, sr, +1)
+        st.scheduled[req.request_id] = sr
+        st.budget -= num_new
 
-    @staticmethod
-    def _count(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> None:
-        if sr.is_decode:
-            stats.num_decode_reqs += sign
-        else:
-            stats.num_prefill_reqs += sign
-            if not sr.sample:
-                stats.num_chunked_prefills += sign
-        stats.num_scheduled_tokens += sign * sr.num_tokens
-
-    # ---- preemption ----------------------------------------------------------------------
-    def _choose_swap(self, req: Request) -> bool:
-        mode = self.config.preemption_mode
-        if mode == "recompute" or req.num_computed_tokens == 0 or not self.kv.can_swap_out(req):
-            return False
-        if mode == "swap":
-            return True
-        num_blocks = len(self.kv.get_block_ids(req.request_id))
-        swap_cost = 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s
-        recompute_cost = req.num_computed_tokens / self.recompute_tokens_per_s
-        return swap_cost < recompute_cost
-
-    def _drain_copies(self, ops: list[tuple[str, int, int]]) -> None:
+    def _drain_copies(self, st: StepState) -> None:
         copies = self.kv.take_copies()
         if copies:            # rare (copy-on-write after a fork): keep the common path cheap
-            ops.extend(("copy", src, dst) for src, dst in copies)
-
-    def _preempt(self, victim: Request, preempted: list[Request],
-                 ops: list[tuple[str, int, int]], stats: SchedulerStats) -> None:
-        self.running.remove(victim)
-        if self._choose_swap(victim):
-            ops.extend(("swap_out", g, c) for g, c in self.kv.swap_out(victim))
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
-            stats.num_preempted_swap += 1
-            stats.num_swapped_out += 1
-        else:
-            self.kv.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.WAITING
-            self.waiting.append(victim)
-            stats.num_preempted_recompute += 1
-        victim.num_preemptions += 1
-        victim.last_preempted_step = self.step_id
-        stats.num_preempted += 1
-        preempted.append(victim)
-
-    def _preempt_for(self, req: Request, num_new: int, hits: list[int], num_hit: int,
-                     scheduled: dict[str, ScheduledRequest], preempted: list[Request],
-                     ops: list[tuple[str, int, int]], stats: SchedulerStats,
-                     need_seat: bool = False) -> int:
-        """Priority policy: evict strictly lower-priority running requests, worst first, but
-        only if together they can make room (blocks, and a max_num_seqs seat when need_seat).
-        Returns the token budget given back."""
-        victims = [r for r in reversed(self.running) if r.priority > req.priority]
-        need = _cdiv(num_hit + num_new, self.kv.block_size) - len(hits)
-        held = sum(len(self.kv.get_block_ids(v.request_id)) for v in victims)
-        if not victims or self.kv.num_free_blocks + held < need:
-            return 0
-        returned = 0
-        for victim in victims:
-            sr = scheduled.pop(victim.request_id, None)
-            if sr is not None:
-                returned += sr.num_tokens
-                self._count(stats, sr, -1)
-            self._preempt(victim, preempted, ops, stats)
-            seated = not need_seat or len(self.running) < self.config.max_num_seqs
-            if seated and self.kv.num_free_blocks >= need:
-                break
-        return returned
+            st.ops.extend(("copy", src, dst) for src, dst in copies)
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, fork n > 1 samples, finish by EOS / stop ids / length.
+        """Append sampled tokens and fork n > 1 samples; the output stage then checks the stops
+        and finishes requests (finish_request), and end_step closes the step's stats.
 
-        Returns the requests that got a new token (finished ones included).
+        Returns the requests that got a new token, in step order.
         """
         now = self.clock()
         touched: list[Request] = []
@@ -406,8 +334,12 @@ class Scheduler:
                 self.pending_forks.pop(req.request_id, None)
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
-        self._add_block_counters(out.stats)
         return touched
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        """Count the block operations since schedule() (a finished request frees its blocks)
+        in this step's stats."""
+        self._add_block_counters(out.stats)
 
     def _append(self, req: Request, token: int, logprobs: dict[int, Logprob] | None,
                 now: float) -> None:
@@ -416,15 +348,6 @@ class Scheduler:
             req.output_logprobs.append(logprobs)
         if req.first_token_time is None:
             req.first_token_time = now
-        stop = stop_by_token(token, req.num_output_tokens, req.sampling_params,
-                             req.eos_token_ids, req.max_tokens)
-        if stop is not None:
-            reason, stop_token = stop
-            # NOTE: vLLM's convention: stop_reason names a stop token id, None for EOS.
-            req.stop_reason = None if stop_token in req.eos_token_ids else stop_token
-            status = (RequestStatus.FINISHED_STOPPED if reason == "stop"
-                      else RequestStatus.FINISHED_LENGTH)
-            self._finish(req, status)
 
     # ---- stats ---------------------------------------------------------------------------
     def _kv_counters(self) -> tuple[int, ...]:
@@ -438,8 +361,7 @@ class Scheduler:
         return delta
 
     def _add_block_counters(self, stats: SchedulerStats) -> None:
-        """Add the block operations since the last mark (those of schedule() and of
-        update_from_output: a finished request frees its blocks) to this step's stats."""
+        """Add the block operations since the last mark to this step's stats."""
         delta = self._counters_since_mark()
         stats.blocks_allocated += delta["blocks_allocated"]
         stats.blocks_freed += delta["blocks_freed"]

@@ -137,12 +137,6 @@ class KVEventPublisher(EngineObserver):
     def on_shutdown(self) -> None:
         self.close()
 
-    def request_resync(self) -> None:
-        """Rewrite this pod's entries from a fresh snapshot (e.g. after the engine lost events)."""
-        with self._lock:
-            self._resync_needed = True
-        self._wake.set()
-
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything published so far is in Redis (True) or `timeout` passes."""
         deadline = time.monotonic() + timeout

@@ -14,7 +14,6 @@ least-loaded.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -29,13 +28,15 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvmesh.common.auth import check_bearer
+from kvmesh.common.openai_errors import error_json
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.metrics import RouterMetrics
-from kvmesh.router.policy import BackendState, choose
 from kvmesh.router.prompt import prompt_token_ids
+from kvmesh.router.routing_policy import BackendState, choose
 from kvmesh.router.recent import RecentRoutes, merge_hits
 
 logger = logging.getLogger("kvmesh.router")
@@ -51,12 +52,6 @@ _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 _MAX_RETRIES = 1
 _DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
-
-
-def error_response(status: int, message: str, type_: str, code: str | None = None) -> JSONResponse:
-    """An OpenAI-style error body."""
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None,
-                                   "code": code}}, status_code=status)
 
 
 class _ClientGone(Exception):
@@ -241,11 +236,9 @@ class RouterState:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}",
-                                  "invalid_request_error")
+            return error_json(400, f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object",
-                                  "invalid_request_error")
+            return error_json(400, "request body must be a JSON object")
         cfg = self.cfg
         session_key = request.headers.get(cfg.session_header) if cfg.session_header else None
         hits: dict[str, int] = {}
@@ -276,8 +269,8 @@ class RouterState:
                               self.rng, session_key, index == "ok", cfg.policy,
                               "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
             if decision is None:
-                return error_response(503, "no healthy backend to serve the request",
-                                      "service_unavailable", "no_healthy_backend")
+                return error_json(503, "no healthy backend to serve the request",
+                                  "no_healthy_backend")
             b = decision.backend
             if hashes and b.pod_id is not None:
                 self.recent.record(b.pod_id, hashes, time.monotonic())
@@ -293,9 +286,8 @@ class RouterState:
                 tried.add(b.url)
                 self._backend_failed(b, e)
                 if len(tried) > _MAX_RETRIES and self.pool.healthy():
-                    return error_response(502, f"could not connect to a backend ({len(tried)} "
-                                          f"tried; last: {type(e).__name__})", "bad_gateway",
-                                          "backend_unreachable")
+                    return error_json(502, f"could not connect to a backend ({len(tried)} "
+                                      f"tried; last: {type(e).__name__})", "backend_unreachable")
                 self.metrics.retries.inc()
                 continue
             except _ClientGone:
@@ -306,10 +298,9 @@ class RouterState:
                 # NOTE: the request may have reached the backend: never re-sent (see _NEVER_SENT).
                 b.in_flight -= 1
                 self._backend_failed(b, e)
-                return error_response(502, f"backend {b.url} failed before answering "
-                                      f"({type(e).__name__}); the request was not retried "
-                                      "because the backend may have received it",
-                                      "bad_gateway", "backend_failed")
+                return error_json(502, f"backend {b.url} failed before answering "
+                                  f"({type(e).__name__}); the request was not retried "
+                                  "because the backend may have received it", "backend_failed")
             except BaseException:
                 b.in_flight -= 1
                 raise
@@ -328,8 +319,8 @@ class RouterState:
         try:
             content = resp.content if not stream else await resp.aread()
         except httpx.HTTPError as e:
-            return error_response(502, f"backend {b.url} failed mid-response: {e}",
-                                  "bad_gateway", "backend_failed")
+            return error_json(502, f"backend {b.url} failed mid-response: {e}",
+                              "backend_failed")
         finally:
             await resp.aclose()
             b.in_flight -= 1
@@ -376,8 +367,8 @@ class RouterState:
             for m in r.json().get("data", []):
                 seen.setdefault(m.get("id"), m)
         if not seen:
-            return last_error or error_response(503, "no healthy backend answered /v1/models",
-                                                "service_unavailable", "no_healthy_backend")
+            return last_error or error_json(503, "no healthy backend answered /v1/models",
+                                            "no_healthy_backend")
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
 
@@ -399,13 +390,7 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
     def unauthorized(request: Request) -> Response | None:
         if not cfg.api_key:
             return None
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              cfg.api_key.encode()):
-            return None
-        return error_response(401, "Incorrect or missing API key; send 'Authorization: Bearer "
-                              "<key>'", "invalid_request_error", "invalid_api_key")
+        return check_bearer(request.headers.get("authorization", ""), cfg.api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

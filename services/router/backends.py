@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvmesh.router.policy import BackendState
 from kvmesh.index.lookup import PodLoad
+from kvmesh.router.routing_policy import BackendState
 
 logger = logging.getLogger("kvmesh.router")
 

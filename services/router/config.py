@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.router.policy import STRATEGIES, PolicyConfig
+from kvmesh.router.routing_policy import STRATEGIES, PolicyConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import sys
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.policy import STRATEGIES
+from kvmesh.router.routing_policy import STRATEGIES
 
 logger = logging.getLogger("kvmesh.router")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvmesh.router.policy import REASONS
+from kvmesh.router.routing_policy import REASONS
 
 
 class RouterMetrics:

@@ -7,6 +7,7 @@ import pytest
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.output_processor import check_stop
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -68,7 +69,12 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
-        self.sched.update_from_output(out, self.fake_result(out))
+        # NOTE: the engine's output stage without text: token stops only (no detokenizer)
+        for req in self.sched.update_from_output(out, self.fake_result(out)):
+            stop = check_stop(req, None)
+            if stop is not None:
+                self.sched.finish_request(req, *stop)
+        self.sched.end_step(out)
         self.clock.t += 1.0
         return out
 

@@ -15,7 +15,7 @@ from kvmesh.router.config import RouterConfig
 
 from .conftest import UvicornThread
 from .fake_backend import make_fake_backend
-from index_helpers import wait_until
+from waiting import wait_until
 
 
 class ReadsThenCloses:

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvmesh.engine.sampler import apply_penalties, apply_top_k_top_p_min_p, stop_by_token
+from kvmesh.engine.output_processor import stop_by_token
+from kvmesh.engine.sampler import apply_penalties, apply_top_k_top_p_min_p
 from kvmesh.engine.sampling_params import SamplingParams
 
 NEG = float("-inf")

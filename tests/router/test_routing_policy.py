@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.router.policy import (REASONS, STRATEGIES, BackendState, PolicyConfig, choose, score)
+from kvmesh.router.routing_policy import (REASONS, STRATEGIES, BackendState, PolicyConfig, choose, score)
 
 
 def B(name: str, healthy: bool = True, running: int = 0, waiting: int = 0, kv: float = 0.0,

@@ -1,7 +1,7 @@
 """GPU benchmark of the paged decode kernel: bandwidth vs a device copy, time vs contiguous SDPA.
 
-    python -m kvmesh.kernels.bench                  # the issue's grid, bf16, head_dim 128, GQA 8:1
-    python -m kvmesh.kernels.bench --batches 16 64 --contexts 2048 8192 --block-size 32
+    python benchmarks/paged_decode_kernel.py   # the issue's grid, bf16, head_dim 128, GQA 8:1
+    python benchmarks/paged_decode_kernel.py --batches 16 64 --contexts 2048 8192 --block-size 32
 
 For each (batch, context) it prints one row:
   * the decode kernel's time and achieved bandwidth (K/V bytes read + q/out) as a fraction of the
@@ -107,8 +107,9 @@ def _bench_sdpa(args, do_bench, batch: int, ctx: int, dtype: torch.dtype) -> flo
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if not torch.cuda.is_available():
-        print("kvmesh.kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False): run it "
-              "on a GPU machine. The CPU test suite checks correctness only (TRITON_INTERPRET=1).",
+        print("benchmarks/paged_decode_kernel.py needs a CUDA GPU (torch.cuda.is_available() is "
+              "False): run it on a GPU machine. The CPU test suite checks correctness only "
+              "(TRITON_INTERPRET=1).",
               file=sys.stderr)
         return 2
     import triton

@@ -1,0 +1,21 @@
+"""The API-key check of the API server and the router: 'Authorization: Bearer KEY'."""
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+
+from kvmesh.common.openai_errors import error_json
+
+
+def check_bearer(authorization: str, api_key: str) -> JSONResponse | None:
+    """None when the Authorization header carries `api_key`, else the 401 response to send.
+
+    NOTE: compare_digest takes the same time wherever the first wrong byte is."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    if hmac.compare_digest(token.encode(), api_key.encode()):
+        return None
+    msg = ("Incorrect API key provided." if token else
+           "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
+    return error_json(401, msg, code="invalid_api_key")

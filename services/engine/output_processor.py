@@ -1,0 +1,134 @@
+"""The engine's output stage: detokenize each new token, check every stop condition in one place,
+finish stopped requests through the scheduler, build the RequestOutputs.
+
+vLLM V1's output processor, with the token stops (EOS, stop_token_ids, length) moved here too:
+the scheduler only appends sampled tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmesh.engine.scheduler import Scheduler
+
+Stop = tuple[RequestStatus, "int | str | None"]   # the finish status and the request's stop_reason
+
+
+@dataclass(slots=True)
+class RequestGroup:
+    """The samples of one user request (n > 1 shares the prompt's blocks)."""
+    request_id: str
+    prompt: str | None                          # prompt text for the outputs (None: ids only)
+    samples: list[Request]                      # sample i at index i
+    detokenizers: list[IncrementalDetokenizer]  # one per sample, same order
+    emitted: list[int] = field(default_factory=list)   # token ids already reported, per sample
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
+
+
+def stop_by_token(
+    token_id: int,
+    num_output_tokens: int,          # including token_id
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    max_tokens: int,                 # the request's cap (max_tokens, bounded by the context)
+) -> tuple[str, int | None] | None:
+    """("stop", token_id) for EOS (unless ignore_eos) or a stop token id once min_tokens are out,
+    else ("length", None) once max_tokens are out, else None. A stop token on the last allowed
+    position reports "stop", as it is the more precise reason."""
+    if num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return ("stop", token_id)
+        if token_id in params.stop_token_ids:
+            return ("stop", token_id)
+    if num_output_tokens >= max_tokens:
+        return ("length", None)
+    return None
+
+
+def token_stop(req: Request) -> Stop | None:
+    """The stop that the request's last token causes by itself (EOS, a stop id, length)."""
+    stop = stop_by_token(req.output_token_ids[-1], req.num_output_tokens, req.sampling_params,
+                         req.eos_token_ids, req.max_tokens)
+    if stop is None:
+        return None
+    reason, token = stop
+    if reason == "length":
+        return RequestStatus.FINISHED_LENGTH, None
+    # NOTE: vLLM's convention: stop_reason names a stop token id, None for EOS.
+    return RequestStatus.FINISHED_STOPPED, None if token in req.eos_token_ids else token
+
+
+def check_stop(req: Request, detok: IncrementalDetokenizer | None) -> Stop | None:
+    """Every stop condition of the request's newest token, the one place they are checked.
+
+    NOTE: the stop string wins over a length / EOS finish in the same token; an EOS or stop
+    token itself is not detokenized (unless include_stop_str_in_output), as in vLLM."""
+    stop = token_stop(req)
+    if detok is not None:
+        found = detok.update([req.output_token_ids[-1]],
+                             stop_terminated=stop is not None
+                             and stop[0] == RequestStatus.FINISHED_STOPPED)
+        if found is not None:
+            return RequestStatus.FINISHED_STOPPED, found
+    return stop
+
+
+class OutputProcessor:
+    """Turns the requests that got a token this step into RequestOutputs."""
+
+    def __init__(self, scheduler: Scheduler, groups: dict[str, RequestGroup]) -> None:
+        self.scheduler = scheduler
+        self.groups = groups       # the engine's live requests by id (add_request fills it)
+
+    def process(self, touched: list[Request]) -> list[RequestOutput]:
+        """touched: the requests that got exactly one new token this step, in step order."""
+        group_ids: dict[str, None] = {}
+        for req in touched:
+            group = self.groups.get(req.parent_id)
+            detok = group.detokenizers[req.sample_index] if group is not None else None
+            stop = check_stop(req, detok)
+            if stop is not None:
+                self.scheduler.finish_request(req, *stop)
+            if group is not None:
+                group_ids[group.request_id] = None
+        outputs = []
+        for gid in group_ids:
+            group = self.groups[gid]
+            outputs.append(self._make_output(group))
+            if group.finished:
+                del self.groups[gid]
+        return outputs
+
+    @staticmethod
+    def _make_output(group: RequestGroup) -> RequestOutput:
+        completions = []
+        for i, (req, detok) in enumerate(zip(group.samples, group.detokenizers)):
+            new_ids = req.output_token_ids[group.emitted[i]:]
+            group.emitted[i] = req.num_output_tokens
+            completions.append(CompletionOutput(
+                index=i,
+                text=detok.output_text,
+                token_ids=list(req.output_token_ids),
+                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+                finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason,
+                delta_text=detok.get_delta(req.is_finished),
+                delta_token_ids=new_ids,
+            ))
+        first = group.samples[0]
+        metrics = {"arrival_time": first.arrival_time}
+        if first.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = first.first_scheduled_time
+        if first.first_token_time is not None:
+            metrics["first_token_time"] = first.first_token_time
+        return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
+                             group.finished, max(first.num_cached_tokens, 0), metrics)
