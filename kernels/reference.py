@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
 
 
@@ -256,3 +257,54 @@ def rotary_embedding(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rot(query), rot(key)
+
+
+# ------------------------------------------------------------------------- mixture of experts
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [num_tokens, top_k] int64 ids)
+    """Softmax over experts (float32), the top-k, and optionally their weights rescaled to sum 1.
+
+    NOTE: HF's order exactly (Mixtral, Qwen3-MoE `norm_topk_prob`): softmax first, then top-k,
+    then renormalise; the weights stay float32 until they scale the expert outputs.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,             # [num_tokens, hidden]
+    w13: torch.Tensor,           # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,            # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,      # [num_tokens, top_k] int32/int64
+) -> torch.Tensor:               # [num_tokens, hidden]
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids[t, k].
+
+    Grouped per expert: the (token, k) pairs are sorted by expert and every expert with tokens
+    runs one matmul over all of them; the results are added back with index_add_.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)                  # pair ids grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    pair_weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        gate, up = linear(x[tokens], w13[expert]).chunk(2, dim=-1)   # [n, inter] each
+        y = linear(F.silu(gate) * up, w2[expert])                     # [n, hidden]
+        out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
+    return out
