@@ -10,10 +10,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # HF `architectures[0]` -> our model class name (see models/__init__.py).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 # HF `model_type` -> architecture, for configs without an `architectures` list.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "smollm": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "smollm": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+_MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    num_experts: int                # experts per MoE layer (HF num_local_experts / num_experts)
+    top_k: int                      # experts per token (num_experts_per_tok)
+    intermediate_size: int          # one expert's MLP width (Qwen3-MoE: moe_intermediate_size)
+    renormalize: bool               # rescale the top-k weights to sum 1 (Mixtral: always; Qwen3-MoE: norm_topk_prob)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE block; the others are dense
+
+    @classmethod
+    def from_hf_config(cls, arch: str, cfg: dict[str, Any], num_layers: int) -> "MoEConfig | None":
+        if arch not in _MOE_ARCHITECTURES:
+            return None
+        try:
+            num_experts = int(cfg.get("num_local_experts") or cfg["num_experts"])
+            top_k = int(cfg["num_experts_per_tok"])
+        except KeyError as e:
+            raise ValueError(f"{arch} config is missing required field {e.args[0]!r}") from None
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of "
+                             f"experts ({num_experts})")
+        if arch == "MixtralForCausalLM":
+            return cls(num_experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
+        # NOTE: HF Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only if
+        # (i + 1) % decoder_sparse_step == 0; the dense layers use intermediate_size.
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        return cls(num_experts, top_k, inter, bool(cfg.get("norm_topk_prob", False)), sparse)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +70,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (config + generation_config)
     o_proj_bias: bool = False       # Llama's attention_bias also puts a bias on o_proj; Qwen2's does not
     mlp_bias: bool = False          # Llama's mlp_bias (rare)
+    moe: MoEConfig | None = None    # the sparse MLP of MoE families (Mixtral, Qwen3-MoE); None: dense
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the raw dict, for debugging
 
     @property
@@ -66,6 +100,11 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv_heads})")
+        window = cfg.get("sliding_window")
+        if arch == "MixtralForCausalLM" and window is not None and int(window) < int(
+                cfg.get("max_position_embeddings", 2048)):
+            raise ValueError(f"sliding-window attention ({arch}, sliding_window={window}) is not supported; "
+                             "set sliding_window to null in config.json")
         rope_theta, rope_scaling = _rope(cfg)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -93,6 +132,7 @@ class ModelConfig:
             eos_token_ids=_unique(eos_ids + list(extra_eos_token_ids)),
             o_proj_bias=False if is_qwen2 else attention_bias,
             mlp_bias=False if is_qwen2 else bool(cfg.get("mlp_bias", False)),
+            moe=MoEConfig.from_hf_config(arch, cfg, layers),
             extra=dict(cfg),
         )
 

@@ -5,11 +5,13 @@ from torch import nn
 
 from kvmesh.engine.model_config import SUPPORTED_ARCHITECTURES
 from kvmesh.engine.models.llama import LlamaForCausalLM
+from kvmesh.engine.models.mixtral import MixtralForCausalLM
 
 # NOTE: Qwen2 is Llama with q/k/v bias; ModelConfig.attention_bias carries the difference.
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
@@ -22,4 +24,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
                          f"{', '.join(_REGISTRY)}") from None
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "get_model_class"]
