@@ -237,8 +237,8 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """One query token per sequence against its paged context (flash-decoding when split)."""
@@ -248,6 +248,11 @@ def paged_decode_attention(
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"decode needs one query per sequence: {num_seqs} queries, "
                          f"{seq_lens.shape[0]} sequences")
+    # NOTE: fp32 K/V tiles take twice the registers: 64 tokens x head_dim 128 with 4 warps spill
+    # (152-680 B of stack on sm_80 / sm_90, kernels/gpu_compile.py); 32 tokens with 8 warps do not.
+    fp32 = query.dtype == torch.float32
+    block_n = block_n or (32 if fp32 else 64)
+    num_warps = num_warps or (8 if fp32 else 4)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
@@ -286,7 +291,7 @@ def paged_decode_attention(
             part, lse, out, *part.stride(), *lse.stride()[:2], *out.stride(),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=max(1, min(num_warps, 4)),
+            num_warps=min(num_warps, 4),
         )
     return out
 

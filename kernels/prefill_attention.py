@@ -123,6 +123,19 @@ def _unified_attention_kernel(
              + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def default_tiles(dtype: torch.dtype, block_g: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) that compile without register spills for sm_80 and sm_90.
+
+    NOTE: found by compiling for both targets (kernels/gpu_compile.py, docs/KERNELS.md): with
+    head_dim 128, 64 x 64 tiles spill on sm_80 in 16-bit (48 B) and badly in fp32 (fp32 operands
+    take twice the registers: 2.6-10 KB of stack); 64 x 32 in 16-bit and 32 x 32 with 8 warps in
+    fp32 fit in registers on both.
+    """
+    if dtype == torch.float32:
+        return max(32, block_g), 32, 8
+    return max(64, block_g), 32, 4
+
+
 def unified_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim] (any strides)
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -132,17 +145,19 @@ def unified_attention(
     block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32/int64
     scale: float,
     *,
-    block_m: int = 64,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Causal varlen attention of a mixed batch over the paged cache (K/V already written).
 
     `block_m` is the number of (query token, head) rows per program; it must be a power of two
-    >= 16 and >= the padded GQA group size.
+    >= 16 and >= the padded GQA group size. Unset tiles come from `default_tiles`.
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
+    dm, dn, dw = default_tiles(query.dtype, triton.next_power_of_2(group))
+    block_m, block_n, num_warps = block_m or dm, block_n or dn, num_warps or dw
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if query_start_loc.dtype not in (torch.int32, torch.int64):
