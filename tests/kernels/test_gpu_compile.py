@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _python(code_or_args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+def _python(code_or_args: list[str], timeout: float = 1500) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"   # Triton 3.9's default, without its warning
     return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env,
@@ -32,6 +32,9 @@ def compiled():
     return proc
 
 
+# NOTE: ~170 compilations take ~4 min with a cold Triton cache on the shared 2-core machine (~15 s
+# warm); the fixture's time counts against the first test.
+@pytest.mark.timeout(1800)
 def test_every_kernel_compiles_without_spills(compiled):
     assert compiled.returncode == 0, compiled.stderr[-4000:]
     assert "0 failed or spilled" in compiled.stderr
