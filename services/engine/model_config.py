@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # HF `architectures[0]` -> our model class name (see models/__init__.py).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # HF `model_type` -> architecture, for configs without an `architectures` list.
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "smollm": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "mixtral": "MixtralForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
-_MOE_ARCHITECTURES = ("MixtralForCausalLM",)
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,20 +31,22 @@ class MoEConfig:
         if arch not in _MOE_ARCHITECTURES:
             return None
         try:
-            num_experts = int(cfg.get("num_local_experts") or cfg["num_experts"])
+            num_experts = int(cfg["num_local_experts"] if "num_local_experts" in cfg else cfg["num_experts"])
             top_k = int(cfg["num_experts_per_tok"])
         except KeyError as e:
             raise ValueError(f"{arch} config is missing required field {e.args[0]!r}") from None
-        if not 1 <= top_k <= num_experts:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        if arch == "Qwen3MoeForCausalLM" and num_experts == 0:
+            sparse = ()                     # HF: no experts, every layer dense
+        elif not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of "
                              f"experts ({num_experts})")
         if arch == "MixtralForCausalLM":
             return cls(num_experts, top_k, int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
         # NOTE: HF Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, and only if
         # (i + 1) % decoder_sparse_step == 0; the dense layers use intermediate_size.
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         return cls(num_experts, top_k, inter, bool(cfg.get("norm_topk_prob", False)), sparse)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_model
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
@@ -27,7 +27,17 @@ def _mixtral():
     return MixtralForCausalLM(cfg)
 
 
-FAMILIES = {"mixtral": _mixtral}
+def _qwen3_moe():
+    # layer 0 dense (mlp_only_layers), layer 1 sparse; explicit head_dim != hidden / heads
+    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[0], max_position_embeddings=512, rope_theta=10000.0,
+                         bos_token_id=1, eos_token_id=2)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -78,7 +88,8 @@ def run(engine, prompts):
 ], ids=["chunked-prefix-cache", "recompute", "swap"])
 def test_moe_engine_matches_transformers(family, prompts, expected, cfg):
     name, _, loaded = family
-    assert loaded.config.moe is not None and loaded.config.architecture.lower().startswith(name[:5])
+    assert loaded.config.moe is not None
+    assert loaded.config.architecture == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[name]
     cfg.setdefault("num_kv_blocks", 256)
     out, cached, preempted = run(LLMEngine(EngineConfig(**cfg), loaded=loaded), prompts)
     mode = cfg.get("preemption_mode")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import save_tiny_model
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.model_config import ModelConfig
@@ -21,6 +21,13 @@ def _base(**kw):
     (_base(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2),
      (8, 2, 96, True, (0, 1, 2, 3))),
     (_base(model_type="mixtral", num_local_experts=4, num_experts_per_tok=1), (4, 1, 96, True, (0, 1, 2, 3))),
+    (_base(architectures=["Qwen3MoeForCausalLM"], num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+           norm_topk_prob=True), (16, 4, 32, True, (0, 1, 2, 3))),
+    (_base(model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+           decoder_sparse_step=2), (16, 4, 32, False, (1, 3))),
+    (_base(architectures=["Qwen3MoeForCausalLM"], num_local_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3]), (8, 2, 32, False, (1,))),
+    (_base(architectures=["Qwen3MoeForCausalLM"], num_experts=0, num_experts_per_tok=2), (0, 2, 96, False, ())),
 ])
 def test_moe_config_parsing(cfg, want):
     moe = ModelConfig.from_hf_config(cfg).moe
@@ -84,3 +91,26 @@ def test_mixtral_on_the_triton_backend(tiny_mixtral, paged_generate, assert_clos
     for g, w in zip(got, want):
         assert g["tokens"] == w["tokens"]
         assert_close_to_scale(g["prompt_logits"], w["prompt_logits"])
+
+
+def test_qwen3_moe_logits_match_transformers(tmp_path, paged_generate, hf_greedy_logits, assert_close_to_scale):
+    """4 layers: layer 1 dense (mlp_only_layers), 0 / 2 / 3 sparse; top-k weights not renormalised;
+    explicit head_dim (32) with 4 heads on hidden 64; MQA."""
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                         num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+                         decoder_sparse_step=1, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(cfg)
+    path = save_tiny_model(hf, tmp_path / "tiny-qwen3-moe", seed=6)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    layers = loaded.model.model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoeBlock", "LlamaMLP", "SparseMoeBlock",
+                                                              "SparseMoeBlock"]
+    assert not layers[0].mlp.renormalize and layers[0].mlp.top_k == 3 and loaded.config.head_dim == 32
+    ours = paged_generate(loaded.model, PROMPTS, 8, block_size=4, prefill_chunk=8, seed=7)
+    for prompt, got in zip(PROMPTS, ours):
+        ref_prompt, ref_tokens, ref_gen = hf_greedy_logits(hf, prompt, 8)
+        assert got["tokens"] == ref_tokens
+        assert_close_to_scale(got["prompt_logits"], ref_prompt)
+        assert_close_to_scale(got["gen_logits"], ref_gen)

@@ -6,12 +6,14 @@ from torch import nn
 from kvmesh.engine.model_config import SUPPORTED_ARCHITECTURES
 from kvmesh.engine.models.llama import LlamaForCausalLM
 from kvmesh.engine.models.mixtral import MixtralForCausalLM
+from kvmesh.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # NOTE: Qwen2 is Llama with q/k/v bias; ModelConfig.attention_bias carries the difference.
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
@@ -24,4 +26,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
                          f"{', '.join(_REGISTRY)}") from None
 
 
-__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "get_model_class"]
+__all__ = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "get_model_class"]

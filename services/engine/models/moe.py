@@ -36,12 +36,16 @@ class SparseMoeBlock(nn.Module):
     """Router + experts: each token goes through its top-k experts, outputs weighted and summed."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 ops: ModuleType, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+                 ops: ModuleType, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 *, round_weights: bool = False):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts})")
         self.top_k = top_k
         self.renormalize = renormalize
+        # NOTE: HF Qwen3-MoE rounds the routing weights to the model dtype before scaling the expert
+        # outputs; Mixtral keeps them float32. A no-op in float32.
+        self.round_weights = round_weights
         self.ops = ops
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(_Expert(hidden, inter, expert_names) for _ in range(num_experts))
@@ -74,5 +78,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [T, H] -> [T, H]
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.round_weights:
+            weights = weights.to(x.dtype).float()
         w13, w2 = self.stacked_weights()
         return self.ops.fused_moe(x, w13, w2, weights, ids)
