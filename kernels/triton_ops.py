@@ -34,6 +34,7 @@ def paged_attention(
     v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
 
@@ -42,6 +43,8 @@ def paged_attention(
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
+    if meta.sliding_window or softcap:
+        raise NotImplementedError("sliding window / soft-cap in the Triton kernels: next commit")
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.max_seq_len, scale)

@@ -41,12 +41,23 @@ def test_dense_families_have_no_moe_config():
 @pytest.mark.parametrize("cfg,match", [
     (_base(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=5), "between 1"),
     (_base(architectures=["MixtralForCausalLM"], num_experts_per_tok=2), "num_experts"),
-    (_base(architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2,
-           sliding_window=128, max_position_embeddings=4096), "sliding"),
 ])
 def test_bad_moe_configs_fail_at_load(cfg, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("arch,use,want", [
+    ("MixtralForCausalLM", None, 128),       # Mixtral: a sliding_window applies to every layer
+    ("Qwen3MoeForCausalLM", False, None),    # Qwen3-MoE: only with use_sliding_window
+    ("Qwen3MoeForCausalLM", True, 128),
+])
+def test_moe_sliding_window_follows_hf(arch, use, want):
+    extra = {} if use is None else {"use_sliding_window": use}
+    c = ModelConfig.from_hf_config(_base(architectures=[arch], num_experts=4, num_experts_per_tok=2,
+                                         sliding_window=128, max_position_embeddings=4096, **extra))
+    assert c.sliding_window == want
+    assert c.layer_types == (("sliding_attention",) * 4 if want else ())
 
 
 @pytest.fixture
@@ -105,7 +116,7 @@ def test_qwen3_moe_logits_match_transformers(tmp_path, paged_generate, hf_greedy
     path = save_tiny_model(hf, tmp_path / "tiny-qwen3-moe", seed=6)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     layers = loaded.model.model.layers
-    assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoeBlock", "LlamaMLP", "SparseMoeBlock",
+    assert [type(layer.mlp).__name__ for layer in layers] == ["SparseMoeBlock", "GatedMLP", "SparseMoeBlock",
                                                               "SparseMoeBlock"]
     assert not layers[0].mlp.renormalize and layers[0].mlp.top_k == 3 and loaded.config.head_dim == 32
     ours = paged_generate(loaded.model, PROMPTS, 8, block_size=4, prefill_chunk=8, seed=7)

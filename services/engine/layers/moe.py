@@ -54,7 +54,7 @@ class SparseMoeBlock(nn.Module):
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]), built once and kept in sync with the expert parameters.
 
-        NOTE: as `llama._fused` does for q/k/v: the first call copies the experts into two
+        NOTE: as `layers.linear.fused_weights` does for q/k/v: the first call copies the experts into two
         buffers and rebinds each expert's weights to views of them; a parameter replaced later
         (assign, `.to(dtype)`) changes its data pointer and the buffers are rebuilt.
         """
