@@ -67,6 +67,20 @@ def expected(family, greedy_reference):
     return [greedy_reference(hf, p, NEW_TOKENS) for p in _prompts(spec)]
 
 
+def test_config_reads_the_family(family):
+    spec, _, loaded = family
+    got = {k: getattr(loaded.config, k) for k in spec.expect}
+    assert got == spec.expect
+    if spec.architecture == "Phi3ForCausalLM":
+        scaling = loaded.config.rope_scaling
+        assert (scaling["rope_type"], scaling["original_max_position_embeddings"]) == ("longrope", 64)
+        attn = loaded.model.model.layers[0].self_attn
+        assert attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
+    windows = [layer.self_attn.spec.sliding_window for layer in loaded.model.model.layers]
+    assert windows == [spec.window if t == "sliding_attention" else 0
+                       for t in (loaded.config.layer_types or ["full_attention"] * len(windows))]
+
+
 def test_model_logits_match_transformers(family, paged_generate, hf_greedy_logits, assert_close_to_scale):
     spec, hf, loaded = family
     prompts = _prompts(spec)[3:6] + _prompts(spec)[-1:]
