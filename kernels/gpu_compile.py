@@ -46,13 +46,18 @@ class EngineShape:
     num_experts: int = 0        # 0: dense MLP (no MoE kernel)
     top_k: int = 0
     moe_inter: int = 0
+    sliding_window: int = 0     # attention window of its sliding layers (0: none)
+    softcap: float = 0.0        # attention logit soft-cap (Gemma 2)
 
 
 # The engine configurations every kernel is compiled at: the built-in model, a Llama-8B-class
-# GQA 4:1 model, GQA 8:1 with a MoE (Qwen3-30B-A3B-shaped: 128 experts, top-8) and Mixtral-shaped.
+# GQA 4:1 model, Mistral-7B (sliding window), Gemma-2-2B (head_dim 256, window, soft-cap), GQA 8:1
+# with a MoE (Qwen3-30B-A3B-shaped: 128 experts, top-8) and Mixtral-shaped.
 ENGINE_SHAPES = (
     EngineShape("smollm2-135m", 576, 9, 3, 64),
     EngineShape("llama-8b", 4096, 32, 8, 128),
+    EngineShape("mistral-7b", 4096, 32, 8, 128, sliding_window=4096),
+    EngineShape("gemma2-2b", 2304, 8, 4, 256, sliding_window=4096, softcap=50.0),
     EngineShape("qwen3-moe-30b", 2048, 32, 4, 128, num_experts=128, top_k=8, moe_inter=768),
     EngineShape("mixtral-8x7b", 4096, 32, 8, 128, num_experts=8, top_k=2, moe_inter=14336),
 )
@@ -92,12 +97,13 @@ def _launch_attention(s: EngineShape, dtype) -> None:
     seqs, tables = 4, _meta(4, 32, dtype=torch.int32)
     seq_lens, qsl = _meta(seqs, dtype=torch.int32), _meta(seqs + 1, dtype=torch.int32)
     q, _, _ = _qkv(s, seqs, dtype)
+    kw = dict(sliding_window=s.sliding_window, softcap=s.softcap)
     for splits in (1, 16):   # large batches: one split; batch 1 at long context: many + the reduce
         paged_attention.paged_decode_attention(q, _cache(s, dtype), _cache(s, dtype), tables, seq_lens,
-                                               512, s.head_dim ** -0.5, num_splits=splits)
+                                               512, s.head_dim ** -0.5, num_splits=splits, **kw)
     q, _, _ = _qkv(s, 64, dtype)
     prefill_attention.unified_attention(q, _cache(s, dtype), _cache(s, dtype), qsl, seq_lens, tables,
-                                        s.head_dim ** -0.5)
+                                        s.head_dim ** -0.5, **kw)
 
 
 def _launch_moe(s: EngineShape, dtype) -> None:
@@ -279,7 +285,7 @@ def compile_variant(v: Variant, cc: int) -> Resources:
 
 _SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_G", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_K",
           "BLOCK_D", "NUM_SPLITS", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
-          "A_DIV", "MUL_WEIGHT")
+          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP")
 
 
 def describe(v: Variant) -> str:

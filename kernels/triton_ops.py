@@ -39,17 +39,17 @@ def paged_attention(
     """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
 
     An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
-    prefix hits, decodes mixed in) to the unified varlen kernel.
+    prefix hits, decodes mixed in) to the unified varlen kernel. `meta.sliding_window` and
+    `softcap` as in the reference.
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
-    if meta.sliding_window or softcap:
-        raise NotImplementedError("sliding window / soft-cap in the Triton kernels: next commit")
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.max_seq_len, scale)
+                                      meta.max_seq_len, scale, sliding_window=meta.sliding_window,
+                                      softcap=softcap)
     return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                             meta.block_tables, scale)
+                             meta.block_tables, scale, sliding_window=meta.sliding_window, softcap=softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -16,6 +16,10 @@ MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
@@ -23,7 +27,9 @@ MODELS: dict[str, tuple[str, str]] = {
 # HF `model_type` -> architecture, for configs without an `architectures` list.
 MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "smollm": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
