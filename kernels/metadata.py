@@ -1,7 +1,7 @@
 """The attention metadata the model runner builds each step and every kernel reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,6 +14,10 @@ class AttentionMetadata:
     context of seq_lens[s] tokens (cached + new). Its new tokens sit at the *end* of its context,
     so query token i of s has absolute position seq_lens[s] - query_len(s) + i, and attention is
     causal over positions. A decode is the case query_len == 1.
+
+    With `sliding_window` W > 0 a query at position p sees only positions p - W + 1 .. p (W
+    tokens, itself included: HF's `kv_idx > q_idx - W`). The runner builds one metadata per step
+    with W = 0; a sliding-window layer asks for its view with `with_window(W)`.
     """
 
     slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset; -1 = skip
@@ -24,6 +28,22 @@ class AttentionMetadata:
     max_seq_len: int                # host copy
     query_lens_cpu: list[int]       # host copies per sequence (the CPU reference loops on them)
     seq_lens_cpu: list[int]
+    sliding_window: int = 0         # W > 0: attend to the last W positions only; 0: full causal
+    # NOTE: with_window's views of this step, one per window, so every layer of one window gets
+    # the same object (the reference backend caches its plan per metadata object).
+    _window_views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def with_window(self, window: int) -> "AttentionMetadata":
+        """This batch with sliding window `window` (0: full attention); memoised per window."""
+        if window == self.sliding_window:
+            return self
+        if window < 0:
+            raise ValueError(f"sliding window must be >= 0 (0 = full attention), got {window}")
+        view = self._window_views.get(window)
+        if view is None:
+            view = replace(self, sliding_window=window, _window_views={})
+            self._window_views[window] = view
+        return view
 
     @property
     def num_seqs(self) -> int:

@@ -46,6 +46,14 @@ def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, st
 
 
 @triton.jit
+def tanh(x):
+    """tanh from exp2 (no libdevice call, so it runs in the interpreter and on any GPU)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))    # exp(-2|x|), in (0, 1]: no overflow
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -56,6 +64,8 @@ def _decode_split_kernel(
                         # NUM_SPLITS > 1: [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 partials
     lse_ptr,            # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain); unused if 1 split
     qk_scale,           # softmax scale * log2(e)
+    window,             # sliding window W: attend to the last W positions; 0 = the whole context
+    softcap_log2,       # soft-cap * log2(e) (read only when USE_SOFTCAP)
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -71,16 +81,21 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
+    USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # NOTE: each sequence is cut into NUM_SPLITS equal slices of *its own* length (rounded to
+    # NOTE: the query (position seq_len - 1) sees positions lo .. seq_len - 1: all of them, or
+    # with a window W the last W. Only that span is split and loaded, so a windowed decode reads
+    # W tokens whatever the context length.
+    lo = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
+    # NOTE: each sequence is cut into NUM_SPLITS equal slices of *its own* span (rounded to
     # BLOCK_N), so splits of short and long sequences in one batch carry balanced work.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -106,6 +121,8 @@ def _decode_split_kernel(
                                         stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
                                         n0, end, BLOCK_N, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if USE_SOFTCAP:
+            s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -191,6 +208,13 @@ def check_attention_args(query, k_cache, v_cache, block_tables, seq_lens) -> tup
     return num_heads // num_kv_heads, k_cache.shape[1]
 
 
+def check_window_softcap(sliding_window: int, softcap: float) -> None:
+    if not isinstance(sliding_window, int) or sliding_window < 0:
+        raise ValueError(f"sliding_window must be an int >= 0 (0 = full attention), got {sliding_window!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap!r}")
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # NOTE: only fp32 operands read this; an fp32 cache asks for full ieee products, not tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -236,18 +260,30 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
     num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
-    """One query token per sequence against its paged context (flash-decoding when split)."""
+    """One query token per sequence against its paged context (flash-decoding when split).
+
+    `sliding_window` W > 0: the query sees the last W positions (itself included); `softcap`
+    > 0: scores become cap * tanh(score / cap) before the softmax.
+    """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
+    check_window_softcap(sliding_window, softcap)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"decode needs one query per sequence: {num_seqs} queries, "
                          f"{seq_lens.shape[0]} sequences")
+    # NOTE: fp32 K/V tiles take twice the registers: 64 tokens x head_dim 128 with 4 warps spill
+    # (152-680 B of stack on sm_80 / sm_90, kernels/gpu_compile.py); 32 tokens with 8 warps do not.
+    fp32 = query.dtype == torch.float32
+    block_n = block_n or (32 if fp32 else 64)
+    num_warps = num_warps or (8 if fp32 else 4)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
@@ -273,12 +309,13 @@ def paged_decode_attention(
         lse_strides = lse.stride()[:2]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, part, lse,
-        scale * _LOG2E,
+        scale * _LOG2E, int(sliding_window), float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
+        USE_SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -286,10 +323,10 @@ def paged_decode_attention(
             part, lse, out, *part.stride(), *lse.stride()[:2], *out.stride(),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=max(1, min(num_warps, 4)),
+            num_warps=min(num_warps, 4),
         )
     return out
 
 
-__all__ = ["paged_decode_attention", "check_attention_args", "default_num_splits",
+__all__ = ["paged_decode_attention", "check_attention_args", "check_window_softcap", "default_num_splits",
            "dot_precision", "upcast_operands"]

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.paged_attention import (check_attention_args, dot_precision, load_kv_tile,
-                                            upcast_operands)
+from kvmesh.kernels.paged_attention import (check_attention_args, check_window_softcap, dot_precision,
+                                            load_kv_tile, tanh, upcast_operands)
 
 _LOG2E = 1.4426950408889634
 
@@ -50,6 +50,8 @@ def _unified_attention_kernel(
     query_start_loc_ptr,    # [num_seqs + 1] cu_seqlens of the packed queries
     num_seqs,
     qk_scale,               # softmax scale * log2(e)
+    window,                 # sliding window W: a query sees the last W positions; 0 = all
+    softcap_log2,           # soft-cap * log2(e) (read only when USE_SOFTCAP)
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -65,6 +67,7 @@ def _unified_attention_kernel(
     BLOCK_N: tl.constexpr,      # context tokens per loop iteration
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
+    USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,18 +104,27 @@ def _unified_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     # the last query of this tile sees positions < kv_end; later context is never loaded
     kv_end = tl.minimum(prefix + (q_tile + 1) * BLOCK_Q, seq_len)
+    # with a window W a row at position p sees p - W + 1 .. p; the tile's first query bounds the
+    # context from below, so earlier positions are never loaded (win > any position when W = 0)
+    win = tl.where(window > 0, window, seq_len + 1)
+    kv_start = tl.maximum(prefix + q_tile * BLOCK_Q - win + 1, 0)
 
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
                                         stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
                                         n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        # NOTE: every row sees position 0, so no row is fully masked and m_i stays finite.
-        allowed = valid[None, :] & (pos[None, :] <= row_pos[:, None])
+        if USE_SOFTCAP:
+            s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
+        allowed = valid[None, :] & (pos[None, :] <= row_pos[:, None]) & (pos[None, :] > row_pos[:, None] - win)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # NOTE: a real row always sees its own position, but with a window a padding row (past
+        # q_len) or a row whose window starts after this tile can be fully masked in a tile: a
+        # finite stand-in for its -inf max keeps alpha and p at 0 instead of NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
                                             input_precision=DOT_PRECISION)
@@ -121,6 +133,21 @@ def _unified_attention_kernel(
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
              + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) that compile without register spills for sm_80 and sm_90.
+
+    NOTE: found by compiling for both targets (kernels/gpu_compile.py, docs/KERNELS.md): with
+    head_dim 128, 64 x 64 tiles spill on sm_80 in 16-bit (48 B) and badly in fp32 (fp32 operands
+    take twice the registers: 2.6-10 KB of stack); 64 x 32 in 16-bit and 32 x 32 with 8 warps in
+    fp32 fit in registers on both. head_dim 256 (Gemma 2) needs 8 warps in 16-bit and 32 x 16
+    tiles in fp32.
+    """
+    wide = head_dim > 128
+    if dtype == torch.float32:
+        return max(32, block_g), 16 if wide else 32, 8
+    return max(64, block_g), 32, 8 if wide else 4
 
 
 def unified_attention(
@@ -132,17 +159,24 @@ def unified_attention(
     block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32/int64
     scale: float,
     *,
-    block_m: int = 64,
-    block_n: int = 64,
-    num_warps: int = 4,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Causal varlen attention of a mixed batch over the paged cache (K/V already written).
 
     `block_m` is the number of (query token, head) rows per program; it must be a power of two
-    >= 16 and >= the padded GQA group size.
+    >= 16 and >= the padded GQA group size; unset tiles come from `default_tiles`. `sliding_window`
+    W > 0: each query sees the last W positions (itself included); `softcap` > 0: scores become
+    cap * tanh(score / cap).
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
+    check_window_softcap(sliding_window, softcap)
+    dm, dn, dw = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2])
+    block_m, block_n, num_warps = block_m or dm, block_n or dn, num_warps or dw
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if query_start_loc.dtype not in (torch.int32, torch.int64):
@@ -165,13 +199,14 @@ def unified_attention(
     grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
     _unified_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * _LOG2E,
+        num_seqs, scale * _LOG2E, int(sliding_window), float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *block_tables.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
+        USE_SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

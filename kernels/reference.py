@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
 
 
@@ -37,31 +38,55 @@ def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> t
     return cache[table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], masked) v over [..., heads, len, d] float32 tensors.
+
+    k and v may have fewer heads than q (GQA: each KV head serves a group of query heads).
+    """
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    # NOTE: HF Gemma 2's eager order: scale, divide by the cap, tanh, multiply, then the mask.
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def _extend_one(
     q: torch.Tensor,            # [q_len, num_heads, head_dim]
     k: torch.Tensor,            # [ctx, num_kv_heads, head_dim]
     v: torch.Tensor,            # [ctx, num_kv_heads, head_dim]
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    q_len, num_heads, _ = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
+    q_len = q.shape[0]
+    ctx = k.shape[0]
     # causal with the queries at the end of the context: query i sees positions <= ctx - q_len + i
+    # (and, with a window W, positions > its own - W)
     rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
     cols = torch.arange(ctx, device=q.device)[None, :]
     allowed = cols <= rows                                     # [q_len, ctx]
-    qh = q.transpose(0, 1).float()                             # [num_heads, q_len, d]
-    kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
-    vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=scale)
+    if window:
+        allowed &= cols > rows - window
+    out = _attend(q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+                  allowed, scale, softcap)
     return out.transpose(0, 1).to(q.dtype)
 
 
-# NOTE: the engine calls paged_attention once per layer with the same `meta`; what depends only
-# on `meta` (decode groups, their flattened block ids and masks, the prefill chunks) is computed
-# for the first layer and reused by the others. The cache holds a strong reference to the meta it
-# was built for, so an identity check (`is`) can never match a different, newer object.
-_plan_cache: list = [None, None]   # [meta, _Plan]
+# NOTE: the engine calls paged_attention once per layer with the same `meta` (one object per
+# sliding window, see AttentionMetadata.with_window); what depends only on `meta` (decode groups,
+# their flattened block ids and masks, the prefill chunks) is computed for the first layer and
+# reused by the others. The cache holds strong references to the metas it was built for, so an
+# identity check (`is`) can never match a different, newer object. A few entries, so layers
+# alternating between a full and a windowed view do not rebuild plans.
+_plan_cache: list = []   # [(meta, _Cached)], most recent last
+_PLAN_CACHE_SIZE = 4
 
 # A decode group may hold at most this much padding: padded keys / real keys.
 _MAX_PADDING = 1.25
@@ -85,7 +110,7 @@ class _Plan:
 
 
 def _decode_groups(rows: list[int], tokens: list[int], seq_lens: list[int], tables: torch.Tensor,
-                   block_size: int, device: torch.device) -> list[_DecodeGroup]:
+                   block_size: int, device: torch.device, window: int = 0) -> list[_DecodeGroup]:
     """Split decode sequences into groups of similar length, longest first, so padding a group
     to its longest member wastes at most ~_MAX_PADDING x the real keys."""
     order = sorted(range(len(rows)), key=lambda i: -seq_lens[i])
@@ -108,24 +133,27 @@ def _decode_groups(rows: list[int], tokens: list[int], seq_lens: list[int], tabl
         row_idx = torch.tensor([rows[i] for i in g], dtype=torch.long)
         blocks = tables.index_select(0, row_idx.to(tables.device))[:, :nb].reshape(-1).long()
         lens = [seq_lens[i] for i in g]
-        if len(g) == 1:
-            ctx, mask = longest, None
+        ctx = longest if len(g) == 1 else nb * block_size
+        # NOTE: the window only masks; the reference still gathers every block of the context.
+        windowed = window > 0 and longest > window
+        if all(n == ctx for n in lens) and not windowed:
+            mask = None
         else:
-            ctx = nb * block_size
-            if all(n == ctx for n in lens):
-                mask = None
-            else:
-                lens_t = torch.tensor(lens, device=device)
-                mask = (torch.arange(ctx, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+            lens_t = torch.tensor(lens, device=device)
+            cols = torch.arange(ctx, device=device)[None, :]
+            m = cols < lens_t[:, None]
+            if windowed:
+                m &= cols >= lens_t[:, None] - window
+            mask = m[:, None, None, :]
         out.append(_DecodeGroup(torch.tensor([tokens[i] for i in g], dtype=torch.long, device=device),
                                 blocks, nb, ctx, mask))
     return out
 
 
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-    cached_meta, cached = _plan_cache
-    if cached_meta is meta and cached is not None and cached.block_size == block_size:
-        return cached.plan
+    for cached_meta, cached in _plan_cache:
+        if cached_meta is meta and cached.block_size == block_size:
+            return cached.plan
     if meta.is_all_decode:
         rows = list(range(meta.num_seqs))
         tokens = rows
@@ -140,11 +168,13 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
             elif q_len > 0:
                 prefills.append((s, starts[s], starts[s] + q_len, s_len))
     lens = [meta.seq_lens_cpu[s] for s in rows]
-    groups = _decode_groups(rows, tokens, lens, meta.block_tables, block_size, device) if rows else []
+    groups = (_decode_groups(rows, tokens, lens, meta.block_tables, block_size, device, meta.sliding_window)
+              if rows else [])
     identity = (not prefills and len(groups) == 1 and len(rows) == sum(meta.query_lens_cpu)
                 and groups[0].tokens.tolist() == list(range(len(rows))))
     plan = _Plan(groups, prefills, identity)
-    _plan_cache[0], _plan_cache[1] = meta, _Cached(plan, block_size)
+    _plan_cache.append((meta, _Cached(plan, block_size)))
+    del _plan_cache[:-_PLAN_CACHE_SIZE]
     return plan
 
 
@@ -155,7 +185,7 @@ class _Cached:
 
 
 def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  g: _DecodeGroup, scale: float) -> torch.Tensor:
+                  g: _DecodeGroup, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """[b, num_heads, head_dim] attention of one decode group over its gathered context."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -166,8 +196,7 @@ def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     v = v_cache.index_select(0, g.blocks).view(b, g.num_blocks * block_size, num_kv_heads, head_dim)
     k = k[:, :g.ctx].transpose(1, 2).float()
     v = v[:, :g.ctx].transpose(1, 2).float()
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale,
-                                       enable_gqa=num_heads != num_kv_heads)
+    o = _attend(q, k, v, g.mask, scale, softcap)
     return o.view(b, num_heads, head_dim).to(query.dtype)
 
 
@@ -177,26 +206,28 @@ def paged_attention(
     v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed batch (decodes and prefill chunks) over the paged cache.
 
     The new tokens' K/V must already be in the cache (write_kv_cache first). Decodes run
     batched, in groups of similar context length (little padding); prefill chunks run one
-    sequence at a time.
+    sequence at a time. `meta.sliding_window` W > 0 limits each query to the last W positions
+    (itself included); `softcap` > 0 caps scores as cap * tanh(score / cap) (Gemma 2).
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
     plan = _plan(meta, k_cache.shape[1], query.device)
     if plan.identity:
-        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale)
+        return _decode_group(query, k_cache, v_cache, plan.groups[0], scale, softcap)
     out = torch.empty_like(query)
     for g in plan.groups:
-        out.index_copy_(0, g.tokens, _decode_group(query, k_cache, v_cache, g, scale))
+        out.index_copy_(0, g.tokens, _decode_group(query, k_cache, v_cache, g, scale, softcap))
     for s, lo, hi, s_len in plan.prefills:
         table = meta.block_tables[s]
         k = _gather_context(k_cache, table, s_len)
         v = _gather_context(v_cache, table, s_len)
-        out[lo:hi] = _extend_one(query[lo:hi], k, v, scale)
+        out[lo:hi] = _extend_one(query[lo:hi], k, v, scale, meta.sliding_window, softcap)
     return out
 
 
@@ -229,3 +260,54 @@ def rotary_embedding(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rot(query), rot(key)
+
+
+# ------------------------------------------------------------------------- mixture of experts
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, top_k] fp32 weights, [num_tokens, top_k] int64 ids)
+    """Softmax over experts (float32), the top-k, and optionally their weights rescaled to sum 1.
+
+    NOTE: HF's order exactly (Mixtral, Qwen3-MoE `norm_topk_prob`): softmax first, then top-k,
+    then renormalise; the weights stay float32 until they scale the expert outputs.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor,             # [num_tokens, hidden]
+    w13: torch.Tensor,           # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,            # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,      # [num_tokens, top_k] int32/int64
+) -> torch.Tensor:               # [num_tokens, hidden]
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids[t, k].
+
+    Grouped per expert: the (token, k) pairs are sorted by expert and every expert with tokens
+    runs one matmul over all of them; the results are added back with index_add_.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)                  # pair ids grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    pair_weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        gate, up = linear(x[tokens], w13[expert]).chunk(2, dim=-1)   # [n, inter] each
+        y = linear(F.silu(gate) * up, w2[expert])                     # [n, hidden]
+        out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
+    return out

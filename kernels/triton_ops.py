@@ -1,4 +1,4 @@
-"""The Triton backend: the reference's four ops with the same signatures, on Triton kernels.
+"""The Triton backend: the reference's ops (attention, cache write, norm, RoPE, MoE) with the same signatures, on Triton kernels.
 
 `kvmesh.kernels.ops.get_ops("triton")` returns this module; the model calls
 `ops.paged_attention(...)` etc. without knowing the backend. Tile sizes are the kernels'
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.cache_ops import write_kv_cache as _write_kv_cache
+from kvmesh.kernels.fused_moe import fused_moe as _fused_moe
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.norm import rms_norm as _rms_norm
 from kvmesh.kernels.paged_attention import paged_decode_attention
@@ -33,19 +34,22 @@ def paged_attention(
     v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
     """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
 
     An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
-    prefix hits, decodes mixed in) to the unified varlen kernel.
+    prefix hits, decodes mixed in) to the unified varlen kernel. `meta.sliding_window` and
+    `softcap` as in the reference.
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.max_seq_len, scale)
+                                      meta.max_seq_len, scale, sliding_window=meta.sliding_window,
+                                      softcap=softcap)
     return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                             meta.block_tables, scale)
+                             meta.block_tables, scale, sliding_window=meta.sliding_window, softcap=softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -62,3 +66,14 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style (rotate-half) RoPE, the layout of HF Llama / Qwen2 checkpoints."""
     return _rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def fused_moe(
+    x: torch.Tensor,             # [num_tokens, hidden]
+    w13: torch.Tensor,           # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,            # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,      # [num_tokens, top_k] int32/int64
+) -> torch.Tensor:               # [num_tokens, hidden]
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's experts e = ids[t, k]."""
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids)

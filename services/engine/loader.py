@@ -99,8 +99,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
             raise ModelFileNotFoundError(f"tokenizer directory does not exist: {tok_dir}")
         tokenizer = Tokenizer.from_dir(tok_dir, config.eos_token_ids)
 
+    # NOTE: resolved (and its module imported) outside the meta-device context: module-level
+    # code, e.g. the oneDNN probe in kernels/linear.py, must run on real tensors.
+    model_cls, ops = get_model_class(config.architecture), get_ops(backend)
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, get_ops(backend))
+        model = model_cls(config, ops)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)

@@ -16,7 +16,7 @@ def model_cache(tmp_path_factory, smollm):
 def test_model_specs(model_cache, tmp_path):
     assert resolve_model("builtin", model_cache) is None
     assert resolve_model(str(tmp_path), model_cache) == str(tmp_path)
-    with pytest.raises(SystemExit, match="random-1b, random-tiny or an HF model directory"):
+    with pytest.raises(SystemExit, match="random-1b, random-tiny, .* or an HF model directory"):
         resolve_model("no-such-model", model_cache)
 
 
@@ -45,6 +45,19 @@ def test_offline_throughput_on_a_random_model_agrees_with_transformers(model_cac
                              "--num-requests", "5", "--scale", "40", "--systems", "kvmesh,hf-static"])
     out = capsys.readouterr().out
     assert "# model: random-tiny" in out and "float32 on cpu" in out
+    assert "greedy outputs identical for 5/5 requests" in out
+
+
+def test_offline_throughput_on_a_random_moe_model_agrees_with_transformers(model_cache, capsys):
+    from kvmesh.engine.loader import load_model
+
+    path = ensure_random_model("random-moe-tiny", model_cache)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.architecture == "Qwen3MoeForCausalLM" and loaded.config.moe.num_experts == 8
+    offline_throughput.main(["--model", "random-moe-tiny", "--model-cache", str(model_cache),
+                             "--num-requests", "5", "--scale", "40", "--systems", "kvmesh,hf-static"])
+    out = capsys.readouterr().out
+    assert "# model: random-moe-tiny" in out
     assert "greedy outputs identical for 5/5 requests" in out
 
 

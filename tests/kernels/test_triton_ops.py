@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from kvmesh.kernels import reference  # noqa: E402
 from kvmesh.kernels.ops import get_ops  # noqa: E402
 
-OPS = ["write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding"]
+OPS = ["write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "fused_moe"]
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -1,25 +1,6 @@
-"""Model registry: HF architecture name -> model class."""
+"""Model families (one module each) and the architecture registry (`registry.py`)."""
 from __future__ import annotations
 
-from torch import nn
+from kvmesh.engine.models.registry import get_model_class
 
-from kvmesh.engine.model_config import SUPPORTED_ARCHITECTURES
-from kvmesh.engine.models.llama import LlamaForCausalLM
-
-# NOTE: Qwen2 is Llama with q/k/v bias; ModelConfig.attention_bias carries the difference.
-_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
-assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
-
-
-def get_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return _REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{', '.join(_REGISTRY)}") from None
-
-
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["get_model_class"]

@@ -1,0 +1,47 @@
+"""Gated MLP: down(act(gate(x)) * up(x)), with SiLU (Llama family) or tanh-GELU (Gemma)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.engine.layers.linear import fused_weights
+from kvmesh.kernels.linear import linear
+
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+
+
+class GatedMLP(nn.Module):
+    """HF names: gate_proj / up_proj / down_proj, or (fused_gate_up, Phi-3) gate_up_proj / down_proj."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
+                 fused_gate_up: bool = False):
+        super().__init__()
+        self.act = _activation(act)
+        self.fused_gate_up = fused_gate_up
+        if fused_gate_up:
+            # NOTE: Phi-3 stores gate and up as one [2 * intermediate, hidden] tensor, gate first.
+            self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+            self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self._gate_up = None   # (weight, bias, data pointers): gate/up fused into one matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up:
+            w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
+        else:
+            w, b = fused_weights(self, (self.gate_proj, self.up_proj), "_gate_up")
+            if w is None:
+                return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(x, w, b).chunk(2, dim=-1)                 # [T, i] each
+        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
