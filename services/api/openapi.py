@@ -129,10 +129,6 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
             if v.get("type") == "object":
                 v["maxProperties"] = 0
                 v["description"] = "not supported: only {} or null"
-        if model_name:
-            for v in _variants(props["model"]):
-                if v.get("type") == "string":
-                    v["enum"] = [model_name]
         if max_model_len:
             for key in ("max_tokens", "max_completion_tokens"):
                 for v in _variants(props.get(key, {})):
@@ -167,11 +163,20 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
                 v["description"] = "function calling is not supported: only [] or null"
         props["tool_choice"] = {"anyOf": [{"type": "string", "enum": ["none", "auto"]},
                                           {"type": "null"}], "title": "Tool Choice"}
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
+                 "DetokenizeRequest"):
+        if model_name and name in schemas:
+            for v in _variants(schemas[name]["properties"]["model"]):
+                if v.get("type") == "string":
+                    v["enum"] = [model_name]
     fmt = schemas.get("ResponseFormat")
     if fmt is not None:
         fmt["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}
     tok = schemas.get("TokenizeRequest")
     if tok is not None:
+        for v in _variants(tok["properties"]["messages"]):
+            if v.get("type") == "array":
+                v["minItems"] = 1
         tok["description"] = "Cross-field rules: " + "; ".join(CROSS_FIELD_RULES["TokenizeRequest"])
     detok = schemas.get("DetokenizeRequest")
     if detok is not None:
