@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.api.errors import APIError, error_response
 from kvmesh.api.metrics import EngineMetrics
+from kvmesh.api.openapi import error_responses, finish_openapi
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest)
 from kvmesh.api.serving_chat import apply_template, create_chat_completion
@@ -148,6 +149,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="kvmesh", version="0.1.0", lifespan=lifespan)
     app.state.kvmesh = state
+    _serve_openapi(app, state)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req: Request, exc: RequestValidationError):
@@ -185,7 +187,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
                            param="model")
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health():
         failure = _engine_failure(state)
         if failure:
@@ -194,7 +196,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             return error_json(500, state.load_error)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": 'Loading, draining or failed: '
+                                          '{"status": "loading" | "draining" | "failed"}'}})
     async def ready():
         failed = _engine_failure(state)
         if state.ready and not state.draining and not failed:
@@ -202,12 +205,12 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         status = "failed" if failed else "draining" if state.draining else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         body = state.metrics.render() if state.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         data = []
         if state.model_name:
@@ -215,17 +218,17 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                          "owned_by": "kvmesh", "max_model_len": state.max_model_len})
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         return await create_completion(state.context(), body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         return await create_chat_completion(state.context(), body, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         ctx = state.context()
@@ -235,7 +238,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         ctx = state.context()
@@ -246,7 +249,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                            param="tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 409, 503))
     async def reset_prefix_cache():
         ctx = state.context()
         if not await ctx.engine.reset_prefix_cache():
@@ -255,6 +258,25 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         return {"status": "ok"}
 
     return RequestContextMiddleware(app, state)  # type: ignore[return-value]
+
+
+def _serve_openapi(app: FastAPI, state: ServerState) -> None:
+    """/openapi.json with the error bodies and the validators' rules (kvmesh.api.openapi); the
+    model's name, vocabulary and context length appear once it is loaded (cached from then on)."""
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        loaded = state.engine is not None and state.ready
+        doc = finish_openapi(fastapi_openapi(), state.model_name if loaded else None,
+                             state.engine.engine.vocab_size if loaded else None,
+                             state.max_model_len if loaded else None)
+        if not loaded:
+            app.openapi_schema = None     # NOTE: rebuilt with the model's limits once ready
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _http_error(req: Request, exc: StarletteHTTPException) -> JSONResponse:
