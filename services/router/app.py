@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.common.auth import check_bearer
-from kvmesh.common.openai_errors import error_json
+from kvmesh.common.openai_errors import error_body, error_json
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.backends import BackendPool
@@ -341,12 +341,21 @@ class RouterState:
         self._export_health()
 
     async def _relay(self, resp: httpx.Response, b: BackendState, done: _Release):
-        """The backend's bytes, chunk by chunk, as they arrive."""
+        """The backend's bytes, chunk by chunk, as they arrive. NOTE: if the backend dies
+        mid-stream, the client is told in the stream (an OpenAI-style error event, then [DONE],
+        as an engine does when it fails) instead of getting a silently truncated answer."""
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:
             logger.warning("stream from %s broke: %s", b.url, e)
+            self._backend_failed(b, e)
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                body = error_body(502, f"backend {b.url} failed mid-stream "
+                                  f"({type(e).__name__}); the answer is incomplete",
+                                  "backend_failed")
+                # the blank line first ends any event the backend left half-written
+                yield f"\n\ndata: {json.dumps(body, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
         finally:
             await done()
 

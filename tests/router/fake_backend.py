@@ -14,6 +14,7 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
     app.state.name = name
     app.state.requests = []            # (path, body) in arrival order
     app.state.delay_s = 0.0            # before answering
+    app.state.die_after_chunks = None  # streams: the connection breaks after this many chunks
     app.state.disconnects = []         # bodies of requests whose client left during the delay
     app.state.load = (0, 0, 0.0)       # running, waiting, kv usage for /metrics
     app.state.chunks = chunks
@@ -59,6 +60,8 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
         if body.get("stream"):
             async def sse():
                 for i in range(app.state.chunks):
+                    if i == app.state.die_after_chunks:
+                        raise RuntimeError("the fake backend dies mid-stream")
                     if kind == "chat":
                         choice = {"index": 0, "delta": {"content": f"{name}-{i} "},
                                   "finish_reason": None}

@@ -3,6 +3,7 @@ backend, a backend that read it and died answers the client 502, and a client th
 its non-streaming answer cancels the request on the backend."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -148,5 +149,25 @@ def test_a_client_that_leaves_cancels_its_non_streaming_request_on_the_backend(g
         assert time.monotonic() - t0 < 6
         text = httpx.get(f"{router.url}/metrics").text
         assert "kvmesh_router_client_disconnects_total 1.0" in text
+    finally:
+        router.stop()
+
+
+def test_a_backend_that_dies_mid_stream_is_reported_in_the_stream(good):
+    """The client gets the chunks that were sent, then one OpenAI-style error event and [DONE]:
+    never an answer that is silently cut short."""
+    app = good.server.config.app
+    app.state.chunks, app.state.die_after_chunks = 4, 2
+    router = _router([good.url])
+    try:
+        with httpx.stream("POST", f"{router.url}/v1/completions", timeout=10,
+                          json={"model": "m", "prompt": "x", "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        assert [e["choices"][0]["text"] for e in events[:2]] == ["good-0 ", "good-1 "]
+        assert events[2]["error"]["code"] == "backend_failed"
+        assert events[2]["error"]["type"] == "bad_gateway"
+        assert len(events) == 3 and lines[-1] == "data: [DONE]"
     finally:
         router.stop()
