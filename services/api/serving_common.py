@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from starlette.requests import Request as HTTPRequest
 
 from kvmesh.api.errors import APIError, bad_request
+from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
 from kvmesh.common.openai_errors import error_body
 from kvmesh.api.protocol import _SamplingFields
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -243,15 +244,7 @@ async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
 
 async def cancel_on_disconnect(http: HTTPRequest, work: Awaitable[T], poll_s: float = 0.25) -> T:
     """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
-    task = asyncio.ensure_future(work)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await http.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+        return await until_disconnect(http, work, poll_s)
+    except ClientDisconnected:
+        raise asyncio.CancelledError("client disconnected") from None

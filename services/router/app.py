@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.common.auth import check_bearer
+from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
 from kvmesh.common.openai_errors import error_body, error_json
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
@@ -52,29 +53,6 @@ _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 _MAX_RETRIES = 1
 _DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def _until_disconnect(request: Request, work):
-    """Await `work`, cancelling it if the client goes away first (raises _ClientGone).
-    NOTE: cancelling an httpx request closes its backend connection; the engine's own
-    disconnect check then aborts the request and frees its KV blocks."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise _ClientGone
-    finally:
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError, httpx.HTTPError):
-                await task
 
 
 class _Release:
@@ -280,7 +258,7 @@ class RouterState:
                 if stream:
                     resp = await self.http.send(req, stream=True)
                 else:
-                    resp = await _until_disconnect(request, self._send_and_read(req))
+                    resp = await until_disconnect(request, self._send_and_read(req), _DISCONNECT_POLL_S)
             except _NEVER_SENT as e:
                 b.in_flight -= 1
                 tried.add(b.url)
@@ -290,7 +268,7 @@ class RouterState:
                                       f"tried; last: {type(e).__name__})", "backend_unreachable")
                 self.metrics.retries.inc()
                 continue
-            except _ClientGone:
+            except ClientDisconnected:
                 b.in_flight -= 1
                 self.metrics.client_disconnects.inc()
                 return Response(status_code=499)

@@ -59,7 +59,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_caches[self.self_attn.spec.rope])
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP (a mixture of experts in Mixtral, which shares the rest)."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):

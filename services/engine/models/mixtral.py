@@ -19,12 +19,15 @@ from kvmesh.engine.layers.causal_lm import CausalLM
 from kvmesh.engine.layers.moe import SparseMoeBlock
 from kvmesh.engine.layers.norm import RMSNorm
 from kvmesh.engine.model_config import ModelConfig
-from kvmesh.engine.models.llama import LlamaModel, attention_spec
+from kvmesh.engine.models.llama import LlamaDecoderLayer, LlamaModel, attention_spec
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer with `block_sparse_moe` in place of `mlp` (HF's names)."""
+
     def __init__(self, config: ModelConfig, ops: ModuleType, layer: int):
-        super().__init__()
+        # NOTE: nn.Module's init, not Llama's: this layer has no dense `mlp` to build or load.
+        nn.Module.__init__(self)
         h, moe = config.hidden_size, config.moe
         self.self_attn = Attention(h, attention_spec(config, layer), ops, qkv_bias=config.attention_bias,
                                    o_bias=config.o_proj_bias)
@@ -33,14 +36,8 @@ class MixtralDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, ops)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta, cos_sin_caches):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_caches[self.self_attn.spec.rope])
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.block_sparse_moe(hidden), residual
+    def feed_forward(self, hidden):
+        return self.block_sparse_moe(hidden)
 
 
 class MixtralForCausalLM(CausalLM):
