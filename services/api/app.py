@@ -13,18 +13,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvmesh.api.body_limit import BodySizeLimit
 from kvmesh.api.errors import APIError, error_response
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.openapi import error_responses, finish_openapi
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest)
 from kvmesh.api.serving_chat import apply_template, create_chat_completion
-from kvmesh.api.serving_common import ServingContext, now_s
+from kvmesh.api.serving_common import ServingContext, message_chars, now_s, off_loop
 from kvmesh.api.serving_completions import create_completion
 from kvmesh.common.auth import check_bearer
 from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from kvmesh.engine.limits import RequestLimits
 
 logger = logging.getLogger("kvmesh.api")
 
@@ -71,6 +73,7 @@ class ServerState:
     load_error: str | None = None
     engine_error: str | None = None     # the engine thread failed: the process exits non-zero
     stop_server: Callable[[], None] | None = None   # asks uvicorn to shut down (set by serve)
+    limits: RequestLimits = field(default_factory=RequestLimits)   # kvmesh serve's --max-* flags
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
@@ -233,10 +236,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         check_model(body.model)
         ctx = state.context()
         if body.messages is not None:
-            ids = apply_template(ctx.tokenizer, body.messages, body.add_generation_prompt)
+            ids = await off_loop(message_chars(body.messages), apply_template, ctx.tokenizer,
+                                 body.messages, body.add_generation_prompt)
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+            ids = await off_loop(len(body.prompt), ctx.tokenizer.encode, body.prompt,
+                                 body.add_special_tokens)
+        # NOTE: a JSONResponse, not a dict: FastAPI's jsonable_encoder walks a dict in Python
+        # (seconds on the loop for a 2 MB prompt's ids); json.dumps takes milliseconds.
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest):
@@ -257,7 +264,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                            "blocks; retry when the server is idle", code="prefix_cache_in_use")
         return {"status": "ok"}
 
-    return RequestContextMiddleware(app, state)  # type: ignore[return-value]
+    # NOTE: the API key is checked before the body is read; the body's size before it is parsed.
+    return RequestContextMiddleware(  # type: ignore[return-value]
+        BodySizeLimit(app, state.limits.max_request_body_bytes), state)
 
 
 def _serve_openapi(app: FastAPI, state: ServerState) -> None:

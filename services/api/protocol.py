@@ -9,8 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.engine.limits import (MAX_LOGPROBS, PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN,
-                                  TOP_K_MAX)
+from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, TOP_K_MAX
 from kvmesh.engine.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -23,11 +22,13 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions). The bounds a
+    deployment chooses (n, stop strings, stop_token_ids, logprobs, max_tokens: RequestLimits)
+    are checked by the input processor, not here."""
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX)
@@ -62,8 +63,6 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -91,7 +90,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -141,7 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

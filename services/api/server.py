@@ -29,6 +29,7 @@ from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_f
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.limits import RequestLimits
 
 logger = logging.getLogger("kvmesh.serve")
 
@@ -55,9 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
                    "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
+    _add_limit_args(p)
     kv_publishing.add_args(p)
     add_engine_args(p)
     return p
+
+
+_LIMIT_HELP = {
+    "max_request_body_bytes": "a larger request body is answered 413 before it is parsed",
+    "max_prompts_per_request": "prompts in one /v1/completions request",
+    "max_n": "samples per prompt (n)",
+    "max_stop_strings": "stop strings per request",
+    "max_stop_string_length": "characters in one stop string",
+    "max_stop_token_ids": "stop_token_ids per request",
+    "max_logprobs": "completions logprobs / chat top_logprobs",
+    "max_tokens": "max_tokens a request may ask for (0: up to the context length); a request "
+                  "that sends none gets at most this many",
+    "max_pending_outputs": "outputs queued for a reader that has not taken them; a reader "
+                           "this far behind is aborted (client_too_slow)",
+}
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per RequestLimits field; over a limit, a request is answered 400 (413 for the
+    body) naming the parameter."""
+    g = p.add_argument_group("request limits")
+    for f in dataclasses.fields(RequestLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=int, default=f.default,
+                       help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    """ValueError naming the flag if one is out of range."""
+    return RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,7 +126,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         engine.add_observer(metrics)
         async_engine = AsyncLLMEngine(
             engine, max_waiting=args.max_waiting or None,
-            on_dead=lambda e: _engine_failed(state, loop, e))
+            on_dead=lambda e: _engine_failed(state, loop, e), limits=state.limits)
         if get_tracer() is not None:
             from kvmesh.engine.tracing_hooks import EngineTracer
             EngineTracer(get_tracer(), engine.model_name).attach(engine)
@@ -139,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--kv-share redis needs --redis-url")
         if args.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0 (0: no limit), got {args.max_waiting}")
+        limits = limits_from_args(args)
         config = dataclasses.replace(engine_config_from_args(args),
                                      enable_kv_events=bool(args.redis_url),
                                      kv_share_url=args.redis_url if args.kv_share else None)
@@ -149,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
-    state = ServerState(api_key=_api_key(args))
+    state = ServerState(api_key=_api_key(args), limits=limits)
     app = create_app(state, lifespan=make_lifespan(state, config, args))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),

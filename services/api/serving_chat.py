@@ -10,9 +10,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from kvmesh.api.errors import bad_request
 from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
-                                       cancel_on_disconnect, chat_logprobs, close_all,
-                                       final_outputs, make_params, new_id, now_s, running_usage,
-                                       sse_chunk, sse_usage_chunk, stream_body, usage)
+                                       cancel_on_disconnect, chat_logprobs, check_context,
+                                       checked_params, close_all, final_outputs, message_chars,
+                                       new_id, now_s, off_loop, running_usage, sse_chunk,
+                                       sse_usage_chunk, stream_body, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -36,9 +37,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  http: HTTPRequest):
     request_id = new_id("chatcmpl")
     ctx.engine.check_capacity(1)
-    ids = render_prompt(ctx, req)
-    params = make_params(req, len(ids), ctx.max_model_len, req.requested_max_tokens,
-                         req.num_logprobs)
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names)
+    ids = await off_loop(message_chars(req.messages), render_prompt, ctx, req)
+    check_context(len(ids), ctx.max_model_len, req.requested_max_tokens, "messages")
     streams = await admit(ctx, req, [Admission(request_id, ids, ids, params)],
                           current_context("chat"))
     if req.stream:

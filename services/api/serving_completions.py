@@ -10,10 +10,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from kvmesh.api.errors import bad_request
 from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
-                                       cancel_on_disconnect, close_all, completion_logprobs,
-                                       final_outputs, make_params, merge_streams, new_id, now_s,
-                                       running_usage, sse_chunk, sse_usage_chunk, stream_body,
-                                       usage)
+                                       cancel_on_disconnect, check_context, checked_params,
+                                       close_all, completion_logprobs, final_outputs,
+                                       merge_streams, new_id, now_s, off_loop, running_usage,
+                                       sse_chunk, sse_usage_chunk, stream_body, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -22,19 +22,20 @@ from kvmesh.engine.outputs import RequestOutput
 async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HTTPRequest):
     request_id = new_id("cmpl")
     prompts = req.prompts()
-    admissions: list[Admission] = []
-    prompt_texts: list[str] = []
-    prompt_lens: list[int] = []
+    limit = ctx.limits.max_prompts_per_request
+    if len(prompts) > limit:
+        raise bad_request(f"at most {limit} prompts are allowed in one request, got "
+                          f"{len(prompts)}", param="prompt")
     ctx.engine.check_capacity(len(prompts))
-    for i, prompt in enumerate(prompts):
-        try:
-            text, ids = ctx.engine.engine.input_processor.tokenize(prompt)
-        except ValueError as e:
-            raise bad_request(str(e), param="prompt") from None
-        params = make_params(req, len(ids), ctx.max_model_len, req.max_tokens, req.logprobs)
-        prompt_texts.append(text if text is not None else ctx.tokenizer.decode(ids))
-        prompt_lens.append(len(ids))
-        admissions.append(Admission(f"{request_id}-{i}", prompt, ids, params))
+    max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and ctx.limits.max_tokens:
+        max_tokens = min(max_tokens, ctx.limits.max_tokens)   # OpenAI's default 16, capped
+    params = checked_params(ctx, req, max_tokens, req.logprobs)
+    prepared = await off_loop(sum(map(len, prompts)), _tokenize, ctx, prompts, max_tokens)
+    admissions = [Admission(f"{request_id}-{i}", prompt, ids, params)
+                  for i, (prompt, (_, ids)) in enumerate(zip(prompts, prepared))]
+    prompt_texts = [text for text, _ in prepared]
+    prompt_lens = [len(ids) for _, ids in prepared]
     gens = await admit(ctx, req, admissions, current_context())
     if req.stream:
         return StreamingResponse(stream_body(_stream_parts(ctx, req, request_id, gens,
@@ -43,6 +44,21 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
                                  background=BackgroundTask(close_all, gens))
     outs = await cancel_on_disconnect(http, final_outputs(gens))
     return JSONResponse(_full_response(ctx, req, request_id, outs, prompt_texts))
+
+
+def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
+              max_tokens: int | None) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of every prompt, each within the context length (maybe on a worker
+    thread: see off_loop)."""
+    prepared = []
+    for prompt in prompts:
+        try:
+            text, ids = ctx.input_processor.tokenize(prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from None
+        check_context(len(ids), ctx.max_model_len, max_tokens, "prompt")
+        prepared.append((text if text is not None else ctx.tokenizer.decode(ids), ids))
+    return prepared
 
 
 def _choice_logprobs(ctx, req, token_ids, steps, offset):

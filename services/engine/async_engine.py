@@ -3,7 +3,8 @@
 NOTE: the model's forward pass holds the CPU/GPU for tens of milliseconds, so the step loop runs
 on a dedicated thread and never blocks the event loop. The scheduler is not thread-safe: every
 mutation (add, abort) is a command the engine thread applies between steps. Outputs are handed
-to each request's asyncio queue with call_soon_threadsafe.
+to each request's asyncio queue with call_soon_threadsafe; the queue is bounded
+(`RequestLimits.max_pending_outputs`), so a reader that stops reading cannot grow the memory.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Callable, Iterator
 
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest, PromptInput
+from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -30,11 +32,16 @@ class QueueFullError(RuntimeError):
     """Back-pressure: the waiting queue is over its limit."""
 
 
+class ClientTooSlowError(RuntimeError):
+    """The request's reader fell `max_pending_outputs` outputs behind: the request was aborted."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future          # set once the engine thread has added (or refused) it
+    overflowed: bool = False          # the reader fell too far behind: outputs are dropped
 
 
 @dataclass(slots=True)
@@ -83,9 +90,15 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine      # metrics, tracing, index publishing: engine.observers
         self.max_waiting = max_waiting
+        if limits is not None:
+            # NOTE: the input processor checks every request against them; LLMEngine builds
+            # it with the defaults, the server's flags replace them here, before any request.
+            engine.input_processor.limits = limits
+        self.max_pending_outputs = engine.input_processor.limits.max_pending_outputs
         # called once on the engine thread after a failure has been sent to every client
         self.on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,7 +250,27 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(self._offer, request_id, stream, item)
+
+    def _offer(self, request_id: str, stream: _Stream, item) -> None:
+        """On the event loop: queue an output, unless the reader is too far behind.
+
+        NOTE: outputs are not coalesced (keeping only the latest when the reader lags): each
+        carries the delta since the previous one, which the stream sends. A reader
+        `max_pending_outputs` behind (a client that stopped reading its stream) is aborted: its
+        backlog is dropped, its blocks freed, and it reads ClientTooSlowError next."""
+        if stream.overflowed:
+            return
+        if isinstance(item, BaseException) or stream.queue.qsize() < self.max_pending_outputs:
+            stream.queue.put_nowait(item)
+            return
+        stream.overflowed = True
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(ClientTooSlowError(
+            f"the client fell {self.max_pending_outputs} outputs behind the generation of "
+            f"request {request_id!r}, which was aborted; read the stream as it arrives"))
+        self.abort(request_id)
 
     def _run(self) -> None:
         try:

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, RequestLimits
+from kvmesh.engine.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from kvmesh.prompt.tokenizer import Tokenizer
@@ -38,10 +38,49 @@ class EngineRequest:
 class InputProcessor:
     """Tokenizes prompts and validates requests against one engine's limits."""
 
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, max_model_len: int,
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size          # the model's: prompt token ids must index its embedding
         self.max_model_len = max_model_len    # a prompt must leave room for one generated token
+        # the deployment's bounds (kvmesh serve's --max-* flags); the defaults elsewhere
+        self.limits = limits if limits is not None else RequestLimits()
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """The processor's validated copy of `params`, within this deployment's limits, or a
+        SamplingParamsError naming the field. `process` calls it; a server may call it first,
+        to refuse a request before the work of tokenizing its prompt."""
+        params = _checked_copy(params)
+        for param, ok, message in self._limit_checks(params):
+            if not ok:
+                raise SamplingParamsError(param, message)
+        if params.max_tokens is None and self.limits.max_tokens:
+            # "up to the context length", within this deployment's cap
+            params = dataclasses.replace(params, max_tokens=self.limits.max_tokens)
+        return params
+
+    def _limit_checks(self, p: SamplingParams):
+        """(field, within the limit?, message), as SamplingParams._checks."""
+        lim = self.limits
+        yield "n", p.n <= lim.max_n, f"n must be <= {lim.max_n}, got {p.n}"
+        yield ("max_tokens", not lim.max_tokens or p.max_tokens is None
+               or p.max_tokens <= lim.max_tokens,
+               f"max_tokens must be <= {lim.max_tokens}, got {p.max_tokens}")
+        yield ("stop", len(p.stop) <= lim.max_stop_strings,
+               f"at most {lim.max_stop_strings} stop strings are allowed, got {len(p.stop)}")
+        longest = max(map(len, p.stop), default=0)
+        yield ("stop", longest <= lim.max_stop_string_length,
+               f"a stop string may be at most {lim.max_stop_string_length} characters long, "
+               f"got {longest}")
+        yield ("stop_token_ids", len(p.stop_token_ids) <= lim.max_stop_token_ids,
+               f"at most {lim.max_stop_token_ids} stop_token_ids are allowed, "
+               f"got {len(p.stop_token_ids)}")
+        # NOTE: the sampler indexes the logits with them (the min_tokens mask)
+        yield ("stop_token_ids", all(t < self.vocab_size for t in p.stop_token_ids),
+               f"stop_token_ids must be in the vocabulary [0, {self.vocab_size}), got "
+               f"{max(p.stop_token_ids, default=0)}")
+        yield ("logprobs", p.logprobs is None or p.logprobs <= lim.max_logprobs,
+               f"logprobs must be <= {lim.max_logprobs}, got {p.logprobs}")
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text or token-id prompt; ValueError if it is empty or
@@ -70,11 +109,11 @@ class InputProcessor:
         the vocabulary again. `prompt_text` names the text token ids came from (for outputs)."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
+        params = self.check_params(SamplingParams() if params is None else params)
         if prompt_ids is None:
             text, ids = self.tokenize(prompt)
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_ids)
-        params = _checked_copy(SamplingParams() if params is None else params)
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) >= self.max_model_len:

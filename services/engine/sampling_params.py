@@ -31,7 +31,9 @@ class SamplingParams:
     max_tokens: int | None = 16       # None: up to the model's context length
     min_tokens: int = 0               # EOS and stop tokens are masked until this many are out
     stop: list[str] = field(default_factory=list)           # stop strings (not in the output)
-    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (in token ids)
+    # extra stop tokens (in token ids). NOTE: a frozenset: the sampler tests membership for
+    # every sampled token, O(1) whatever the length; a list given is converted.
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False          # keep generating past EOS (benchmarks)
     logprobs: int | None = None       # top-k logprobs per generated token (0: chosen only)
     include_stop_str_in_output: bool = False
@@ -41,7 +43,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        try:
+            self.stop_token_ids = frozenset(self.stop_token_ids or ())
+        except TypeError:                                   # an unhashable item: [[1]]
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of "
+                                      "integers >= 0") from None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -80,6 +86,8 @@ class SamplingParams:
                f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         yield ("stop", all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
+        yield ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be a list of integers >= 0")
         yield ("seed", self.seed is None or (_is_int(self.seed)
                                              and SEED_MIN <= self.seed <= SEED_MAX),
                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")

@@ -6,8 +6,9 @@ import asyncio
 import pytest
 
 from kvmesh.common.config import EngineConfig
-from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvmesh.engine.async_engine import AsyncLLMEngine, ClientTooSlowError, EngineDeadError
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.sampling_params import SamplingParams
 
 
@@ -28,3 +29,32 @@ async def test_a_request_admitted_as_the_engine_stops_is_refused_not_left_waitin
         await asyncio.wait_for(engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=1)),
                                timeout=10)
     assert engine.num_in_flight == 0
+
+
+async def test_a_reader_too_far_behind_is_aborted_and_its_queue_stays_bounded(smollm):
+    """A stream nobody reads while the engine generates: at most max_pending_outputs outputs
+    wait for it, then the request is aborted (its blocks freed) and the reader gets a clear error."""
+    llm = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=256), loaded=smollm)
+    engine = AsyncLLMEngine(llm, limits=RequestLimits(max_pending_outputs=4))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+        stream = await engine.add_request("slow", [1, 2, 3], params)
+        queue, sizes = stream._stream.queue, []
+        async with asyncio.timeout(120):
+            while llm.has_unfinished_requests() or engine._commands.qsize():
+                sizes.append(queue.qsize())
+                await asyncio.sleep(0.005)
+        assert max(sizes) <= 4 and queue.qsize() == 1          # only the error is left
+        with pytest.raises(ClientTooSlowError) as e:
+            async for _ in stream:
+                pass
+        assert str(e.value) == ("the client fell 4 outputs behind the generation of request "
+                                "'slow', which was aborted; read the stream as it arrives")
+        assert llm.kv_manager.num_free_blocks == 32 and engine.num_in_flight == 0
+        # a reader that keeps up, under the same bound, gets every token
+        outs = [o async for o in engine.generate("fast", [1, 2, 3], params)]
+        assert len(outs[-1].outputs[0].token_ids) == 40
+        assert outs[-1].outputs[0].finish_reason == "length"
+    finally:
+        engine.shutdown()
