@@ -24,6 +24,7 @@ import uvicorn
 from kvmesh.index import serve as kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
+from kvmesh.common.auth import resolve_api_key
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
@@ -66,12 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        with open(args.api_key_file) as f:
-            return f.read().strip() or None
-    return os.environ.get("KVMESH_API_KEY") or None
+    return resolve_api_key(args.api_key, args.api_key_file)
 
 
 def _engine_failed(state: ServerState, loop: asyncio.AbstractEventLoop,

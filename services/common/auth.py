@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hmac
+import os
 
 from starlette.responses import JSONResponse
 
@@ -19,3 +20,14 @@ def check_bearer(authorization: str, api_key: str) -> JSONResponse | None:
     msg = ("Incorrect API key provided." if token else
            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
     return error_json(401, msg, code="invalid_api_key")
+
+
+def resolve_api_key(api_key: str | None, api_key_file: str | None,
+                    env: str = "KVMESH_API_KEY") -> str | None:
+    """The key from --api-key, else --api-key-file (stripped), else $KVMESH_API_KEY; None: open."""
+    if api_key:
+        return api_key
+    if api_key_file:
+        with open(api_key_file) as f:
+            return f.read().strip() or None
+    return os.environ.get(env) or None

@@ -308,8 +308,10 @@ class RouterState:
         self.metrics.decisions.labels(decision.reason).inc()
         self.metrics.prefix_hit_blocks.observe(decision.prefix_blocks)
         out_headers = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
-        out_headers["x-kvmesh-backend"] = b.url
-        out_headers["x-kvmesh-route-reason"] = decision.reason
+        if cfg.expose_route_headers:
+            # NOTE: off by default: they tell any client which pod holds which prefix.
+            out_headers["x-kvmesh-backend"] = b.url
+            out_headers["x-kvmesh-route-reason"] = decision.reason
         if stream and resp.status_code == 200:
             done = _Release(resp, b)
             # NOTE: the background task releases the backend even if the client disconnects

@@ -18,6 +18,7 @@ class RouterConfig:
     block_size: int = 16                    # must equal the engines' --block-size
     hash_seed: str = "kvmesh"               # must equal the engines' hash seed
     api_key: str | None = None              # clients must send "Authorization: Bearer KEY"
+    expose_route_headers: bool = False      # x-kvmesh-backend / -route-reason on responses
     session_header: str | None = None       # e.g. X-Session-Id: sticky routing per value
     namespace: str | None = None            # Redis key space; default $POD_NAMESPACE / default
     service: str | None = None              # Redis key space; default $KVMESH_SERVICE / kvmesh

@@ -72,6 +72,7 @@ class Cluster:
         # NOTE: these tests check routing decisions; on a loaded CI machine a burst can delay a
         # lookup past the production deadline (0.25 s). The slow-lookup test sets its own.
         kw.setdefault("lookup_timeout_s", 5.0)
+        kw.setdefault("expose_route_headers", True)     # the tests read the decision from them
         cfg = RouterConfig(redis_url=self.redis.url, namespace=NS, service=SVC, block_size=BS,
                            health_interval_s=0.1, load_interval_s=0.05, **kw)
         r = UvicornThread(create_app(cfg, self.tokenizer, "m")).start()
