@@ -28,6 +28,9 @@ from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFul
 logger = logging.getLogger("kvmesh.api")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+# NOTE: admin endpoints change state shared by every client: they need a key even where the
+# OpenAI routes are open (--admin-api-key, else --api-key).
+ADMIN_PATHS = ("/reset_prefix_cache",)
 _JSON = b"application/json"
 
 
@@ -61,6 +64,7 @@ def _engine_failure(state: ServerState) -> str | None:
 class ServerState:
     """What the routes need; the engine arrives once the model is loaded."""
     api_key: str | None = None
+    admin_api_key: str | None = None    # for ADMIN_PATHS (else api_key); both None: open
     engine: AsyncLLMEngine | None = None
     metrics: EngineMetrics | None = None
     model_name: str | None = None
@@ -104,6 +108,8 @@ class RequestContextMiddleware:
             await send(message)
 
         key = self.state.api_key
+        if scope["path"] in ADMIN_PATHS:
+            key = self.state.admin_api_key or key
         if key and not scope["path"].startswith(OPEN_PATHS):
             refused = check_bearer(headers.get("authorization", ""), key)
             if refused is not None:

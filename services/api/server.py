@@ -24,7 +24,7 @@ import uvicorn
 from kvmesh.index import serve as kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
-from kvmesh.common.auth import resolve_api_key
+from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(also from KVMESH_API_KEY or --api-key-file)")
     p.add_argument("--api-key-file", default=None)
+    p.add_argument("--admin-api-key", default=None,
+                   help="key for admin endpoints (POST /reset_prefix_cache), required even when "
+                   "--api-key is unset (also from KVMESH_ADMIN_API_KEY or --admin-api-key-file; "
+                   "default: the --api-key)")
+    p.add_argument("--admin-api-key-file", default=None)
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="reject new requests with 429 once this many are waiting (0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -145,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
-    state = ServerState(api_key=_api_key(args))
+    state = ServerState(api_key=_api_key(args),
+                        admin_api_key=resolve_api_key(args.admin_api_key, args.admin_api_key_file,
+                                                      "KVMESH_ADMIN_API_KEY"))
+    warning = open_bind_warning(args.host, state.api_key)
+    if warning:
+        logger.warning(warning)
     app = create_app(state, lifespan=make_lifespan(state, config, args))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),

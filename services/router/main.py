@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from kvmesh.common.auth import resolve_api_key
+from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 from kvmesh.router.config import RouterConfig
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvmesh router: error: {e}", file=sys.stderr)
         return 2
+    warning = open_bind_warning(args.host, cfg.api_key, "router")
+    if warning:
+        logger.warning(warning)
     tokenizer = None
     if cfg.strategy == "kv-aware":
         from kvmesh.prompt.sources import load_tokenizer  # noqa: PLC0415 (transformers is slow to import)
