@@ -186,6 +186,7 @@ class RouterState:
             self._set_redis(False, e)
             return
         self.pool.apply_heartbeats(pods)
+        self.metrics.duplicate_pod_ids.set(len(self.pool.duplicate_pod_ids))
         self._set_redis(True)
 
     def _set_redis(self, ok: bool, error: Exception | None = None) -> None:
