@@ -21,6 +21,7 @@ from kvmesh.api.serving_chat import apply_template, create_chat_completion
 from kvmesh.api.serving_common import ServingContext, now_s
 from kvmesh.api.serving_completions import create_completion
 from kvmesh.common.auth import check_bearer
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
@@ -65,6 +66,7 @@ class ServerState:
     """What the routes need; the engine arrives once the model is loaded."""
     api_key: str | None = None
     admin_api_key: str | None = None    # for ADMIN_PATHS (else api_key); both None: open
+    cache_salt_from: CacheSaltSource = field(default_factory=CacheSaltSource)  # tenant isolation
     engine: AsyncLLMEngine | None = None
     metrics: EngineMetrics | None = None
     model_name: str | None = None
@@ -224,11 +226,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_completion(state.context(), body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_chat_completion(state.context(), body, request)
 
     @app.post("/tokenize")

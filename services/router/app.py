@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.common.auth import check_bearer
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.openai_errors import error_json
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
@@ -100,6 +101,7 @@ class RouterState:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name or cfg.model or ""
+        self.salt_from = CacheSaltSource.parse(cfg.cache_salt_from)
         self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port)
         self.metrics = RouterMetrics()
         self.rr = itertools.count()
@@ -252,8 +254,9 @@ class RouterState:
                 ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, endpoint, body)
             else:
                 ids = prompt_token_ids(self.tokenizer, endpoint, body)
-            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed,
-                                         body.get("cache_salt"))
+            # NOTE: the engine derives the same salt from the same forwarded headers.
+            salt = self.salt_from.salt(request.headers, body.get("cache_salt"))
+            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed, salt)
             num_blocks = len(hashes)
             model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
             hits, index = await self.lookup(model, hashes)

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expose-route-headers", action="store_true",
                    help="add x-kvmesh-backend and x-kvmesh-route-reason to responses "
                         "(diagnostics; they reveal backend addresses and cache hits)")
+    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
+                   help="must equal the engines' value: per-tenant cache salt, so prefix hits "
+                   "are looked up in the tenant's own blocks")
     p.add_argument("--session-header", default=None, metavar="NAME",
                    help="sticky routing by this header's value, e.g. X-Session-Id")
     p.add_argument("--namespace", default=None, help="Redis key space (default $POD_NAMESPACE)")
@@ -59,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         strategy=args.strategy, model=args.model, tokenizer=args.tokenizer,
         block_size=args.block_size, hash_seed=args.hash_seed,
         api_key=resolve_api_key(args.api_key, args.api_key_file),
-        expose_route_headers=args.expose_route_headers,
+        expose_route_headers=args.expose_route_headers, cache_salt_from=args.cache_salt_from,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
         lookup_timeout_s=args.lookup_timeout,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)

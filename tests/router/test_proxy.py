@@ -387,3 +387,26 @@ def test_two_backends_publishing_under_one_pod_id_are_routed_by_load(redis_serve
         assert len(warned) == 1 and "pod id 'a'" in warned[0].getMessage()
     finally:
         c.close()
+
+
+def test_the_tenant_salt_isolates_prefix_hits_like_the_engines(cluster):
+    """--cache-salt-from header:X-Tenant: engine b holds acme's blocks of a prompt (salted as
+    the engine salts them); acme's request follows them, globex's same prompt has no hit."""
+    from kvmesh.common.cache_salt import CacheSaltSource
+    body = chat_body("Where is shipment 12?")
+    acme = CacheSaltSource.parse("header:X-Tenant").salt({"x-tenant": "acme"}, None)
+    assert cluster.cache("b", "chat", {**body, "cache_salt": acme}) >= 4
+    url = cluster.router(cache_salt_from="header:X-Tenant")
+    assert wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def route(tenant: str) -> tuple[str, str]:
+        r = client.chat.completions.with_raw_response.create(**body,
+                                                              extra_headers={"X-Tenant": tenant})
+        return r.headers["x-kvmesh-backend"], r.headers["x-kvmesh-route-reason"]
+    assert route("acme") == (cluster.servers["b"].url, "prefix-hit")
+    assert route("globex")[1] == "no-prefix"
+    # the client's own cache_salt cannot claim acme's blocks
+    r = client.chat.completions.with_raw_response.create(**body, extra_body={"cache_salt": acme},
+                                                          extra_headers={"X-Tenant": "globex"})
+    assert r.headers["x-kvmesh-route-reason"] == "no-prefix"

@@ -119,3 +119,13 @@ def test_a_single_move_is_not_a_duplicate():
     for t, url in enumerate([a.url, a.url, b.url, b.url, b.url]):
         pool.apply_heartbeats(_hb("p", url), now=float(t))
     assert (pool.duplicate_pod_ids, a.pod_id, b.pod_id) == ({}, None, "p")
+
+
+def test_cache_salt_from_is_validated_and_read_from_the_cli():
+    with pytest.raises(ValueError, match="--cache-salt-from must be none, api-key or header:NAME"):
+        RouterConfig(backends=("u",), cache_salt_from="header:")
+    args = build_parser().parse_args(["--redis-url", "redis://x", "--backends", "http://e:8000",
+                                      "--cache-salt-from", "api-key"])
+    assert config_from_args(args).cache_salt_from == "api-key"
+    assert main(["--redis-url", "redis://x", "--backends", "http://e:8000",
+                 "--cache-salt-from", "tenant"]) == 2
