@@ -23,6 +23,7 @@ from kvmesh.api.serving_chat import apply_template, create_chat_completion
 from kvmesh.api.serving_common import ServingContext, message_chars, now_s, off_loop
 from kvmesh.api.serving_completions import create_completion
 from kvmesh.common.auth import check_bearer
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
@@ -31,6 +32,9 @@ from kvmesh.engine.limits import RequestLimits
 logger = logging.getLogger("kvmesh.api")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+# NOTE: admin endpoints change state shared by every client: they need a key even where the
+# OpenAI routes are open (--admin-api-key, else --api-key).
+ADMIN_PATHS = ("/reset_prefix_cache",)
 _JSON = b"application/json"
 
 
@@ -64,6 +68,8 @@ def _engine_failure(state: ServerState) -> str | None:
 class ServerState:
     """What the routes need; the engine arrives once the model is loaded."""
     api_key: str | None = None
+    admin_api_key: str | None = None    # for ADMIN_PATHS (else api_key); both None: open
+    cache_salt_from: CacheSaltSource = field(default_factory=CacheSaltSource)  # tenant isolation
     engine: AsyncLLMEngine | None = None
     metrics: EngineMetrics | None = None
     model_name: str | None = None
@@ -108,6 +114,8 @@ class RequestContextMiddleware:
             await send(message)
 
         key = self.state.api_key
+        if scope["path"] in ADMIN_PATHS:
+            key = self.state.admin_api_key or key
         if key and not scope["path"].startswith(OPEN_PATHS):
             refused = check_bearer(headers.get("authorization", ""), key)
             if refused is not None:
@@ -224,11 +232,13 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
+        body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_completion(state.context(), body, request)
 
     @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_chat_completion(state.context(), body, request)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))

@@ -24,6 +24,8 @@ import uvicorn
 from kvmesh.index import serve as kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
+from kvmesh.common.auth import open_bind_warning, resolve_api_key
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
@@ -48,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(also from KVMESH_API_KEY or --api-key-file)")
     p.add_argument("--api-key-file", default=None)
+    p.add_argument("--admin-api-key", default=None,
+                   help="key for admin endpoints (POST /reset_prefix_cache), required even when "
+                   "--api-key is unset (also from KVMESH_ADMIN_API_KEY or --admin-api-key-file; "
+                   "default: the --api-key)")
+    p.add_argument("--admin-api-key-file", default=None)
+    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
+                   help="isolate the prefix cache per tenant: salt every request's blocks with "
+                   "an HMAC of its Bearer key or of this header's value (a client's cache_salt "
+                   "is appended, never replaces it); the router needs the same value")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="reject new requests with 429 once this many are waiting (0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -97,12 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        with open(args.api_key_file) as f:
-            return f.read().strip() or None
-    return os.environ.get("KVMESH_API_KEY") or None
+    return resolve_api_key(args.api_key, args.api_key_file)
 
 
 def _engine_failed(state: ServerState, loop: asyncio.AbstractEventLoop,
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(engine_config_from_args(args),
                                      enable_kv_events=bool(args.redis_url),
                                      kv_share_url=args.redis_url if args.kv_share else None)
+        cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
@@ -181,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
-    state = ServerState(api_key=_api_key(args), limits=limits)
+    state = ServerState(api_key=_api_key(args), limits=limits, cache_salt_from=cache_salt_from,
+                        admin_api_key=resolve_api_key(args.admin_api_key, args.admin_api_key_file,
+                                                      "KVMESH_ADMIN_API_KEY"))
+    warning = open_bind_warning(args.host, state.api_key)
+    if warning:
+        logger.warning(warning)
     app = create_app(state, lifespan=make_lifespan(state, config, args))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),

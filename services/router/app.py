@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmesh.common.auth import check_bearer
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
 from kvmesh.common.openai_errors import error_body, error_json
 from kvmesh.index.hashing import prompt_block_hashes
@@ -78,6 +79,7 @@ class RouterState:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_name = model_name or cfg.model or ""
+        self.salt_from = CacheSaltSource.parse(cfg.cache_salt_from)
         self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port)
         self.metrics = RouterMetrics()
         self.rr = itertools.count()
@@ -164,6 +166,7 @@ class RouterState:
             self._set_redis(False, e)
             return
         self.pool.apply_heartbeats(pods)
+        self.metrics.duplicate_pod_ids.set(len(self.pool.duplicate_pod_ids))
         self._set_redis(True)
 
     def _set_redis(self, ok: bool, error: Exception | None = None) -> None:
@@ -229,8 +232,9 @@ class RouterState:
                 ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, endpoint, body)
             else:
                 ids = prompt_token_ids(self.tokenizer, endpoint, body)
-            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed,
-                                         body.get("cache_salt"))
+            # NOTE: the engine derives the same salt from the same forwarded headers.
+            salt = self.salt_from.salt(request.headers, body.get("cache_salt"))
+            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed, salt)
             num_blocks = len(hashes)
             model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
             hits, index = await self.lookup(model, hashes)
@@ -286,8 +290,10 @@ class RouterState:
         self.metrics.decisions.labels(decision.reason).inc()
         self.metrics.prefix_hit_blocks.observe(decision.prefix_blocks)
         out_headers = {k: resp.headers[k] for k in _PASS_BACK if k in resp.headers}
-        out_headers["x-kvmesh-backend"] = b.url
-        out_headers["x-kvmesh-route-reason"] = decision.reason
+        if cfg.expose_route_headers:
+            # NOTE: off by default: they tell any client which pod holds which prefix.
+            out_headers["x-kvmesh-backend"] = b.url
+            out_headers["x-kvmesh-route-reason"] = decision.reason
         if stream and resp.status_code == 200:
             done = _Release(resp, b)
             # NOTE: the background task releases the backend even if the client disconnects

@@ -10,11 +10,13 @@ import asyncio
 import logging
 import re
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httpx
 
 from kvmesh.index.lookup import PodLoad
+from kvmesh.router.pod_claims import PodClaims
 from kvmesh.router.routing_policy import BackendState
 
 logger = logging.getLogger("kvmesh.router")
@@ -63,6 +65,8 @@ class BackendPool:
         self.backend_port = backend_port
         self.health_timeout_s = health_timeout_s
         self.backends: dict[str, BackendState] = {}
+        self.claims = PodClaims()
+        self.duplicate_pod_ids: dict[str, set[str]] = {}   # pod id -> URLs sharing it
         for url in urls or ():
             u = normalize_url(url)
             # NOTE: start healthy so the first requests need not wait for a health check.
@@ -124,9 +128,15 @@ class BackendPool:
         elif not ok:
             self.mark_unhealthy(b.url, why)
 
-    def apply_heartbeats(self, pods: dict[str, PodLoad]) -> None:
-        """Take pod ids and loads from the Redis heartbeats of the pods behind our backends."""
+    def apply_heartbeats(self, pods: dict[str, PodLoad], now: float | None = None) -> None:
+        """Take pod ids and loads from the Redis heartbeats of the pods behind our backends.
+        A backend whose pod id another backend also claims (pod_claims.py) gets no pod id: no
+        prefix hits, routed by load."""
+        now = time.monotonic() if now is None else now
         by_url = {normalize_url(p.url): p for p in pods.values() if p.url}
+        self.claims.observe({p.pod_id: u for u, p in by_url.items()}, now)
+        self.duplicate_pod_ids = self.claims.duplicates(now)
+        shared = set().union(*self.duplicate_pod_ids.values())
         for b in self.backends.values():
             p = by_url.get(b.url)
             if p is None:
@@ -134,7 +144,7 @@ class BackendPool:
                 b.running = b.waiting = 0
                 b.kv_usage = 0.0
                 continue
-            b.pod_id = p.pod_id
+            b.pod_id = None if b.url in shared else p.pod_id
             b.running, b.waiting, b.kv_usage = p.running, p.waiting, p.kv_usage
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.router.routing_policy import STRATEGIES, PolicyConfig
 
 
@@ -18,6 +19,8 @@ class RouterConfig:
     block_size: int = 16                    # must equal the engines' --block-size
     hash_seed: str = "kvmesh"               # must equal the engines' hash seed
     api_key: str | None = None              # clients must send "Authorization: Bearer KEY"
+    cache_salt_from: str = "none"           # none | api-key | header:NAME: the engines' value
+    expose_route_headers: bool = False      # x-kvmesh-backend / -route-reason on responses
     session_header: str | None = None       # e.g. X-Session-Id: sticky routing per value
     namespace: str | None = None            # Redis key space; default $POD_NAMESPACE / default
     service: str | None = None              # Redis key space; default $KVMESH_SERVICE / kvmesh
@@ -42,6 +45,7 @@ class RouterConfig:
                              f"value), got {self.block_size}")
         if not 0 < self.backend_port < 65536:
             raise ValueError(f"--backend-port must be a TCP port, got {self.backend_port}")
+        CacheSaltSource.parse(self.cache_salt_from)     # raises with the accepted values
         if not self.lookup_timeout_s > 0:
             raise ValueError(f"--lookup-timeout must be > 0 seconds, got {self.lookup_timeout_s}")
         for name in ("health_interval_s", "load_interval_s", "discover_interval_s",

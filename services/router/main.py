@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 from kvmesh.router.config import RouterConfig
@@ -35,7 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="must equal the engines' value")
     p.add_argument("--hash-seed", default="kvmesh", help="must equal the engines' value")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
-                   "(default: $KVMESH_API_KEY)")
+                   "(also from --api-key-file or $KVMESH_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE")
+    p.add_argument("--expose-route-headers", action="store_true",
+                   help="add x-kvmesh-backend and x-kvmesh-route-reason to responses "
+                        "(diagnostics; they reveal backend addresses and cache hits)")
+    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
+                   help="must equal the engines' value: per-tenant cache salt, so prefix hits "
+                   "are looked up in the tenant's own blocks")
     p.add_argument("--session-header", default=None, metavar="NAME",
                    help="sticky routing by this header's value, e.g. X-Session-Id")
     p.add_argument("--namespace", default=None, help="Redis key space (default $POD_NAMESPACE)")
@@ -53,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discover=args.discover_headless_service, backend_port=args.backend_port,
         strategy=args.strategy, model=args.model, tokenizer=args.tokenizer,
         block_size=args.block_size, hash_seed=args.hash_seed,
-        api_key=args.api_key or os.environ.get("KVMESH_API_KEY") or None,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+        expose_route_headers=args.expose_route_headers, cache_salt_from=args.cache_salt_from,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
         lookup_timeout_s=args.lookup_timeout,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
@@ -68,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvmesh router: error: {e}", file=sys.stderr)
         return 2
+    warning = open_bind_warning(args.host, cfg.api_key, "router")
+    if warning:
+        logger.warning(warning)
     tokenizer = None
     if cfg.strategy == "kv-aware":
         from kvmesh.prompt.sources import load_tokenizer  # noqa: PLC0415 (transformers is slow to import)

@@ -41,3 +41,7 @@ class RouterMetrics:
             "cancelled)", registry=r)
         self.redis_up = Gauge("kvmesh_router_redis_up", "1 while the prefix index is reachable",
                               registry=r)
+        self.duplicate_pod_ids = Gauge(
+            "kvmesh_router_duplicate_pod_ids",
+            "Pod ids whose heartbeat more than one backend claims (those backends are routed "
+            "by load)", registry=r)

@@ -114,7 +114,8 @@ def start_cluster(log_dir: Path, num_engines: int = 3, engine_args: tuple[str, .
             "--backends", *[e.url for e in engines], "--strategy", strategy,
             # NOTE: three CPU engines share this machine's cores with the router; a lookup
             # delayed past the production deadline would change a decision the test checks.
-            "--lookup-timeout", "2", "--log-level", "warning", *router_args], rport, log_dir,
+            "--lookup-timeout", "2", "--expose-route-headers", "--log-level", "warning",
+            *router_args], rport, log_dir,
             None)
         _wait_ready([*engines, router], ready_timeout)
         cluster = Cluster(rs, engines, router)

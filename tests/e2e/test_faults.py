@@ -115,7 +115,7 @@ def _start_stack(log_dir: Path, redis_url: str, names: list[str]) -> Stack:
     rport = free_port()
     rargv = ["router", "--host", "127.0.0.1", "--port", str(rport), "--redis-url", redis_url,
              "--backends", *[e.url for e in engines], "--strategy", "kv-aware",
-             "--lookup-timeout", "2", "--log-level", "warning"]
+             "--lookup-timeout", "2", "--expose-route-headers", "--log-level", "warning"]
     router = _spawn("router", rargv, rport, log_dir, None)
     return Stack(redis_url, engines, router, log_dir, argv, rargv)
 

@@ -297,7 +297,7 @@ def test_json_body_without_a_json_content_type_is_parsed_as_json(server, content
     if content_type is not None:
         headers["Content-Type"] = content_type
     body = b'{"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": true}'
-    r = httpx.post(f"{server.url}/v1/completions", headers=headers, content=body)
+    r = httpx.post(f"{server.url}/v1/completions", headers=headers, content=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
 

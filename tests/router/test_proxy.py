@@ -72,6 +72,7 @@ class Cluster:
         # NOTE: these tests check routing decisions; on a loaded CI machine a burst can delay a
         # lookup past the production deadline (0.25 s). The slow-lookup test sets its own.
         kw.setdefault("lookup_timeout_s", 5.0)
+        kw.setdefault("expose_route_headers", True)     # the tests read the decision from them
         cfg = RouterConfig(redis_url=self.redis.url, namespace=NS, service=SVC, block_size=BS,
                            health_interval_s=0.1, load_interval_s=0.05, **kw)
         r = UvicornThread(create_app(cfg, self.tokenizer, "m")).start()
@@ -358,3 +359,54 @@ def test_in_flight_counts_return_to_zero(cluster):
     assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": big}).status_code == 200
     state = cluster.routers[-1].server.config.app.state.router
     assert wait_until(lambda: all(b.in_flight == 0 for b in state.pool.states()), timeout=5)
+
+
+def test_two_backends_publishing_under_one_pod_id_are_routed_by_load(redis_server, tokenizer,
+                                                                     caplog):
+    """Engines a and b both publish heartbeats as pod "a" (b with its own URL): the id's URL
+    flips between them. The router warns once, exports the gauge and never uses pod "a"'s prefix
+    hits, which would send the request to whichever engine wrote the last heartbeat."""
+    c = Cluster(redis_server, tokenizer, names=("a", "b"))
+    try:
+        c.pubs["b"].close()
+        c.pubs["b"] = KVEventPublisher(redis_server.url, "a", "m", c.servers["b"].url, NS, SVC,
+                                       flush_interval_s=0.01, heartbeat_interval_s=0.05,
+                                       heartbeat_ttl_s=1.0, snapshot_fn=lambda: [])
+        assert c.pubs["b"].flush()
+        body = chat_body("Where is shipment 9?")
+        assert c.cache("a", "chat", body) >= 4
+        with caplog.at_level("WARNING", logger="kvmesh.router"):
+            url = c.router()
+            assert wait_until(lambda: metric(url, "kvmesh_router_duplicate_pod_ids") == 1,
+                              timeout=20)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            reasons = {client.chat.completions.with_raw_response.create(**body).headers[
+                "x-kvmesh-route-reason"] for _ in range(4)}
+        assert reasons == {"no-prefix"}
+        warned = [r for r in caplog.records if "claimed by more than one backend" in r.message]
+        assert len(warned) == 1 and "pod id 'a'" in warned[0].getMessage()
+    finally:
+        c.close()
+
+
+def test_the_tenant_salt_isolates_prefix_hits_like_the_engines(cluster):
+    """--cache-salt-from header:X-Tenant: engine b holds acme's blocks of a prompt (salted as
+    the engine salts them); acme's request follows them, globex's same prompt has no hit."""
+    from kvmesh.common.cache_salt import CacheSaltSource
+    body = chat_body("Where is shipment 12?")
+    acme = CacheSaltSource.parse("header:X-Tenant").salt({"x-tenant": "acme"}, None)
+    assert cluster.cache("b", "chat", {**body, "cache_salt": acme}) >= 4
+    url = cluster.router(cache_salt_from="header:X-Tenant")
+    assert wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def route(tenant: str) -> tuple[str, str]:
+        r = client.chat.completions.with_raw_response.create(**body,
+                                                              extra_headers={"X-Tenant": tenant})
+        return r.headers["x-kvmesh-backend"], r.headers["x-kvmesh-route-reason"]
+    assert route("acme") == (cluster.servers["b"].url, "prefix-hit")
+    assert route("globex")[1] == "no-prefix"
+    # the client's own cache_salt cannot claim acme's blocks
+    r = client.chat.completions.with_raw_response.create(**body, extra_body={"cache_salt": acme},
+                                                          extra_headers={"X-Tenant": "globex"})
+    assert r.headers["x-kvmesh-route-reason"] == "no-prefix"

@@ -87,3 +87,45 @@ def test_cli_and_config_validation(capsys):
     assert "--lookup-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="strategy"):
         RouterConfig(backends=("u",), strategy="nope")
+
+
+def _hb(pod: str, url: str) -> dict[str, PodLoad]:
+    return {pod: PodLoad(pod, url, "m", 1, 0, 0, 0.1, 0.0)}
+
+
+def test_a_pod_id_whose_url_flips_back_is_a_duplicate_and_loses_its_prefix_hits(caplog):
+    pool = BackendPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"])
+    a, b = pool.states()
+    pool.apply_heartbeats(_hb("p", a.url), now=0.0)
+    pool.apply_heartbeats(_hb("p", b.url), now=1.0)      # one move: a restart, still trusted
+    assert (a.pod_id, b.pod_id, pool.duplicate_pod_ids) == (None, "p", {})
+    with caplog.at_level("WARNING", logger="kvmesh.router"):
+        pool.apply_heartbeats(_hb("p", a.url), now=2.0)  # back again: two engines share "p"
+        pool.apply_heartbeats(_hb("p", b.url), now=3.0)
+    assert pool.duplicate_pod_ids == {"p": {a.url, b.url}}
+    assert (a.pod_id, b.pod_id, b.running) == (None, None, 1)   # load still from the heartbeat
+    warnings = [r.getMessage() for r in caplog.records if "claimed by more than one" in r.message]
+    assert warnings == [f"pod id 'p' is claimed by more than one backend ({a.url}, {b.url}): "
+                        "prefix hits for them are ignored and they are routed by load; give "
+                        "each engine its own --pod-id"]
+    # 30 s without a flip: trusted again
+    pool.apply_heartbeats(_hb("p", b.url), now=33.5)
+    assert (pool.duplicate_pod_ids, b.pod_id) == ({}, "p")
+
+
+def test_a_single_move_is_not_a_duplicate():
+    pool = BackendPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"])
+    a, b = pool.states()
+    for t, url in enumerate([a.url, a.url, b.url, b.url, b.url]):
+        pool.apply_heartbeats(_hb("p", url), now=float(t))
+    assert (pool.duplicate_pod_ids, a.pod_id, b.pod_id) == ({}, None, "p")
+
+
+def test_cache_salt_from_is_validated_and_read_from_the_cli():
+    with pytest.raises(ValueError, match="--cache-salt-from must be none, api-key or header:NAME"):
+        RouterConfig(backends=("u",), cache_salt_from="header:")
+    args = build_parser().parse_args(["--redis-url", "redis://x", "--backends", "http://e:8000",
+                                      "--cache-salt-from", "api-key"])
+    assert config_from_args(args).cache_salt_from == "api-key"
+    assert main(["--redis-url", "redis://x", "--backends", "http://e:8000",
+                 "--cache-salt-from", "tenant"]) == 2
