@@ -290,7 +290,7 @@ def _serve_openapi(app: FastAPI, state: ServerState) -> None:
         loaded = state.engine is not None and state.ready
         doc = finish_openapi(fastapi_openapi(), state.model_name if loaded else None,
                              state.engine.engine.vocab_size if loaded else None,
-                             state.max_model_len if loaded else None)
+                             state.max_model_len if loaded else None, state.limits)
         if not loaded:
             app.openapi_schema = None     # NOTE: rebuilt with the model's limits once ready
         return doc

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, TOP_K_MAX
+from kvmesh.engine.limits import (PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, TOP_K_MAX,
+                                  RequestLimits)
 
 
 class ErrorDetail(BaseModel):
@@ -69,7 +70,8 @@ _EXACT_INT_BOUNDS = {PRIORITY_MIN, PRIORITY_MAX, SEED_MIN, SEED_MAX, TOP_K_MAX}
 
 
 def finish_openapi(doc: dict[str, Any], model_name: str | None, vocab_size: int | None,
-                   max_model_len: int | None) -> dict[str, Any]:
+                   max_model_len: int | None,
+                   limits: RequestLimits = RequestLimits()) -> dict[str, Any]:
     """Fix up FastAPI's document in place (see the module docstring); returns it."""
     for path, ops in doc.get("paths", {}).items():
         for op in ops.values():
@@ -87,7 +89,31 @@ def finish_openapi(doc: dict[str, Any], model_name: str | None, vocab_size: int 
         schemas.pop(name, None)
     _exact_bounds(schemas)
     _declare_validator_rules(schemas, model_name, vocab_size, max_model_len)
+    _declare_limits(schemas, limits)
     return doc
+
+
+def _declare_limits(schemas: dict[str, Any], limits: RequestLimits) -> None:
+    """The deployment's request limits (the `--max-*` flags) as schema bounds."""
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        s = schemas.get(name)
+        if s is None:
+            continue
+        props = s["properties"]
+        for v in _variants(props.get("stop", {})):
+            if v.get("type") == "string":
+                v["maxLength"] = limits.max_stop_string_length
+            elif v.get("type") == "array":
+                v["maxItems"] = limits.max_stop_strings
+                v["items"]["maxLength"] = limits.max_stop_string_length
+        for key, bound in (("n", limits.max_n), ("logprobs", limits.max_logprobs),
+                           ("top_logprobs", limits.max_logprobs)):
+            for v in _variants(props.get(key, {})):
+                if v.get("type") == "integer":
+                    v["maximum"] = bound
+        for v in _variants(props.get("stop_token_ids", {})):
+            if v.get("type") == "array":
+                v["maxItems"] = limits.max_stop_token_ids
 
 
 def _exact_bounds(node: Any) -> None:
@@ -124,7 +150,6 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
                 v["minLength"] = 1
             elif v.get("type") == "array":
                 v["items"]["minLength"] = 1
-                v["maxItems"] = 16
         for v in _variants(props["logit_bias"]):
             if v.get("type") == "object":
                 v["maxProperties"] = 0
