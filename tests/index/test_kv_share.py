@@ -21,6 +21,8 @@ def run(engine: LLMEngine, prompt, salt=None):
     """Greedy tokens, prompt tokens the engine computed itself, tokens loaded from other pods."""
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
                        cache_salt=salt)
+    if engine.kv_share is not None:
+        assert engine.kv_share.settle(10)     # the prefetch has answered before the first step
     tokens, scheduled, loaded = None, 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
