@@ -26,6 +26,7 @@ from redis.retry import Retry
 from kvmesh.common.block_hash import hash_hex
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.index.breaker import CircuitBreaker
+from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import KeySpace
 
 logger = logging.getLogger("kvmesh.index.kv_bytes")
@@ -45,7 +46,8 @@ class RedisKVStore(KVConnector):
         self._client = redis.Redis.from_url(redis_url, password=password,
                                             socket_timeout=socket_timeout_s,
                                             socket_connect_timeout=socket_timeout_s,
-                                            retry=Retry(NoBackoff(), 0))
+                                            retry=Retry(NoBackoff(), 0),
+                                            **redis_client_kwargs(redis_url))
         self._pending: queue.Queue = queue.Queue(maxsize=max_pending)
         self._stored: OrderedDict[bytes, None] = OrderedDict()   # hashes known to be in Redis
         self._stored_cap = 65536

@@ -31,6 +31,7 @@ from redis.retry import Retry
 from kvmesh.common.block_hash import hash_hex
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
                                  pod_block_member)
 
@@ -73,7 +74,7 @@ class KVEventPublisher(EngineObserver):
         self._client = redis.Redis.from_url(
             redis_url, password=password, socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0),
-            decode_responses=True)
+            decode_responses=True, **redis_client_kwargs(redis_url))
         self._clear_pod = self._client.register_script(CLEAR_POD)
         self._purge = self._client.register_script(PURGE_DEAD_PODS)
 
