@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,13 +56,14 @@ class KVConnector(ABC):
         """Stop background work and release connections."""
 
 
-def make_kv_connector(config: EngineConfig, model: str, dtype: str,
+def make_kv_connector(config: EngineConfig, fingerprint: Callable[[], str], dtype: str,
                       block_layout: tuple[int, ...]) -> KVConnector | None:
-    """The connector `config` asks for (None without --kv-share). `block_layout` is the runner's
-    shape of one block plus item size: bytes are only shared between identical layouts."""
+    """The connector `config` asks for (None without --kv-share). `fingerprint` names the loaded
+    weights (called only with --kv-share); `block_layout` is the runner's shape of one block plus
+    item size: bytes are only shared between identical weights and layouts."""
     if not config.kv_share_url:
         return None
     from kvmesh.index.kv_bytes import RedisKVStore  # noqa: PLC0415 (only --kv-share needs redis)
 
-    return RedisKVStore(config.kv_share_url, model, dtype, block_layout,
+    return RedisKVStore(config.kv_share_url, fingerprint(), dtype, block_layout,
                         password=os.environ.get("KVMESH_REDIS_PASSWORD"))
