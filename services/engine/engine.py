@@ -12,6 +12,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.fingerprint import model_fingerprint
 from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
@@ -81,9 +82,10 @@ class LLMEngine:
                                   mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
                                   self.loaded.dtype, self.loaded.device, seed=config.seed)
         # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
+        # NOTE: KV bytes are named by the loaded weights' fingerprint, not the served name
         self.kv_share: KVConnector | None = make_kv_connector(
-            config, self.model_name, str(self.loaded.dtype).removeprefix("torch."),
-            self.runner.block_layout)
+            config, lambda: model_fingerprint(self.loaded.model, repr(mc)),
+            str(self.loaded.dtype).removeprefix("torch."), self.runner.block_layout)
         self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes,
                                    kv_connector=self.kv_share)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)

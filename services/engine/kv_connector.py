@@ -1,6 +1,8 @@
 """KVConnector: the engine's one seam to a store of KV blocks outside this pod (step 4 of issue 11).
 
-    Scheduler._remote_blocks ──▶ connector.lookup(hashes)   bytes of the leading run it holds
+    Scheduler.add_request ─────▶ connector.prefetch(req_id, hashes)   fetched in the background
+    Scheduler._remote_blocks ──▶ connector.lookup(req_id, hashes)  what has arrived, never waits
+    Scheduler (admitted/ended) ▶ connector.release(req_id)
     LLMEngine._share_prompt_blocks ─▶ connector.wants(h) / connector.save(h, bytes)
     its owner, when done ─────▶ connector.close()
 
@@ -10,12 +12,14 @@ implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share r
 `make_kv_connector` picks it from the engine config.
 
 NOTE: every call runs on the engine thread, so an implementation must never raise on a store
-outage (answer "nothing found" and drop saves) and must do slow writes off that thread.
+outage (answer "nothing found" and drop saves) and must do all network I/O off that thread: a
+store that accepts connections and never answers must not stall a step.
 """
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,9 +30,18 @@ class KVConnector(ABC):
     """A store of full KV blocks shared between engines, keyed by chained block hash."""
 
     @abstractmethod
-    def lookup(self, block_hashes: list[bytes]) -> list[bytes]:
-        """KV bytes of the longest run of `block_hashes`, from the first, that the store holds
-        ([] when none, or when the store cannot be reached)."""
+    def prefetch(self, req_id: str, block_hashes: list[bytes]) -> None:
+        """Start fetching these blocks for a waiting request; never blocks the caller."""
+
+    @abstractmethod
+    def lookup(self, req_id: str, block_hashes: list[bytes]) -> list[bytes]:
+        """KV bytes of the longest run of `block_hashes`, from the first, that a prefetch for
+        `req_id` has already brought in ([] when none arrived yet, or the store is down).
+        Never waits for the store."""
+
+    @abstractmethod
+    def release(self, req_id: str) -> None:
+        """Forget what was fetched for `req_id` (admitted, aborted or finished)."""
 
     @abstractmethod
     def wants(self, block_hash: bytes) -> bool:
@@ -43,13 +56,14 @@ class KVConnector(ABC):
         """Stop background work and release connections."""
 
 
-def make_kv_connector(config: EngineConfig, model: str, dtype: str,
+def make_kv_connector(config: EngineConfig, fingerprint: Callable[[], str], dtype: str,
                       block_layout: tuple[int, ...]) -> KVConnector | None:
-    """The connector `config` asks for (None without --kv-share). `block_layout` is the runner's
-    shape of one block plus item size: bytes are only shared between identical layouts."""
+    """The connector `config` asks for (None without --kv-share). `fingerprint` names the loaded
+    weights (called only with --kv-share); `block_layout` is the runner's shape of one block plus
+    item size: bytes are only shared between identical weights and layouts."""
     if not config.kv_share_url:
         return None
     from kvmesh.index.kv_bytes import RedisKVStore  # noqa: PLC0415 (only --kv-share needs redis)
 
-    return RedisKVStore(config.kv_share_url, model, dtype, block_layout,
+    return RedisKVStore(config.kv_share_url, fingerprint(), dtype, block_layout,
                         password=os.environ.get("KVMESH_REDIS_PASSWORD"))

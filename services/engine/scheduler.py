@@ -69,6 +69,7 @@ class Scheduler(Preemption):
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._prefetch_remote(request)
 
     def add_fork(self, parent: Request, child: Request) -> None:
         """Register sample i > 0 of an n > 1 request; it starts when the parent's prefill ends."""
@@ -110,6 +111,8 @@ class Scheduler(Preemption):
         self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
+        if self.kv_connector is not None:
+            self.kv_connector.release(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -233,6 +236,8 @@ class Scheduler(Preemption):
         if allocated is None:
             return False
         self._drain_copies(st)
+        if self.kv_connector is not None:
+            self.kv_connector.release(req.request_id)
         if remote:
             table = self.kv.get_block_ids(req.request_id)
             first = num_hit // self.kv.block_size
@@ -267,8 +272,23 @@ class Scheduler(Preemption):
             self._finish(child, RequestStatus.FINISHED_LENGTH)
         self._finish(req, RequestStatus.FINISHED_LENGTH)
 
+    def _prefetch_remote(self, req: Request) -> None:
+        """Ask the connector to fetch a new request's full prompt blocks in the background.
+
+        NOTE: the step never waits for the network: admission takes whatever has arrived by
+        then (_remote_blocks) and computes the rest locally."""
+        if self.kv_connector is None:
+            return
+        limit = (req.num_tokens - 1) // self.kv.block_size   # one token is always computed
+        if limit <= 0:
+            return
+        if len(req.block_hashes) < limit:
+            self.kv.hash_blocks(req)
+        self.kv_connector.prefetch(req.request_id, req.block_hashes[:limit])
+
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
-        """KV bytes of the full blocks after the local prefix hits that another pod stored."""
+        """KV bytes of the full blocks after the local prefix hits that another pod stored
+        and the prefetch already brought in (never waits)."""
         if self.kv_connector is None:
             return []
         bs = self.kv.block_size
@@ -277,7 +297,7 @@ class Scheduler(Preemption):
             return []
         if len(req.block_hashes) < limit:
             self.kv.hash_blocks(req)
-        return self.kv_connector.lookup(req.block_hashes[num_hit // bs:limit])
+        return self.kv_connector.lookup(req.request_id, req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens

@@ -59,7 +59,8 @@ class KeySpace:
 
     def kv_bytes_prefix(self, model: str, dtype: str, layout: tuple[int, ...]) -> str:
         """Prefix of the KV-bytes keys of one model, dtype and cache layout; a key is this
-        prefix + the block's hash_hex. NOTE: the layout is in the name, so engines whose caches
+        prefix + the block's hash_hex. `model` is the weights' fingerprint
+        (engine/fingerprint.py), never the served name. NOTE: the layout is in the name, so engines whose caches
         differ in shape never read each other's bytes."""
         return f"{self.prefix}kv:{model}:{dtype}:{'x'.join(str(d) for d in layout)}:"
 

@@ -31,6 +31,7 @@ from redis.retry import Retry
 from kvmesh.common.block_hash import hash_hex
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
                                  pod_block_member)
 
@@ -73,7 +74,7 @@ class KVEventPublisher(EngineObserver):
         self._client = redis.Redis.from_url(
             redis_url, password=password, socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0),
-            decode_responses=True)
+            decode_responses=True, **redis_client_kwargs(redis_url))
         self._clear_pod = self._client.register_script(CLEAR_POD)
         self._purge = self._client.register_script(PURGE_DEAD_PODS)
 
@@ -90,6 +91,7 @@ class KVEventPublisher(EngineObserver):
         self.batches_dropped = 0          # batches dropped on a full queue
         self.resyncs = 0                  # full snapshots written (the first one included)
         self.redis_errors = 0             # failed Redis round trips
+        self.heartbeat_lapses = 0         # heartbeats found expired (each forces a resync)
         self.connected = False            # the last round trip succeeded
         # ---- thread-private ----
         self._last_seq: int | None = None
@@ -233,17 +235,27 @@ class KVEventPublisher(EngineObserver):
             self._purge(keys=[self.keys.pods], args=[self.keys.prefix])
             self._next_purge = now + 5 * self.heartbeat_interval_s
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, after_resync: bool = False) -> None:
+        """Refresh this pod's heartbeat. NOTE: a heartbeat key that is gone means it lapsed (a
+        stall longer than its TTL, a Redis restart) and another pod's purge may have removed
+        this pod's entries: resync, so the index again equals the engine's cache."""
         running, waiting, swapped, kv_usage = self._load
         pipe = self._client.pipeline(transaction=True)
         key = self.keys.pod(self.pod_id)
+        pipe.exists(key)
         pipe.hset(key, mapping={"url": self.pod_url, "model": self.model, "running": running,
                                 "waiting": waiting, "swapped": swapped, "kv_usage": kv_usage,
                                 "seq": -1 if self._last_seq is None else self._last_seq,
                                 "ts": time.time()})
         pipe.pexpire(key, int(self.heartbeat_ttl_s * 1000))
         pipe.zadd(self.keys.pods, {self.pod_id: time.time()})
-        pipe.execute()
+        present = pipe.execute()[0]
+        if not present and not after_resync:
+            self.heartbeat_lapses += 1
+            logger.warning("pod %s: heartbeat had lapsed (its index entries may have been "
+                           "purged); resynchronising", self.pod_id)
+            with self._lock:
+                self._resync_needed = True
 
     def _resync(self) -> None:
         with self._lock:
@@ -267,7 +279,7 @@ class KVEventPublisher(EngineObserver):
             raise
         self._last_seq = None
         self.resyncs += 1
-        self._heartbeat()     # a fresh heartbeat so the new entries count at once
+        self._heartbeat(after_resync=True)   # a fresh heartbeat so the new entries count at once
         self._next_heartbeat = time.monotonic() + self.heartbeat_interval_s
         logger.info("pod %s: prefix index resynchronised with %d cached blocks", self.pod_id,
                     len(snapshot))

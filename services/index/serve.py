@@ -24,12 +24,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=None,
                    help="publish KV events to this Redis (password from KVMESH_REDIS_PASSWORD)")
     g.add_argument("--pod-id", default=None, help="this engine's id in the index (default: POD_NAME "
-                   "or the host name)")
+                   "in a pod, else host:port, unique per serving endpoint)")
     g.add_argument("--advertise-url", default=None, help="URL the router reaches this engine at "
                    "(default: http://$POD_IP:PORT, or the listen address)")
     g.add_argument("--kv-share", choices=("redis",), default=None,
                    help="also store full prefix blocks' KV bytes in Redis and load other pods' "
                    "blocks instead of recomputing them (needs --redis-url)")
+
+
+def default_pod_id(args: argparse.Namespace) -> str:
+    """--pod-id, else $POD_NAME, else host:port.
+
+    NOTE: not the bare host name: engines on one machine would all publish as the same pod and
+    the index could not tell their caches apart."""
+    if getattr(args, "pod_id", None):
+        return args.pod_id
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}:{args.port}"
 
 
 def _advertise_url(args: argparse.Namespace) -> str:
@@ -66,7 +76,7 @@ def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: Engi
     engine = async_engine.engine
     publisher = KVEventPublisher(
         args.redis_url,
-        pod_id=args.pod_id or os.environ.get("POD_NAME") or socket.gethostname(),
+        pod_id=default_pod_id(args),
         model=engine.model_name,
         pod_url=_advertise_url(args),
         password=os.environ.get("KVMESH_REDIS_PASSWORD"),

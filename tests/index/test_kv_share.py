@@ -21,6 +21,8 @@ def run(engine: LLMEngine, prompt, salt=None):
     """Greedy tokens, prompt tokens the engine computed itself, tokens loaded from other pods."""
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True),
                        cache_salt=salt)
+    if engine.kv_share is not None:
+        assert engine.kv_share.settle(10)     # the prefetch has answered before the first step
     tokens, scheduled, loaded = None, 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -40,7 +42,7 @@ def test_a_second_pod_reuses_the_first_pods_blocks_with_identical_output(smollm,
     a.kv_share.flush()
     assert (computed_a, loaded_a) == (len(prompt), 0)
     assert a.kv_share.blocks_stored == full_blocks >= 3
-    keys = redis_server.client().keys("kvmesh:default/kvmesh:kv:SmolLM2-135M-Instruct:*")
+    keys = redis_server.client().keys("kvmesh:default/kvmesh:kv:*")
     assert len(keys) == full_blocks
 
     b = make_engine(smollm, redis_server.url)            # another pod: its own, empty KV cache
@@ -65,3 +67,35 @@ def test_with_redis_down_the_engine_computes_locally(smollm, redis_server, hf_gr
     assert (computed, loaded) == (len(prompt), 0)
     assert out == hf_greedy(prompt, NEW)
     assert e.kv_share.errors >= 1 and e.kv_share.blocks_stored == 0
+
+
+def test_kv_bytes_are_keyed_by_the_weights_not_the_served_name(smollm, redis_server):
+    import dataclasses
+
+    import torch
+
+    prompt = smollm.tokenizer.encode(TEXT)[:40]          # two full blocks
+    quick = SamplingParams(temperature=0, max_tokens=1)
+
+    def loaded_tokens(loaded) -> int:
+        e = make_engine(loaded, redis_server.url)
+        e.add_request("r", prompt, quick)
+        assert e.kv_share.settle(10)
+        e.step()
+        e.kv_share.flush()
+        e.kv_share.close()
+        return e.last_stats.external_hit_tokens
+
+    assert loaded_tokens(smollm) == 0                        # stores its two blocks
+    renamed = dataclasses.replace(smollm, name="another-name")
+    assert loaded_tokens(renamed) == 32                      # same weights, other name: shared
+    # other weights, same name: never shared (one tensor changed, restored after)
+    weight = dict(smollm.model.named_parameters())["model.norm.weight"]
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(1.01)
+        assert loaded_tokens(smollm) == 0
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)

@@ -54,3 +54,34 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True)
+
+
+class Blackhole:
+    """A TCP listener on 127.0.0.1 that accepts connections and never answers (a hung Redis)."""
+
+    def __init__(self) -> None:
+        import threading
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._conns: list[socket.socket] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)       # held open, never read nor written
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for c in self._conns:
+            c.close()
+        self._thread.join(2)
