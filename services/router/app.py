@@ -32,6 +32,7 @@ from kvmesh.common.auth import check_bearer
 from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
 from kvmesh.common.openai_errors import error_body, error_json
+from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.backends import BackendPool
@@ -109,6 +110,7 @@ class RouterState:
                 # each prefix lookup is cut short by its own, tighter deadline.
                 socket_timeout=self.cfg.heartbeat_timeout_s,
                 socket_connect_timeout=self.cfg.heartbeat_timeout_s,
+                **redis_client_kwargs(self.cfg.redis_url),
                 # NOTE: one immediate retry: after Redis restarts, every pooled connection is
                 # stale and fails once; without a retry each of them would flip routing to the
                 # no-Redis fallback. The lookup's own deadline still bounds the whole call.
