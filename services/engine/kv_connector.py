@@ -39,6 +39,11 @@ class KVConnector(ABC):
         `req_id` has already brought in ([] when none arrived yet, or the store is down).
         Never waits for the store."""
 
+    def ready(self, req_id: str) -> bool:
+        """False while a prefetch for `req_id` is still in flight (True when done, skipped or
+        never asked for): the scheduler lets such a request wait a moment, never the step."""
+        return True
+
     @abstractmethod
     def release(self, req_id: str) -> None:
         """Forget what was fetched for `req_id` (admitted, aborted or finished)."""

@@ -24,6 +24,10 @@ _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copie
                 "prefix_queries", "prefix_hits")
 
 
+# seconds a new request may wait for its cross-pod KV prefetch before it is computed locally
+REMOTE_KV_WAIT_S = 0.5
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -200,6 +204,9 @@ class Scheduler(Preemption):
             if self._never_fits(req.num_tokens):
                 self._finish_too_long(req)
                 continue
+            if self._awaiting_remote_kv(req):
+                idx += 1          # NOTE: vLLM's WAITING_FOR_REMOTE_KVS: skipped, not blocking
+                continue
             if not self._admit(req, st):
                 break
             self.waiting.pop(idx)
@@ -285,6 +292,16 @@ class Scheduler(Preemption):
         if len(req.block_hashes) < limit:
             self.kv.hash_blocks(req)
         self.kv_connector.prefetch(req.request_id, req.block_hashes[:limit])
+
+    def _awaiting_remote_kv(self, req: Request) -> bool:
+        """True while the request's prefetch is still in flight and it has waited less than
+        REMOTE_KV_WAIT_S: admitted now it would compute what another pod already stored.
+
+        NOTE: only this request waits; the step and every other request go on. The bound
+        keeps a slow (or hung) store from delaying it by more than that."""
+        c = self.kv_connector
+        return (c is not None and not c.ready(req.request_id)
+                and self.clock() - req.arrival_time < REMOTE_KV_WAIT_S)
 
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored

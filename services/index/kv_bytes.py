@@ -104,6 +104,10 @@ class RedisKVStore(KVConnector):
             found.append(v)
         return found
 
+    def ready(self, req_id: str) -> bool:
+        with self._fetch_lock:
+            return req_id not in self._fetch_jobs and self._fetching != req_id
+
     def release(self, req_id: str) -> None:
         with self._fetch_lock:
             self._fetch_jobs.pop(req_id, None)
