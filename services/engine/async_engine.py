@@ -283,6 +283,10 @@ class AsyncLLMEngine:
                 # NOTE: step() has told its observers before any client sees an output, so once
                 # a client has its final output, /metrics counts it.
                 outputs = self.engine.step()
+                if not self.engine.last_stats.num_scheduled_tokens:
+                    # NOTE: nothing could run (a request waits for its remote KV): do not spin,
+                    # the fetch thread needs the GIL.
+                    self._wakeup.wait(0.005)
                 for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting client

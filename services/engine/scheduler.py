@@ -25,7 +25,8 @@ _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copie
 
 
 # seconds a new request may wait for its cross-pod KV prefetch before it is computed locally
-REMOTE_KV_WAIT_S = 0.5
+# (a failed or timed-out fetch ends the wait sooner: the store's socket timeout is 1 s)
+REMOTE_KV_WAIT_S = 2.0
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -323,9 +323,11 @@ async def test_an_engine_killed_mid_run_is_routed_around(cluster, client, aclien
 
     on_victim = [r for r in replies1 if r.backend == victim_url]
     assert on_victim, "no request was streaming on the victim when it died"
-    # every request that had not started streaming on the victim completed via the others
+    # every request that had not started streaming on the victim completed via the others, or
+    # (sent to the victim as it died: it may have received it) got a 502 and was not re-sent
     bad = [r for r in replies1 + replies2
-           if r.backend != victim_url and not complete(r, max_tokens)]
+           if r.backend != victim_url and not complete(r, max_tokens)
+           and not (r.error and "502" in r.error and "not retried" in r.error)]
     assert not bad, bad
     # new requests never went to it (a first attempt that hit the dead port was re-sent)
     assert all(r.backend != victim_url for r in replies2), replies2
