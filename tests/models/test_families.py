@@ -21,18 +21,10 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling_params import SamplingParams
+from tiny_models import randomize
 
 NEW_TOKENS = 12
 BLOCK = 4
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """HF inits biases to 0 and norms to 1 (Gemma: 0); make every tensor matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda s: s.id)
@@ -40,7 +32,7 @@ def family(request, tmp_path_factory, smollm_tokenizer_dir):
     spec = request.param
     torch.manual_seed(0)
     model = spec.build().eval()
-    _randomize(model, seed=1)
+    randomize(model, seed=1)
     path = tmp_path_factory.mktemp("families") / f"tiny-{spec.id}"
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -9,18 +9,10 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models.llama import build_cos_sin_cache
+from tiny_models import randomize
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, copied into each directory
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356], list(range(100, 141)), [5, 17, 400, 4000, 40000]]
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """HF inits biases to 0 and norms to 1; make every tensor matter, logits well separated."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
 
 
 def _save(model, path, copy_tokenizer):
@@ -48,7 +40,7 @@ def tiny_qwen2(tmp_path, copy_tokenizer):
                       max_position_embeddings=256, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
-    _randomize(model, seed=1)
+    randomize(model, seed=1)
     return _save(model, tmp_path / "tiny-qwen2", copy_tokenizer), model
 
 
@@ -79,7 +71,7 @@ def test_llama_rope_scaling_untied_mqa(tmp_path, copy_tokenizer, rope, paged_gen
                       bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
-    _randomize(model, seed=2)
+    randomize(model, seed=2)
     path = _save(model, tmp_path / f"tiny-llama-{rope['rope_type']}", copy_tokenizer)
     loaded = _check_against_hf(path, model, paged_generate, hf_greedy_logits, assert_close_to_scale)
     c = loaded.config
