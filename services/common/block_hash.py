@@ -124,3 +124,28 @@ def extend_block_hashes(existing: list[BlockHash], token_ids: Sequence[int], blo
 def hash_hex(h: BlockHash) -> str:
     """Lower-case hex of a digest (the form used in KV events and the Redis index)."""
     return h.hex()
+
+
+class BlockHasher:
+    """Keeps a request's `block_hashes` equal to the chained hashes of its full blocks.
+
+    The scheduler owns one and hands it to every request it admits (vLLM's `request.block_hashes`
+    filled by one hasher): the request calls it once for its prompt and again after every
+    appended token, so the hashes grow with the tokens and every reader (the prefix cache, the
+    cross-pod KV store) only reads them. O(1) per call unless a block just became full."""
+
+    __slots__ = ("block_size", "seed")
+
+    def __init__(self, block_size: int, seed: str | int = "kvmesh") -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        root_hash(seed)                      # NOTE: a bad seed fails here, not mid-step
+        self.block_size = block_size
+        self.seed = seed
+
+    def __call__(self, request) -> None:
+        """request: anything with block_hashes, all_token_ids and cache_salt (engine.Request)."""
+        hashes = request.block_hashes
+        if (len(hashes) + 1) * self.block_size <= len(request.all_token_ids):
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, self.seed,
+                                request.cache_salt)

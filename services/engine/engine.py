@@ -76,7 +76,6 @@ class LLMEngine:
         num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
-                                         hash_seed=config.hash_seed,
                                          enable_events=config.enable_kv_events)
         self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, mc.num_key_value_heads,
                                   mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
@@ -224,10 +223,8 @@ class LLMEngine:
             req = sr.request
             if not sr.sample or req.num_output_tokens or req.sample_index:
                 continue                  # only a prompt's first completion; forks share it
-            full = req.num_prompt_tokens // bs
-            if len(req.block_hashes) < full:      # prefix caching off: nobody hashed them yet
-                self.kv_manager.hash_blocks(req)
-            for i in range(full):
+            # NOTE: the scheduler's hasher has hashed every full prompt block since add_request
+            for i in range(req.num_prompt_tokens // bs):
                 h = req.block_hashes[i]
                 if self.kv_share.wants(h):
                     self.kv_share.save(h, self.runner.block_data(sr.block_ids[i]))

@@ -12,7 +12,6 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from kvmesh.common.block_hash import extend_block_hashes
 from kvmesh.index.events import KVEventBatch, KVEventSequencer
 from kvmesh.engine.block_pool import BlockPool, KVCacheStats
 
@@ -36,15 +35,13 @@ def _rid(request) -> str:
 
 class KVCacheManager:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 enable_caching: bool = True, hash_seed: str | int = "kvmesh",
-                 enable_events: bool = True) -> None:
+                 enable_caching: bool = True, enable_events: bool = True) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.hash_seed = hash_seed
         self.pool = BlockPool(num_gpu_blocks, enable_caching, "gpu", enable_events)
         self.stats: KVCacheStats = self.pool.stats
         self.num_gpu_blocks = num_gpu_blocks
@@ -82,18 +79,11 @@ class KVCacheManager:
         return self._tables.get(request_id, _NO_BLOCKS)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def hash_blocks(self, request) -> list:
-        """Bring request.block_hashes up to date with its known tokens and return it: the one
-        place block hashes are computed (the prefix cache, --kv-share lookups and stores).
-        O(1) when no block became full since the last call."""
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            self.hash_seed, request.cache_salt)
-        return request.block_hashes
-
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
-        """Longest cached prefix of request.all_token_ids (full blocks only, hashes from
-        request.block_hashes, which this method brings up to date). At least one token is
-        always left to compute. Returns (block ids, tokens covered); takes no references.
+        """Longest cached prefix of request.all_token_ids (full blocks only, by
+        request.block_hashes: the scheduler's BlockHasher keeps them current; this manager
+        never hashes). At least one token is always left to compute. Returns (block ids,
+        tokens covered); takes no references.
 
         NOTE: call allocate_slots for the same request before any other allocation: the hit
         blocks may be free, and another allocation could evict them (allocate_slots checks).
@@ -101,7 +91,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
-        hashes = self.hash_blocks(request)
+        hashes = request.block_hashes
         num_tokens = request.num_tokens
         max_blocks = max(0, (num_tokens - 1) // bs)
         lookup = self.pool.cached.get
@@ -158,6 +148,8 @@ class KVCacheManager:
         if num_computed > num_held * bs:
             raise ValueError(f"request {rid}: {num_computed} computed tokens but only "
                              f"{num_held} blocks of {bs}")
+        if self.enable_caching:
+            self._require_hashes(request, min(total, request.num_tokens) // bs)   # before changes
         num_required = -(-total // bs)
         # NOTE: copy-on-write. Blocks written by this step that other tables share (after a
         # fork) must become private first; only the partially filled one holds data to copy.
@@ -209,8 +201,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         hashes = request.block_hashes
-        if len(hashes) < num_full:
-            self.hash_blocks(request)
+        self._require_hashes(request, num_full)
         tokens = request.all_token_ids
         blocks = self.pool.blocks
         cache = self.pool.cache_full_block
@@ -218,6 +209,13 @@ class KVCacheManager:
             cache(blocks[table[i]], hashes[i], hashes[i - 1] if i else None,
                   tokens[i * bs:(i + 1) * bs])
         self._num_cached[rid] = num_full
+
+    @staticmethod
+    def _require_hashes(request, num_full: int) -> None:
+        if len(request.block_hashes) < num_full:
+            raise ValueError(f"request {request.request_id}: {len(request.block_hashes)} block "
+                             f"hashes for {num_full} full blocks; with prefix caching on, give "
+                             "it a BlockHasher (the scheduler does) before allocating")
 
     def free(self, request) -> None:
         """Release every block of the request (tail first, so it is evicted first). Idempotent."""

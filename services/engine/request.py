@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,15 @@ class Request:
     sample_index: int = 0                    # i-th of n samples; > 0 are forks of sample 0
     parent_id: str | None = None             # the user-visible request id of an n > 1 group
     generator: torch.Generator | None = None  # per-sample RNG when seeded
+    # NOTE: set by the scheduler (its BlockHasher); keeps block_hashes in step with the tokens
+    block_hasher: Callable[["Request"], None] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)   # prompt + output; the KV source
     num_computed_tokens: int = 0             # tokens whose K/V is in the cache
     num_cached_tokens: int = -1              # prompt tokens served by the prefix cache (first schedule)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (KV manager)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (block_hasher)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
@@ -67,6 +70,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.block_hasher is not None:
+            self.block_hasher(self)
+
+    def set_block_hasher(self, hasher: Callable[["Request"], None] | None) -> None:
+        """Hash the known tokens' full blocks with `hasher` from now on (None: stop hashing)."""
+        self.block_hasher = hasher
+        if hasher is not None:
+            hasher(self)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,3 +109,5 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.block_hasher is not None:
+            self.block_hasher(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
+from kvmesh.common.block_hash import BlockHasher
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_connector import KVConnector
@@ -51,6 +52,13 @@ class Scheduler(Preemption):
         self.clock = clock
         self.policy = policy or make_policy(config)
         self.kv_connector = kv_connector
+        # NOTE: the one place block hashes come from: every request gets this hasher at
+        # add_request and extends its own block_hashes as tokens are appended; the prefix cache,
+        # the connector and the engine's block sharing only read them. Nobody needs hashes
+        # with prefix caching off and no connector.
+        self.block_hasher: BlockHasher | None = (
+            BlockHasher(kv.block_size, config.hash_seed)
+            if kv.enable_caching or kv_connector is not None else None)
         self.token_budget = config.token_budget(max_model_len)
         self.chunked = config.enable_chunked_prefill
         self.waiting: list[Request] = []
@@ -72,6 +80,7 @@ class Scheduler(Preemption):
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.set_block_hasher(self.block_hasher)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self._prefetch_remote(request)
@@ -81,6 +90,7 @@ class Scheduler(Preemption):
         if child.request_id in self.requests:
             raise ValueError(f"request id {child.request_id!r} is already in use")
         self.requests[child.request_id] = child
+        child.set_block_hasher(self.block_hasher)
         child.status = RequestStatus.WAITING_FOR_FORK
         self.pending_forks.setdefault(parent.request_id, []).append(child)
 
@@ -290,8 +300,6 @@ class Scheduler(Preemption):
         limit = (req.num_tokens - 1) // self.kv.block_size   # one token is always computed
         if limit <= 0:
             return
-        if len(req.block_hashes) < limit:
-            self.kv.hash_blocks(req)
         self.kv_connector.prefetch(req.request_id, req.block_hashes[:limit])
 
     def _awaiting_remote_kv(self, req: Request) -> bool:
@@ -313,8 +321,6 @@ class Scheduler(Preemption):
         limit = (req.num_tokens - 1) // bs          # at least one token is left to compute
         if num_hit // bs >= limit:
             return []
-        if len(req.block_hashes) < limit:
-            self.kv.hash_blocks(req)
         return self.kv_connector.lookup(req.request_id, req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:

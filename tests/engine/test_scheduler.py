@@ -406,3 +406,31 @@ def test_a_prompt_larger_than_the_whole_cache_finishes_with_its_forks(harness):
         ("r1", RequestStatus.FINISHED_LENGTH)]
     assert r.output_token_ids == [] and not h.sched.has_unfinished_requests()
     assert h.sched.pending_forks == {}
+
+
+def test_the_scheduler_hashes_each_request_once_as_its_tokens_grow(harness, monkeypatch):
+    """Block hashes come from the scheduler's one hasher, block by block as tokens arrive; the
+    prefix cache only reads them. With caching off (and no connector) nothing is hashed."""
+    from kvmesh.common import block_hash
+
+    h = harness(num_blocks=32, block_size=4, enable_prefix_caching=True, hash_seed="s1")
+    hashed_blocks = []
+    real = block_hash.hash_block
+    monkeypatch.setattr(block_hash, "hash_block",
+                        lambda *a, **k: hashed_blocks.append(1) or real(*a, **k))
+    a = h.add(9, max_tokens=8)
+    n = h.add(5, max_tokens=8, n=2)
+    assert len(hashed_blocks) == 2 + 1 + 1            # a's and each sample's full prompt blocks
+    while h.sched.has_unfinished_requests():
+        h.step()
+    # every full block was hashed exactly once: a 9 + 8 = 17 tokens, each sample 5 + 8 = 13
+    assert len(hashed_blocks) == 4 + 3 + 3
+    for req in h.all_requests:
+        assert req.block_hashes == block_hash.hash_prompt_blocks(req.all_token_ids, 4, seed="s1")
+    assert n.block_hasher is a.block_hasher is h.sched.block_hasher
+
+    off = harness(num_blocks=32, block_size=4)
+    b = off.add(9, max_tokens=8)
+    while off.sched.has_unfinished_requests():
+        off.step()
+    assert off.sched.block_hasher is None and b.block_hashes == []

@@ -4,12 +4,16 @@ import pickle
 
 import pytest
 
+from kvmesh.common.block_hash import BlockHasher
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 
 
-def make_request(rid: str, tokens, salt: str | None = None) -> Request:
-    return Request(rid, list(tokens), SamplingParams(), 0.0, cache_salt=salt)
+def make_request(rid: str, tokens, salt: str | None = None, block_size: int = 4,
+                 seed: str = "kvmesh") -> Request:
+    """A request hashed as the scheduler would (its BlockHasher; the manager never hashes)."""
+    return Request(rid, list(tokens), SamplingParams(), 0.0, cache_salt=salt,
+                   block_hasher=BlockHasher(block_size, seed))
 
 
 def prefill(mgr, req):

@@ -117,3 +117,24 @@ def test_deterministic_across_processes():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout.strip()
         assert out.split(",") == CHAIN_SALTED
+
+
+def test_block_hasher_keeps_a_requests_hashes_in_step_with_its_tokens():
+    from kvmesh.common.block_hash import BlockHasher
+    from kvmesh.engine.request import Request
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    hasher = BlockHasher(4, seed=3)
+    req = Request("r", list(range(10)), SamplingParams(), 0.0, cache_salt="s", block_hasher=hasher)
+    assert req.block_hashes == hash_prompt_blocks(list(range(10)), 4, seed=3, cache_salt="s")
+    first = list(req.block_hashes)
+    for t in (50, 51, 52, 53, 54, 55):
+        req.append_output_token(t)
+        # the chain grows by one hash exactly when a block fills, and never rewrites old ones
+        expected = hash_prompt_blocks(req.all_token_ids, 4, seed=3, cache_salt="s")
+        assert req.block_hashes == expected and req.block_hashes[:2] == first
+    assert len(req.block_hashes) == 4
+    with pytest.raises(ValueError):
+        BlockHasher(0)
+    with pytest.raises(TypeError):
+        BlockHasher(4, seed=1.5)

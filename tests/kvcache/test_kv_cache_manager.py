@@ -57,8 +57,8 @@ def test_cache_salt_isolates_prefixes(helpers):
 
 
 def test_hash_seed_isolates_managers(helpers):
-    m1 = KVCacheManager(8, BS, hash_seed="pod-a")
-    r = helpers.make_request("a", range(9))
+    m1 = KVCacheManager(8, BS)
+    r = helpers.make_request("a", range(9), seed="pod-a")     # the scheduler's hasher seed
     helpers.prefill(m1, r)
     assert r.block_hashes == hash_prompt_blocks(list(range(9)), BS, seed="pod-a")
 
@@ -269,3 +269,23 @@ def test_swap_blocks_from_gib():
     assert swap_blocks_from_gib(0, 1024) == 0
     with pytest.raises(ValueError):
         swap_blocks_from_gib(-1, 1024)
+
+
+def test_an_unhashed_request_is_refused_without_a_state_change(helpers):
+    """The manager reads block hashes, never computes them: a request nobody hashed (no
+    scheduler hasher) fails loudly instead of caching blocks under missing hashes."""
+    from kvmesh.engine.request import Request
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    mgr = KVCacheManager(num_gpu_blocks=8, block_size=BS)
+    helpers.prefill(mgr, helpers.make_request("a", range(6)))
+    bare = Request("bare", list(range(100, 109)), SamplingParams(), 0.0)
+    assert mgr.get_computed_blocks(bare) == ([], 0)          # no hashes: no hits
+    before = helpers.snapshot(mgr)
+    with pytest.raises(ValueError, match="0 block hashes for 2 full blocks"):
+        mgr.allocate_slots(bare, 9)
+    assert helpers.snapshot(mgr) == before
+    mgr.check_invariants(["a"])
+    # without prefix caching nothing needs hashes
+    plain = KVCacheManager(num_gpu_blocks=4, block_size=BS, enable_caching=False)
+    assert plain.allocate_slots(bare, 9) == [0, 1, 2]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from kvmesh.common.block_hash import BlockHasher
 from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.request import Request
@@ -29,6 +30,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_gpu, num_cpu, caching):
         self.bs = block_size
         self.mgr = KVCacheManager(num_gpu, block_size, num_cpu, enable_caching=caching)
+        self.hasher = BlockHasher(block_size)      # the scheduler's part: the manager never hashes
         self.gpu = [[None] * block_size for _ in range(num_gpu)]
         self.cpu = [[None] * block_size for _ in range(num_cpu)]
         self.reqs: dict[str, Request] = {}
@@ -79,7 +81,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = f"r{self.counter}"
         self.counter += 1
         self.reqs[rid] = Request(rid, PREFIXES[prefix][:keep] + suffix, SamplingParams(), 0.0,
-                                 cache_salt=salt)
+                                 cache_salt=salt, block_hasher=self.hasher)
 
     @precondition(lambda self: self.reqs.keys() - self.swapped)
     @rule(i=st.integers(0, 100), chunk=st.integers(1, 16), token=st.integers(0, 60))
@@ -128,6 +130,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             child.output_token_ids = list(parent.output_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_hashes = list(parent.block_hashes)
+            child.set_block_hasher(self.hasher)
             self.mgr.fork(parent, child)
             self.reqs[cid] = child
             group.append(child)
