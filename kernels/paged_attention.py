@@ -46,6 +46,23 @@ def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, st
 
 
 @triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
+    """Fold one K/V tile into flash attention's running state (log2 domain): s [M, N] are the
+    tile's scaled scores, -inf where a row may not look; v [N, D]. Returns (m_i, l_i, acc).
+    Shared by the decode and the unified kernels.
+
+    NOTE: a row can be fully masked in a tile (with a sliding window, or a padding row): a
+    finite stand-in for its -inf max keeps alpha and p at 0 instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (no libdevice call, so it runs in the interpreter and on any GPU)."""
     e = tl.exp2(-2.8853900817779268 * tl.abs(x))    # exp(-2|x|), in (0, 1]: no overflow
@@ -124,13 +141,7 @@ def _decode_split_kernel(
         if USE_SOFTCAP:
             s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]

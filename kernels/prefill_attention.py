@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.paged_attention import (check_attention_args, check_window_softcap, dot_precision,
-                                            load_kv_tile, tanh, upcast_operands)
+                                            load_kv_tile, online_softmax_step, tanh,
+                                            upcast_operands)
 
 _LOG2E = 1.4426950408889634
 
@@ -117,18 +118,10 @@ def _unified_attention_kernel(
         if USE_SOFTCAP:
             s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
         allowed = valid[None, :] & (pos[None, :] <= row_pos[:, None]) & (pos[None, :] > row_pos[:, None] - win)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
         # NOTE: a real row always sees its own position, but with a window a padding row (past
-        # q_len) or a row whose window starts after this tile can be fully masked in a tile: a
-        # finite stand-in for its -inf max keeps alpha and p at 0 instead of NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision=DOT_PRECISION)
-        m_i = m_new
+        # q_len) or a row whose window starts after this tile can be fully masked in a tile
+        s = tl.where(allowed, s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh

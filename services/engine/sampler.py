@@ -53,6 +53,13 @@ class SamplerOutput:
     logprobs: list[list[dict[int, Logprob]] | None]   # per row, per sample; None without params.logprobs
 
 
+def _per_row(logits: torch.Tensor, *columns: tuple) -> list[torch.Tensor]:
+    """Each (values, dtype) as a [R] tensor on the logits' device, one value per row."""
+    out = [torch.as_tensor(values, dtype=dtype, device=logits.device) for values, dtype in columns]
+    assert all(t.shape == (logits.shape[0],) for t in out), [tuple(t.shape) for t in out]
+    return out
+
+
 def apply_penalties(
     logits: torch.Tensor,                   # [R, V] float32, modified in place
     prompt_token_ids: Sequence[Sequence[int]],
@@ -64,12 +71,11 @@ def apply_penalties(
     """Repetition penalty (HF/CTRL) over prompt + output tokens: positive logits are divided
     by it, negative ones multiplied. Then OpenAI's `logit -= frequency * count + presence * seen`
     over output tokens only. Neutral values (1, 0, 0) leave a row bit-for-bit unchanged."""
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
-    presence = torch.as_tensor(presence_penalties, dtype=torch.float32, device=device)
-    frequency = torch.as_tensor(frequency_penalties, dtype=torch.float32, device=device)
-    repetition = torch.as_tensor(repetition_penalties, dtype=torch.float32, device=device)
-    assert presence.shape == frequency.shape == repetition.shape == (num_rows,)
+    presence, frequency, repetition = _per_row(
+        logits, (presence_penalties, torch.float32), (frequency_penalties, torch.float32),
+        (repetition_penalties, torch.float32))
 
     output_counts = _bin_counts(output_token_ids, vocab, device)   # [R, V]
     output_seen = output_counts > 0
@@ -91,12 +97,9 @@ def apply_top_k_top_p_min_p(
     """Set to -inf every token outside top-k, then outside the nucleus top-p, then below
     min_p * p(max), each computed on what the previous step kept. The best token always stays.
     Ties at the k-th value are all kept; top-p ties are ordered by token id (stable sort)."""
-    num_rows, vocab = logits.shape
-    device = logits.device
-    k = torch.as_tensor(top_k, dtype=torch.long, device=device)
-    p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
-    mp = torch.as_tensor(min_p, dtype=torch.float32, device=device)
-    assert k.shape == p.shape == mp.shape == (num_rows,)
+    vocab = logits.shape[1]
+    k, p, mp = _per_row(logits, (top_k, torch.long), (top_p, torch.float32),
+                        (min_p, torch.float32))
 
     k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
     if bool((k < vocab).any()):

@@ -331,23 +331,21 @@ class KVEventPublisher(EngineObserver):
             raise TypeError(f"unknown KV event {type(event).__name__}")
 
     def _add(self, pipe, entries: Iterable[tuple[bytes, str]]) -> None:
-        pod_set = self.keys.pod_blocks(self.pod_id)
-        members = []
-        for h, tier in entries:
-            hx = hash_hex(h)
-            pipe.sadd(self.keys.block(self.model, hx), block_member(self.pod_id, tier))
-            members.append(pod_block_member(tier, self.model, hx))
-        if members:
-            pipe.sadd(pod_set, *members)
+        self._update(pipe.sadd, entries)
 
     def _remove(self, pipe, entries: Iterable[tuple[bytes, str]]) -> None:
+        self._update(pipe.srem, entries)
+
+    def _update(self, op, entries: Iterable[tuple[bytes, str]]) -> None:
+        """op (a pipeline's sadd or srem) on each block's set of pods and on this pod's set of
+        blocks, the two sides of the index kept in step."""
         members = []
         for h, tier in entries:
             hx = hash_hex(h)
-            pipe.srem(self.keys.block(self.model, hx), block_member(self.pod_id, tier))
+            op(self.keys.block(self.model, hx), block_member(self.pod_id, tier))
             members.append(pod_block_member(tier, self.model, hx))
         if members:
-            pipe.srem(self.keys.pod_blocks(self.pod_id), *members)
+            op(self.keys.pod_blocks(self.pod_id), *members)
 
     def _clear_entries(self, drop_heartbeat: bool) -> None:
         pipe = self._client.pipeline(transaction=True)
