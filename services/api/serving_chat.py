@@ -98,8 +98,8 @@ async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request
             completion[c.index] += len(c.delta_token_ids)
             lps = None
             if req.logprobs and c.delta_token_ids:
-                steps = (c.logprobs or [])[-len(c.delta_token_ids):]
-                lps = chat_logprobs(ctx.tokenizer, c.delta_token_ids, steps, req.top_logprobs or 0)
+                lps = chat_logprobs(ctx.tokenizer, c.delta_token_ids, c.delta_logprobs or [],
+                                    req.top_logprobs or 0)
             if c.delta_text or lps:
                 yield chunk(c.index, {"content": c.delta_text}, lps, None)
             if c.finished:

@@ -132,13 +132,17 @@ class Admission:
 async def admit(ctx: ServingContext, req: _SamplingFields, admissions: list[Admission],
                 trace_context) -> list[RequestStream]:
     """Add every request to the engine before any response starts: a refusal (queue full,
-    bad request, dead engine) raises here, and the ones already admitted are aborted."""
+    bad request, dead engine) raises here, and the ones already admitted are aborted.
+
+    NOTE: a non-streaming request's stream carries its final output alone: its queue never
+    fills, however long the answer, and no step output is copied to it in vain."""
     streams: list[RequestStream] = []
     try:
         for a in admissions:
             streams.append(await ctx.engine.add_request(
                 a.request_id, a.prompt, a.params, req.priority, req.cache_salt,
-                prompt_ids=a.prompt_ids, trace_context=trace_context))
+                prompt_ids=a.prompt_ids, trace_context=trace_context,
+                final_only=not req.stream))
     except BaseException:
         await close_all(streams)
         raise

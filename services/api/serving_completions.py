@@ -117,9 +117,8 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
             completion[index] = completion.get(index, 0) + len(c.delta_token_ids)
             lps = None
             if req.logprobs is not None and c.delta_token_ids:
-                steps = (c.logprobs or [])[-len(c.delta_token_ids):]
-                lps = completion_logprobs(ctx.tokenizer, c.delta_token_ids, steps,
-                                          offsets.get(index, 0))
+                lps = completion_logprobs(ctx.tokenizer, c.delta_token_ids,
+                                          c.delta_logprobs or [], offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
             if c.finished:
                 finished.add(index)

@@ -41,6 +41,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future          # set once the engine thread has added (or refused) it
+    final_only: bool = False          # the reader wants the final output alone (non-streaming)
     overflowed: bool = False          # the reader fell too far behind: outputs are dropped
 
 
@@ -144,12 +145,15 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
                           prompt_ids: list[int] | None = None,
-                          trace_context=None) -> "RequestStream":
+                          trace_context=None, final_only: bool = False) -> "RequestStream":
         """Admit a request and return its output stream. Every refusal (EngineDeadError,
         QueueFullError, ValueError) is raised here, before any output, so a server can still
-        answer with a proper status code; iterate the stream to its end or close it (aclose)."""
+        answer with a proper status code; iterate the stream to its end or close it (aclose).
+
+        `final_only` (a non-streaming reader): the stream yields the finished output alone,
+        which holds the whole result; nothing queues behind a reader that waits for it."""
         stream = self._submit(request_id, prompt, params, priority, cache_salt, prompt_ids,
-                              trace_context)
+                              trace_context, final_only)
         try:
             await stream.accepted
         except BaseException:
@@ -174,7 +178,7 @@ class AsyncLLMEngine:
 
     def _submit(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                 priority: int, cache_salt: str | None, prompt_ids: list[int] | None,
-                trace_context) -> _Stream:
+                trace_context, final_only: bool = False) -> _Stream:
         """Build the validated request on the caller's thread and queue it for the engine thread."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
@@ -187,7 +191,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_capacity(1)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future(), final_only)
         self._streams[request_id] = stream
         with self._lock:
             self._pending_adds += 1
@@ -249,8 +253,11 @@ class AsyncLLMEngine:
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(self._offer, request_id, stream, item)
+        if stream is None:
+            return
+        if stream.final_only and isinstance(item, RequestOutput) and not item.finished:
+            return            # NOTE: the final output holds the whole result; deltas are moot
+        stream.loop.call_soon_threadsafe(self._offer, request_id, stream, item)
 
     def _offer(self, request_id: str, stream: _Stream, item) -> None:
         """On the event loop: queue an output, unless the reader is too far behind.

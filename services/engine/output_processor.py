@@ -110,19 +110,24 @@ class OutputProcessor:
 
     @staticmethod
     def _make_output(group: RequestGroup) -> RequestOutput:
+        """The group's delta since its previous output: O(new tokens), whatever the length so
+        far; only the final output (the group finished) copies the cumulative result, once."""
+        final = group.finished
         completions = []
         for i, (req, detok) in enumerate(zip(group.samples, group.detokenizers)):
-            new_ids = req.output_token_ids[group.emitted[i]:]
-            group.emitted[i] = req.num_output_tokens
+            start, end = group.emitted[i], req.num_output_tokens
+            group.emitted[i] = end
+            want_logprobs = req.sampling_params.logprobs is not None
             completions.append(CompletionOutput(
                 index=i,
-                text=detok.output_text,
-                token_ids=list(req.output_token_ids),
-                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+                text=detok.output_text if final else "",
+                token_ids=list(req.output_token_ids) if final else [],
+                logprobs=(list(req.output_logprobs) if final else []) if want_logprobs else None,
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
                 delta_text=detok.get_delta(req.is_finished),
-                delta_token_ids=new_ids,
+                delta_token_ids=req.output_token_ids[start:end],
+                delta_logprobs=req.output_logprobs[start:end] if want_logprobs else None,
             ))
         first = group.samples[0]
         metrics = {"arrival_time": first.arrival_time}

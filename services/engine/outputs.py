@@ -8,14 +8,20 @@ from kvmesh.engine.request import Logprob
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sample's share of a RequestOutput.
+
+    NOTE: every output carries what is new since the previous one (the delta_* fields: O(new
+    tokens) per step, what streams send); the cumulative fields are assembled once, on the
+    request's final output (RequestOutput.finished), and are empty ("" / [] ) before it."""
     index: int                          # sample index within the request (n > 1)
-    text: str                           # cumulative text (stop string removed)
-    token_ids: list[int]                # cumulative generated token ids
-    logprobs: list[dict[int, Logprob]] | None
+    text: str                           # cumulative text (stop string removed); final output only
+    token_ids: list[int]                # cumulative generated token ids; final output only
+    logprobs: list[dict[int, Logprob]] | None   # cumulative, final output only; None: not asked for
     finish_reason: str | None           # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
     delta_text: str = ""                # new text since the previous output (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None   # of delta_token_ids; None: not asked
 
     @property
     def finished(self) -> bool:
@@ -30,6 +36,7 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One step's news for a request; the last one (finished) also holds the full result."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

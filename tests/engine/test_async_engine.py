@@ -58,3 +58,26 @@ async def test_a_reader_too_far_behind_is_aborted_and_its_queue_stays_bounded(sm
         assert outs[-1].outputs[0].finish_reason == "length"
     finally:
         engine.shutdown()
+
+
+async def test_a_final_only_reader_gets_the_whole_result_however_late_it_reads(smollm):
+    """A non-streaming reader (final_only) that reads nothing until the request is done is not
+    too slow: its queue holds the finished output alone, which carries every token."""
+    llm = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=256), loaded=smollm)
+    engine = AsyncLLMEngine(llm, limits=RequestLimits(max_pending_outputs=2))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0, logprobs=1)
+        stream = await engine.add_request("late", [1, 2, 3], params, final_only=True)
+        queue, sizes = stream._stream.queue, []
+        async with asyncio.timeout(120):
+            while llm.has_unfinished_requests() or not queue.qsize():
+                sizes.append(queue.qsize())
+                await asyncio.sleep(0.005)
+        outs = [o async for o in stream]
+        assert max(sizes) == 0 and len(outs) == 1 and outs[0].finished
+        (c,) = outs[0].outputs
+        assert (len(c.token_ids), len(c.logprobs), c.finish_reason) == (20, 20, "length")
+        assert llm.kv_manager.num_free_blocks == 32 and engine.num_in_flight == 0
+    finally:
+        engine.shutdown()
