@@ -84,7 +84,11 @@ class EngineMetrics(EngineObserver):
         self.hists = {name: _Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
         self.extra = {"kvmesh:engine_steps": 0.0, "kvmesh:kv_blocks_evicted": 0.0,
                       "kvmesh:requests_swapped_out": 0.0, "kvmesh:requests_swapped_in": 0.0,
-                      "kvmesh:requests_rejected": 0.0}
+                      "kvmesh:requests_rejected": 0.0,
+                      # --kv-share: requests that waited for their cross-pod KV prefetch, and
+                      # those whose wait ran out (the store's own counters: kvmesh.index.metrics)
+                      "kvmesh:kv_share_prefetch_waits": 0.0,
+                      "kvmesh:kv_share_prefetch_timeouts": 0.0}
         self._last_token: dict[str, float] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -102,6 +106,8 @@ class EngineMetrics(EngineObserver):
             self.extra["kvmesh:kv_blocks_evicted"] += s.blocks_evicted
             self.extra["kvmesh:requests_swapped_out"] += s.num_swapped_out
             self.extra["kvmesh:requests_swapped_in"] += s.num_swapped_in
+            self.extra["kvmesh:kv_share_prefetch_waits"] += s.remote_kv_waits
+            self.extra["kvmesh:kv_share_prefetch_timeouts"] += s.remote_kv_timeouts
             for out in outputs:
                 self._on_output(out, now)
 

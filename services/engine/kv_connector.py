@@ -20,10 +20,25 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvmesh.common.config import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVConnectorStats:
+    """A connector's counters since it started (totals), for /metrics."""
+    prefetches_started: int = 0     # background fetches queued for waiting requests
+    prefetch_hits: int = 0          # fetches that brought at least one block
+    prefetch_misses: int = 0        # fetches that found none (the store failed or had none)
+    prefetches_skipped: int = 0     # not sent: the breaker was open or too many were pending
+    blocks_stored: int = 0          # blocks written to the store
+    stores_dropped: int = 0         # blocks not written: queue full, breaker open or an error
+    errors: int = 0                 # failed store round trips
+    breaker_open: bool = False      # the store is being skipped after repeated failures
+    breaker_opens: int = 0          # times the breaker opened
 
 
 class KVConnector(ABC):
@@ -59,6 +74,10 @@ class KVConnector(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop background work and release connections."""
+
+    def stats(self) -> KVConnectorStats:
+        """Counters since start (read from any thread, e.g. a /metrics scrape)."""
+        return KVConnectorStats()
 
 
 def make_kv_connector(config: EngineConfig, fingerprint: Callable[[], str], dtype: str,

@@ -52,7 +52,7 @@ class Request:
     parent_id: str | None = None             # the user-visible request id of an n > 1 group
     generator: torch.Generator | None = None  # per-sample RNG when seeded
     # NOTE: set by the scheduler (its BlockHasher); keeps block_hashes in step with the tokens
-    block_hasher: Callable[["Request"], None] | None = None
+    block_hasher: Callable[[Request], None] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -73,7 +73,7 @@ class Request:
         if self.block_hasher is not None:
             self.block_hasher(self)
 
-    def set_block_hasher(self, hasher: Callable[["Request"], None] | None) -> None:
+    def set_block_hasher(self, hasher: Callable[[Request], None] | None) -> None:
         """Hash the known tokens' full blocks with `hasher` from now on (None: stop hashing)."""
         self.block_hasher = hasher
         if hasher is not None:

@@ -42,6 +42,8 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     external_hit_tokens: int = 0       # prompt tokens whose KV was loaded from another pod (kv-share)
+    remote_kv_waits: int = 0           # requests that began waiting for their KV prefetch
+    remote_kv_timeouts: int = 0        # ... and whose wait ran out with the fetch still in flight
     kv_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0

@@ -66,6 +66,7 @@ class Scheduler(Preemption):
         self.swapped: list[Request] = []
         self.pending_forks: dict[str, list[Request]] = {}   # sample 0 id -> samples 1..n-1
         self.requests: dict[str, Request] = {}              # every live request, forks included
+        self._awaiting_kv: set[str] = set()                 # waiting for their KV prefetch
         self.step_id = 0
         # NOTE: block counters at the end of the last step: every block operation, aborts
         # between steps and frees at finish included, is counted in exactly one step's stats.
@@ -126,6 +127,7 @@ class Scheduler(Preemption):
         self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
+        self._awaiting_kv.discard(req.request_id)
         if self.kv_connector is not None:
             self.kv_connector.release(req.request_id)
 
@@ -215,7 +217,7 @@ class Scheduler(Preemption):
             if self._never_fits(req.num_tokens):
                 self._finish_too_long(req)
                 continue
-            if self._awaiting_remote_kv(req):
+            if self._awaiting_remote_kv(req, st.stats):
                 idx += 1          # NOTE: vLLM's WAITING_FOR_REMOTE_KVS: skipped, not blocking
                 continue
             if not self._admit(req, st):
@@ -302,15 +304,28 @@ class Scheduler(Preemption):
             return
         self.kv_connector.prefetch(req.request_id, req.block_hashes[:limit])
 
-    def _awaiting_remote_kv(self, req: Request) -> bool:
+    def _awaiting_remote_kv(self, req: Request, stats: SchedulerStats) -> bool:
         """True while the request's prefetch is still in flight and it has waited less than
         REMOTE_KV_WAIT_S: admitted now it would compute what another pod already stored.
+        Counts each request's wait once (stats.remote_kv_waits) and a wait that ran out
+        (remote_kv_timeouts).
 
         NOTE: only this request waits; the step and every other request go on. The bound
         keeps a slow (or hung) store from delaying it by more than that."""
         c = self.kv_connector
-        return (c is not None and not c.ready(req.request_id)
-                and self.clock() - req.arrival_time < REMOTE_KV_WAIT_S)
+        if c is None:
+            return False
+        rid = req.request_id
+        if not c.ready(rid):
+            if self.clock() - req.arrival_time < REMOTE_KV_WAIT_S:
+                if rid not in self._awaiting_kv:
+                    self._awaiting_kv.add(rid)
+                    stats.remote_kv_waits += 1
+                return True
+            if rid in self._awaiting_kv:
+                stats.remote_kv_timeouts += 1
+        self._awaiting_kv.discard(rid)
+        return False
 
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored

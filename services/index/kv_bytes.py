@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.common.block_hash import hash_hex
-from kvmesh.engine.kv_connector import KVConnector
+from kvmesh.engine.kv_connector import KVConnector, KVConnectorStats
 from kvmesh.index.breaker import CircuitBreaker
 from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import KeySpace
@@ -61,10 +61,14 @@ class RedisKVStore(KVConnector):
         self._fetched: OrderedDict[str, dict[bytes, bytes]] = OrderedDict()
         self._fetching: str | None = None
         self._max_prefetched = max_prefetched
-        # counters for metrics and tests
-        self.blocks_stored = 0          # (loads are counted by the scheduler: external_hit_tokens)
+        # counters for metrics and tests (see KVConnectorStats; the blocks loaded are counted
+        # by the scheduler: external_hit_tokens)
+        self.blocks_stored = 0
         self.stores_dropped = 0
-        self.prefetches_skipped = 0     # dropped: breaker open or too many waiting requests
+        self.prefetches_started = 0
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self.prefetches_skipped = 0
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-share-store", daemon=True)
@@ -89,6 +93,7 @@ class RedisKVStore(KVConnector):
                 self.prefetches_skipped += 1
                 return
             self._fetch_jobs[req_id] = list(hashes)
+            self.prefetches_started += 1
             self._fetch_cv.notify()
 
     def lookup(self, req_id: str, hashes: list[bytes]) -> list[bytes]:
@@ -125,6 +130,11 @@ class RedisKVStore(KVConnector):
                     return False
                 self._fetch_cv.wait(min(left, 0.05))
         return True
+
+    def stats(self) -> KVConnectorStats:
+        return KVConnectorStats(self.prefetches_started, self.prefetch_hits, self.prefetch_misses,
+                                self.prefetches_skipped, self.blocks_stored, self.stores_dropped,
+                                self.errors, self.breaker.is_open, self.breaker.opens)
 
     def wants(self, block_hash: bytes) -> bool:
         """False for a block already stored by this engine (no second copy is sent)."""
@@ -171,19 +181,25 @@ class RedisKVStore(KVConnector):
                 self._fetching = req_id
             values = self._mget(hashes)
             with self._fetch_lock:
+                got = {h: v for h, v in zip(hashes, values or ())
+                       if v is not None and len(v) == self.block_bytes}
+                if got:
+                    self.prefetch_hits += 1
+                elif values is not None:          # None: not sent (counted as skipped)
+                    self.prefetch_misses += 1
                 if self._fetching != req_id:
                     continue                  # released while fetching
-                got = {h: v for h, v in zip(hashes, values)
-                       if v is not None and len(v) == self.block_bytes}
                 if got:
                     self._fetched[req_id] = got
                     while len(self._fetched) > self._max_prefetched:
                         self._fetched.popitem(last=False)
 
-    def _mget(self, hashes: list[bytes]) -> list:
+    def _mget(self, hashes: list[bytes]) -> list | None:
+        """The values (None each where missing), [] when Redis failed, None when the breaker
+        kept the call from going out."""
         if not self.breaker.allow():
             self.prefetches_skipped += 1
-            return []
+            return None
         try:
             values = self._client.mget([self.key(h) for h in hashes])
         except redis.RedisError as e:

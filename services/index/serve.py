@@ -5,11 +5,9 @@ import argparse
 import logging
 import os
 import socket
-
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+from kvmesh.index.metrics import KVShareCollector, PublisherCollector
 from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
 
 if TYPE_CHECKING:     # NOTE: both import torch; the server hands them in at run time
@@ -51,24 +49,6 @@ def _advertise_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{args.port}"
 
 
-class PublisherCollector:
-    """The publisher's health on /metrics: Redis reachable, errors, resyncs, events."""
-
-    def __init__(self, publisher: KVEventPublisher, model_name: str) -> None:
-        self.publisher = publisher
-        self.model_name = model_name
-
-    def collect(self):
-        p, labels = self.publisher, ["model_name"]
-        up = GaugeMetricFamily("kvmesh:kv_index_connected", "1 while Redis is reachable.", labels=labels)
-        up.add_metric([self.model_name], 1.0 if p.connected else 0.0)
-        yield up
-        for name in ("events_published", "resyncs", "redis_errors", "batches_dropped"):
-            c = CounterMetricFamily(f"kvmesh:kv_index_{name}", name.replace("_", " "), labels=labels)
-            c.add_metric([self.model_name], float(getattr(p, name)))
-            yield c
-
-
 def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: EngineMetrics) -> None:
     """An ENGINE_HOOK: with --redis-url, publish after every step; clear the pod's entries on exit."""
     if not getattr(args, "redis_url", None):
@@ -85,5 +65,7 @@ def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: Engi
     publish_engine_state(publisher, engine)
     engine.add_observer(publisher)
     metrics.registry.register(PublisherCollector(publisher, engine.model_name))
+    if engine.kv_share is not None:
+        metrics.registry.register(KVShareCollector(engine.kv_share, engine.model_name))
     logger.info("publishing KV events to the prefix index as pod %s (%s)", publisher.pod_id,
                 publisher.pod_url)

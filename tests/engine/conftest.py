@@ -28,7 +28,8 @@ class Harness:
     EOS = 2
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, num_cpu_blocks: int = 0,
-                 max_model_len: int | None = None, block_bytes: int = 1024, **cfg) -> None:
+                 max_model_len: int | None = None, block_bytes: int = 1024, kv_connector=None,
+                 **cfg) -> None:
         # like the engine: no request may outgrow the whole KV cache
         max_model_len = max_model_len or min(256, num_blocks * block_size)
         cfg.setdefault("enable_prefix_caching", False)
@@ -37,7 +38,8 @@ class Harness:
         self.kv = KVCacheManager(num_blocks, block_size, num_cpu_blocks,
                                  enable_caching=self.config.enable_prefix_caching)
         self.clock = FakeClock()
-        self.sched = Scheduler(self.config, self.kv, max_model_len, block_bytes, clock=self.clock)
+        self.sched = Scheduler(self.config, self.kv, max_model_len, block_bytes, clock=self.clock,
+                               kv_connector=kv_connector)
         self._ids = itertools.count()
         self.next_token = 7
         self.all_requests: list[Request] = []   # every sample ever added, forks included

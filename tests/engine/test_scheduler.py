@@ -434,3 +434,58 @@ def test_the_scheduler_hashes_each_request_once_as_its_tokens_grow(harness, monk
     while off.sched.has_unfinished_requests():
         off.step()
     assert off.sched.block_hasher is None and b.block_hashes == []
+
+
+class _HungFetches:
+    """A cross-pod KV store whose fetches stay in flight until finish() (a store that hangs)."""
+
+    def __init__(self) -> None:
+        self.in_flight: set[str] = set()
+
+    def prefetch(self, req_id, block_hashes):
+        self.in_flight.add(req_id)
+
+    def finish(self, req_id):
+        self.in_flight.discard(req_id)
+
+    def ready(self, req_id):
+        return req_id not in self.in_flight
+
+    def lookup(self, req_id, block_hashes):
+        return []
+
+    def release(self, req_id):
+        self.in_flight.discard(req_id)
+
+
+def test_prefetch_waits_and_waits_that_run_out_are_counted_once_per_request(harness):
+    from kvmesh.api.metrics import EngineMetrics
+    from kvmesh.engine.observers import LoadSnapshot, StepReport
+    from kvmesh.engine.scheduler import REMOTE_KV_WAIT_S
+
+    store = _HungFetches()
+    h = harness(num_blocks=32, block_size=4, kv_connector=store)
+    metrics = EngineMetrics("m")
+    waits, timeouts = [], []
+
+    def step():
+        out = h.step()
+        waits.append(out.stats.remote_kv_waits)
+        timeouts.append(out.stats.remote_kv_timeouts)
+        metrics.on_step(StepReport(0, 0, 0, 0, 0, None, out, [], None, LoadSnapshot(0, 0, 0, 0)))
+        return out
+
+    assert REMOTE_KV_WAIT_S == 2.0                   # the harness clock moves 1 s a step
+    slow = h.add(9, max_tokens=2)                    # two full blocks to fetch: it waits
+    assert plan(step()) == []
+    fast = h.add(9, max_tokens=2)
+    store.finish(fast.request_id)                    # its fetch answered before its first step
+    assert [sr.request for sr in step().scheduled] == [fast]
+    assert h.clock.t == slow.arrival_time + REMOTE_KV_WAIT_S   # its wait ran out: computed locally
+    assert slow in [sr.request for sr in step().scheduled]
+    while h.sched.has_unfinished_requests():
+        step()
+    assert (sum(waits), sum(timeouts)) == (1, 1) and (waits[0], timeouts[2]) == (1, 1)
+    assert (metrics.extra["kvmesh:kv_share_prefetch_waits"],
+            metrics.extra["kvmesh:kv_share_prefetch_timeouts"]) == (1, 1)
+    assert store.in_flight == set() and not h.sched._awaiting_kv

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from processes import Blackhole
+from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ def decode_steps(smollm, url):
         finally:
             sched_times.append(time.monotonic() - t0)
     e.scheduler.schedule = timed_schedule
+    metrics = EngineMetrics("m", e)
+    e.add_observer(metrics)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     e.add_request("a", PROMPT_A, greedy)
     e.step()                                   # A's prefill
@@ -52,13 +55,14 @@ def decode_steps(smollm, url):
                 tokens[out.request_id] = out.outputs[0].token_ids
     if e.kv_share is not None:
         e.kv_share.close()
-    return sched_times, tokens
+    return sched_times, tokens, metrics.extra["kvmesh:kv_share_prefetch_waits"]
 
 
 def test_a_hung_redis_never_stalls_a_step(smollm, blackhole):
-    base_times, base_tokens = decode_steps(smollm, None)
-    times, tokens = decode_steps(smollm, blackhole.url)
+    base_times, base_tokens, base_waits = decode_steps(smollm, None)
+    times, tokens, waits = decode_steps(smollm, blackhole.url)
     assert tokens == base_tokens and len(tokens["b"]) == NEW    # correct output, computed locally
+    assert (base_waits, waits) == (0, 1)       # b waited for its hung fetch (only b, only once)
     # NOTE: a step that waited for the hung Redis takes its 1 s socket timeout; measure
     # against the same run without --kv-share, with margins for a loaded machine.
     assert max(times) < max(base_times) + 0.25

@@ -81,6 +81,10 @@ class Blackhole:
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)   # NOTE: wakes the accept() (close alone does not)
+        except OSError:
+            pass
         self._sock.close()
         for c in self._conns:
             c.close()
