@@ -1,13 +1,22 @@
 """Scheduler micro-benchmark: CPU time of one decode step's scheduling and KV bookkeeping.
 
-    python benchmarks/scheduler_step.py [--requests 64,256,1024] [--steps 2000]
+    python benchmarks/scheduler_step.py [--requests 64,256,1024] [--steps 2000] [--gc both]
 
 A real Scheduler and KVCacheManager (block size 16, prefix caching on), no model: N requests
 with distinct 128-token prompts are prefilled first (not timed), then every timed step is
 `schedule()` + `update_from_output()` with a fake runner output (one token per request), so each
 step appends a token to every request, allocates a block every 16 tokens and hashes every
 block that fills up. Building the fake output is not timed. Reported per step: CPU time of the
-process (time.process_time_ns) and wall time, mean / p50 / p99 in microseconds.
+process (time.process_time_ns) and wall time, mean / p50 / p99 / max in microseconds.
+
+Garbage collection, per `--gc` mode: `default` (Python's collector as it comes) or `freeze`
+(`kvmesh.common.gc_freeze.freeze_after_startup()` once the requests are prefilled, as
+`kvmesh serve` does after its start-up:
+the long-lived objects leave the collector's generations). Reported: the collections of each
+generation during the timed steps (gc.get_stats), the longest pause (gc.callbacks), and the
+object churn of one step: container objects a step leaves allocated (gc.get_count with the
+collector off) and the peak of Python memory allocated within a step (tracemalloc), measured
+on separate, untimed steps.
 """
 from __future__ import annotations
 
@@ -15,10 +24,12 @@ import argparse
 import gc
 import os
 import time
+import tracemalloc
 
 import numpy as np
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
@@ -58,11 +69,62 @@ def build(num_requests: int, steps: int) -> Scheduler:
     return sched
 
 
-def measure(num_requests: int, steps: int) -> dict:
-    sched = build(num_requests, steps)
+def churn(sched: Scheduler, steps: int = 20) -> tuple[float, float]:
+    """Per step of schedule() + update_from_output() (the fake output's own objects not
+    counted): (container objects they allocate that are still alive when the step ends, its
+    output included: what drives the collector; peak KiB of Python memory they allocate).
+    Measured on untimed steps, with the collector off, then with tracemalloc."""
+    alive = []
+    gc.disable()
+    try:
+        for s in range(steps):
+            c0 = gc.get_count()[0]
+            out = sched.schedule()
+            c1 = gc.get_count()[0]
+            result = _fake_output(out, 7 + s % 100)
+            c2 = gc.get_count()[0]
+            sched.update_from_output(out, result)
+            alive.append(c1 - c0 + gc.get_count()[0] - c2)
+            del out, result
+    finally:
+        gc.enable()
+    peaks = []
+    tracemalloc.start()
+    try:
+        for s in range(steps):
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            out = sched.schedule()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            result = _fake_output(out, 7 + s % 100)
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            sched.update_from_output(out, result)
+            peaks.append(peak + tracemalloc.get_traced_memory()[1] - base)
+            del out, result
+    finally:
+        tracemalloc.stop()
+    return float(np.mean(alive)), float(np.mean(peaks)) / 1024
+
+
+def measure(num_requests: int, steps: int, gc_mode: str = "default") -> dict:
+    sched = build(num_requests, steps + 64)
+    kept, peak_kib = churn(sched)
     cpu_ns = np.empty(steps, dtype=np.int64)
     wall_ns = np.empty(steps, dtype=np.int64)
     gc.collect()
+    if gc_mode == "freeze":
+        freeze_after_startup()
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+    collections0 = [g["collections"] for g in gc.get_stats()]
+    gc.callbacks.append(on_gc)
     for s in range(steps):
         c0, w0 = time.process_time_ns(), time.perf_counter_ns()
         out = sched.schedule()
@@ -74,8 +136,13 @@ def measure(num_requests: int, steps: int) -> dict:
         assert len(out.scheduled) == num_requests, "every request must decode in every step"
         cpu_ns[s] = (c1 - c0) + (c3 - c2)
         wall_ns[s] = (w1 - w0) + (w3 - w2)
+    gc.callbacks.remove(on_gc)
+    collections = [g["collections"] - c for g, c in zip(gc.get_stats(), collections0)]
+    gc.unfreeze()
     return {
-        "requests": num_requests, "steps": steps,
+        "requests": num_requests, "steps": steps, "gc": gc_mode, "collections": collections,
+        "gc_max_ms": max(pauses, default=0.0) * 1e3, "kept": kept, "peak_kib": peak_kib,
+        "wall_max": wall_ns.max() / 1e3,
         "cpu_mean": cpu_ns.mean() / 1e3, "cpu_p50": np.percentile(cpu_ns, 50) / 1e3,
         "cpu_p99": np.percentile(cpu_ns, 99) / 1e3,
         "wall_mean": wall_ns.mean() / 1e3, "wall_p50": np.percentile(wall_ns, 50) / 1e3,
@@ -87,17 +154,24 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", default="64,256,1024", help="comma-separated running-request counts")
     p.add_argument("--steps", type=int, default=2000, help="timed decode steps per count")
+    p.add_argument("--gc", choices=("default", "freeze", "both"), default="both",
+                   help="garbage-collector mode(s) to time (see the module doc)")
     args = p.parse_args(argv)
+    modes = ("default", "freeze") if args.gc == "both" else (args.gc,)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  load average {os.getloadavg()}")
     print(f"# block_size={BLOCK_SIZE}, prefix caching on, prompt {PROMPT_LEN} tokens, "
           f"{args.steps} timed decode steps")
-    print("| running requests | CPU mean µs | CPU p50 µs | CPU p99 µs | wall mean µs | wall p50 µs "
-          "| wall p99 µs |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| running requests | gc | CPU mean µs | CPU p50 µs | CPU p99 µs | wall mean µs "
+          "| wall p99 µs | wall max µs | collections gen0/1/2 | longest GC ms "
+          "| objects alive / step | peak KiB / step |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for n in (int(x) for x in args.requests.split(",")):
-        r = measure(n, args.steps)
-        print(f"| {n} | {r['cpu_mean']:.0f} | {r['cpu_p50']:.0f} | {r['cpu_p99']:.0f} "
-              f"| {r['wall_mean']:.0f} | {r['wall_p50']:.0f} | {r['wall_p99']:.0f} |", flush=True)
+        for mode in modes:
+            r = measure(n, args.steps, mode)
+            print(f"| {n} | {mode} | {r['cpu_mean']:.0f} | {r['cpu_p50']:.0f} "
+                  f"| {r['cpu_p99']:.0f} | {r['wall_mean']:.0f} | {r['wall_p99']:.0f} "
+                  f"| {r['wall_max']:.0f} | {'/'.join(map(str, r['collections']))} "
+                  f"| {r['gc_max_ms']:.1f} | {r['kept']:.0f} | {r['peak_kib']:.0f} |", flush=True)
     print(f"# load average at end: {os.getloadavg()}")
 
 

@@ -24,6 +24,7 @@ import uvicorn
 from kvmesh.index import serve as kv_publishing
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
+from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
@@ -143,8 +144,10 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         state.max_model_len = engine.max_model_len
         state.engine = async_engine
         asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
+        frozen = freeze_after_startup()       # NOTE: no full-heap GC pauses while serving
         state.ready = True
-        logger.info("ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
+        logger.info("ready: model %s, max_model_len %d (%d start-up objects frozen out of the "
+                    "garbage collector)", engine.model_name, engine.max_model_len, frozen)
     except Exception as e:  # noqa: BLE001 - shown by /health; the pod restarts
         logger.exception("model loading failed")
         state.load_error = f"model loading failed: {e}"

@@ -28,6 +28,9 @@ class RequestGroup:
     samples: list[Request]                      # sample i at index i
     detokenizers: list[IncrementalDetokenizer]  # one per sample, same order
     emitted: list[int] = field(default_factory=list)   # token ids already reported, per sample
+    # NOTE: one dict for all of the group's outputs, filled in as the times become known
+    # (arrival, first scheduled, first token): no per-step dict per request
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -130,10 +133,12 @@ class OutputProcessor:
                 delta_logprobs=req.output_logprobs[start:end] if want_logprobs else None,
             ))
         first = group.samples[0]
-        metrics = {"arrival_time": first.arrival_time}
-        if first.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = first.first_scheduled_time
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
+        metrics = group.metrics
+        if len(metrics) < 3:
+            metrics["arrival_time"] = first.arrival_time
+            if first.first_scheduled_time is not None:
+                metrics["first_scheduled_time"] = first.first_scheduled_time
+            if first.first_token_time is not None:
+                metrics["first_token_time"] = first.first_token_time
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
                              group.finished, max(first.num_cached_tokens, 0), metrics)

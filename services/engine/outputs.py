@@ -43,4 +43,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
+    # arrival, first scheduled and first token times; NOTE: one dict shared by all of a request's
+    # outputs, filled in as the times become known (never changed once set)
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -5,6 +5,7 @@ scheduler.py reads as the step's three phases.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvmesh.engine.request import Request, RequestStatus
@@ -39,6 +40,7 @@ class Preemption:
     block_bytes: int
     swap_bytes_per_s: float
     recompute_tokens_per_s: float
+    _join: Callable[[list[Request], Request], None]   # queue append that marks it for sorting
 
     def _choose_swap(self, req: Request) -> bool:
         mode = self.config.preemption_mode
@@ -64,7 +66,7 @@ class Preemption:
             self.kv.free(victim)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
-            self.waiting.append(victim)
+            self._join(self.waiting, victim)
             stats.num_preempted_recompute += 1
         victim.num_preemptions += 1
         victim.last_preempted_step = self.step_id

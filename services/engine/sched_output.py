@@ -1,6 +1,7 @@
 """Data passed from the scheduler to the model runner and back: one step's decisions and results."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.engine.request import Logprob, Request
@@ -8,12 +9,15 @@ from kvmesh.engine.request import Logprob, Request
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """One request's share of a step. NOTE: the scheduler keeps one per live request and
+    refills it each step it is scheduled (no per-step object per request, which would drive
+    the garbage collector at large batches): read it within the step that produced it."""
     request: Request           # in-process reference: the runner reads token ids and sampling settings
     start: int                 # first position computed this step (num_computed_tokens before the step)
     num_tokens: int            # tokens computed this step (1 for a decode)
     block_ids: list[int]       # the request's block table after this step's allocation
     sample: bool               # the chunk reaches the last known token: a next token is sampled
-    fork_children: list[Request] = field(default_factory=list)  # n > 1: samples drawn from this row too
+    fork_children: Sequence[Request] = ()  # n > 1: samples drawn from this row too
 
     @property
     def is_decode(self) -> bool:
@@ -52,6 +56,8 @@ class SchedulerStats:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's decisions, for the runner and the step's observers; valid until the next
+    schedule() (its ScheduledRequests are reused)."""
     step: int
     scheduled: list[ScheduledRequest]
     # NOTE: block moves in the order the scheduler decided them: ("copy", src, dst) for

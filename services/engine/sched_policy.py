@@ -26,14 +26,18 @@ class Policy:
     # NOTE: only the priority policy lets a waiting request evict running ones; for the others
     # preemption happens only when blocks run out, so admission order alone carries the policy.
     preempts_for_waiting: bool = False
+    # NOTE: the key depends only on what a request arrives with (priority, arrival time), not on
+    # the clock or its progress: a queue sorted once stays sorted until a request joins it.
+    static: bool = False
 
 
 def fcfs() -> Policy:
-    return Policy("fcfs", lambda r, now: (r.arrival_time,))
+    return Policy("fcfs", lambda r, now: (r.arrival_time,), static=True)
 
 
 def priority() -> Policy:
-    return Policy("priority", lambda r, now: (r.priority, r.arrival_time), preempts_for_waiting=True)
+    return Policy("priority", lambda r, now: (r.priority, r.arrival_time),
+                  preempts_for_waiting=True, static=True)
 
 
 def sjf(aging_tokens_per_s: float) -> Policy:

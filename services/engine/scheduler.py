@@ -67,6 +67,12 @@ class Scheduler(Preemption):
         self.pending_forks: dict[str, list[Request]] = {}   # sample 0 id -> samples 1..n-1
         self.requests: dict[str, Request] = {}              # every live request, forks included
         self._awaiting_kv: set[str] = set()                 # waiting for their KV prefetch
+        # NOTE: no per-request object per step: each live request's ScheduledRequest is
+        # refilled whenever it is scheduled, and with a static policy (fcfs, priority) a queue
+        # is sorted only after a request joined it. At 1024 running requests the per-step
+        # records and sort keys set off several collections a step.
+        self._records: dict[str, ScheduledRequest] = {}
+        self._running_unsorted = self._waiting_unsorted = True
         self.step_id = 0
         # NOTE: block counters at the end of the last step: every block operation, aborts
         # between steps and frees at finish included, is counted in exactly one step's stats.
@@ -83,7 +89,7 @@ class Scheduler(Preemption):
         self.requests[request.request_id] = request
         request.set_block_hasher(self.block_hasher)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._join(self.waiting, request)
         self._prefetch_remote(request)
 
     def add_fork(self, parent: Request, child: Request) -> None:
@@ -127,6 +133,7 @@ class Scheduler(Preemption):
         self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
+        self._records.pop(req.request_id, None)
         self._awaiting_kv.discard(req.request_id)
         if self.kv_connector is not None:
             self.kv_connector.release(req.request_id)
@@ -150,7 +157,9 @@ class Scheduler(Preemption):
     def _schedule_running(self, st: StepState) -> None:
         """1) Running requests, best first. When blocks run out, the worst running request is
         preempted (possibly the one being scheduled). Victims always come from behind."""
-        self.running.sort(key=st.key)
+        if self._running_unsorted or not self.policy.static:
+            self.running.sort(key=st.key)
+            self._running_unsorted = False
         i = 0
         while i < len(self.running) and st.budget > 0:
             req = self.running[i]
@@ -196,7 +205,7 @@ class Scheduler(Preemption):
             self._drain_copies(st)
             self.swapped.pop(0)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._join(self.running, req)
             st.stats.num_swapped_in += 1
             self._schedule_tokens(req, num_new, st)
 
@@ -207,7 +216,9 @@ class Scheduler(Preemption):
         partway through, and those must come back before anything else new is admitted."""
         if st.preempted or self.swapped:
             return
-        self.waiting.sort(key=st.key)
+        if self._waiting_unsorted or not self.policy.static:
+            self.waiting.sort(key=st.key)
+            self._waiting_unsorted = False
         idx = 0
         while idx < len(self.waiting) and st.budget > 0 and not self.swapped:
             req = self.waiting[idx]
@@ -271,7 +282,7 @@ class Scheduler(Preemption):
         if req.first_scheduled_time is None:
             req.first_scheduled_time = st.now
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._join(self.running, req)
         self._schedule_tokens(req, num_new, st)
         return True
 
@@ -345,15 +356,30 @@ class Scheduler(Preemption):
             return budget if self.chunked else 0
         return max(num_new, 0)
 
+    def _join(self, queue: list[Request], req: Request) -> None:
+        """Append to the running or waiting queue; the next step sorts it again (with a static
+        policy only then: removals keep a queue's order)."""
+        queue.append(req)
+        if queue is self.running:
+            self._running_unsorted = True
+        else:
+            self._waiting_unsorted = True
+
     def _schedule_tokens(self, req: Request, num_new: int, st: StepState) -> None:
         start = req.num_computed_tokens
         sample = start + num_new == req.num_tokens
-        children = []
-        if sample and req.num_output_tokens == 0:
-            children = self.pending_forks.get(req.request_id, [])
+        children: tuple[Request, ...] = ()
+        if sample and req.num_output_tokens == 0 and req.request_id in self.pending_forks:
+            children = tuple(self.pending_forks[req.request_id])
         # NOTE: the live table, not a copy: the runner reads it within this step only.
-        sr = ScheduledRequest(req, start, num_new, self.kv.block_table(req.request_id),
-                              sample, list(children))
+        table = self.kv.block_table(req.request_id)
+        sr = self._records.get(req.request_id)
+        if sr is None:
+            sr = self._records[req.request_id] = ScheduledRequest(req, start, num_new, table,
+                                                                  sample, children)
+        else:
+            sr.start, sr.num_tokens, sr.block_ids = start, num_new, table
+            sr.sample, sr.fork_children = sample, children
         count_scheduled(st.stats, sr, +1)
         st.scheduled[req.request_id] = sr
         st.budget -= num_new
@@ -386,7 +412,7 @@ class Scheduler(Preemption):
                 child.num_cached_tokens = req.num_cached_tokens
                 child.first_scheduled_time = req.first_scheduled_time
                 child.status = RequestStatus.RUNNING
-                self.running.append(child)
+                self._join(self.running, child)
                 self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
                 touched.append(child)
             if sr.fork_children:

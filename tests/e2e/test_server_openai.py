@@ -350,3 +350,12 @@ def test_include_usage_alone_keeps_usage_null_on_content_chunks(server):
         events = _sse_events(r)
     assert [e["usage"] for e in events[:-1]] == [None, None, None]
     assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_start_up_objects_are_frozen_out_of_the_garbage_collector(server):
+    """After the model load and warm-up the server freezes its heap (no full-heap GC pauses)."""
+    import re
+
+    frozen = re.search(r"\((\d+) start-up objects frozen out of the garbage collector\)",
+                       server.log())
+    assert frozen is not None and int(frozen.group(1)) > 10_000

@@ -116,3 +116,49 @@ def test_tiny_caches_with_swapping_always_make_progress(cfg, reqs):
     for r in h.all_requests:
         assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED), r
         assert r.num_output_tokens == r.max_tokens, r
+
+
+def _decisions(out):
+    return ([(sr.request.request_id, sr.start, sr.num_tokens, sr.sample, list(sr.block_ids),
+              [c.request_id for c in sr.fork_children]) for sr in out.scheduled],
+            list(out.block_ops), list(out.preempted_ids))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs.filter(lambda c: c["scheduling_policy"] in ("fcfs", "priority")),
+       ops=st.lists(op, max_size=60))
+def test_a_static_policy_sorts_only_after_a_join_and_decides_as_sorting_every_step(cfg, ops):
+    """fcfs and priority keys never change, so the scheduler re-sorts a queue only after a
+    request joined it (and refills one ScheduledRequest per request): every step's decisions
+    must equal those of a scheduler that sorts every queue every step."""
+    import dataclasses
+
+    max_model_len = cfg["num_blocks"] * cfg["block_size"]
+    chunked = cfg.pop("enable_chunked_prefill")
+    kw = dict(max_model_len=max_model_len, enable_chunked_prefill=chunked,
+              max_num_batched_tokens=None if chunked else max_model_len, swap_bytes_per_s=1e9,
+              **cfg)
+    fast, ref = Harness(**kw), Harness(**kw)
+    assert fast.sched.policy.static
+    ref.sched.policy = dataclasses.replace(ref.sched.policy, static=False)
+    for o in ops:
+        if o[0] == "add":
+            _, plen, max_tokens, priority, n, prefix = o
+            prompt = [300 + prefix] * min(plen, 6) + [400 + i for i in range(max(plen - 6, 0))]
+            prompt = prompt[:max_model_len - 1]
+            for h in (fast, ref):
+                h.add(0, prompt=prompt, max_tokens=max_tokens, priority=priority, n=n)
+        elif o[0] == "step":
+            assert _decisions(fast.step()) == _decisions(ref.step())
+        else:
+            live = sorted(fast.sched.requests)
+            assert live == sorted(ref.sched.requests)
+            if live:
+                for h in (fast, ref):
+                    h.sched.abort_requests([live[o[1] % len(live)]])
+    for _ in range(2_000):
+        if not ref.sched.has_unfinished_requests():
+            break
+        assert _decisions(fast.step()) == _decisions(ref.step())
+    assert not fast.sched.has_unfinished_requests() and not ref.sched.has_unfinished_requests()
+    assert not fast.sched._records
