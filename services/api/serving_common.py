@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger("kvmesh.api")
 
 
 @dataclass(slots=True)
@@ -221,6 +223,11 @@ async def stream_body(parts: AsyncIterator[str],
         yield SSE_DONE
     except ClientTooSlowError as e:
         yield sse(error_body(408, str(e), code="client_too_slow"))
+        yield SSE_DONE
+    except Exception:  # noqa: BLE001 - a bug mid-stream: tell the client, do not drop it
+        logger.exception("streaming response failed")
+        yield sse(error_body(500, "internal server error while streaming the response",
+                             code="internal_error"))
         yield SSE_DONE
     finally:
         await close_all(streams)
