@@ -55,7 +55,9 @@ def build(num_requests: int, steps: int) -> Scheduler:
                        max_num_seqs=num_requests,
                        max_num_batched_tokens=max(num_requests * PROMPT_LEN, num_requests),
                        enable_prefix_caching=True)
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, 0, enable_caching=True)
+    # NOTE: KV events off, as `kvmesh serve` without --redis-url (with it, the publisher drains
+    # them every step); nothing here drains them, so they would pile up and fill the heap
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, 0, enable_caching=True, enable_events=False)
     sched = Scheduler(cfg, kv, max_model_len, block_bytes=1 << 20)
     params = SamplingParams(max_tokens=steps + 32, ignore_eos=True)
     for i in range(num_requests):
