@@ -374,7 +374,7 @@ def test_engine_smollm_three_ranks(hf_smollm, hf_greedy_logits, assert_close_to_
     prompts += [shared + [rng.randrange(100, 40000) for _ in range(n)] for n in (3, 17)]
     want = [hf_greedy_logits(hf_smollm, p, 6) for p in prompts]
     engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", tensor_parallel_size=3, cpu_threads=1,
-                                    block_size=BLOCK, max_num_batched_tokens=16, num_kv_blocks=12,
+                                    block_size=BLOCK, max_num_batched_tokens=16, num_kv_blocks=16,
                                     max_model_len=64, preemption_mode="swap", swap_space=0.01))
     pids = _worker_pids(engine)
     try:

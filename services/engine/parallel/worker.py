@@ -67,6 +67,8 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
                         config.tokenizer, tp=group)
     conn.send_bytes(encode(Ready(rank, free_memory(device))))
     init = decode(conn.recv_bytes())
+    if isinstance(init, Shutdown):
+        return                          # rank 0 gave up (e.g. the KV cache does not fit)
     if not isinstance(init, InitCache):
         raise RuntimeError(f"expected InitCache from rank 0, got {type(init).__name__}")
     mc = loaded.config
