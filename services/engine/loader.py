@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,8 +28,9 @@ from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
 from kvmesh.kernels.ops import get_ops, resolve_backend
-from kvmesh.prompt.sources import gguf_tokenizer_dir
-from kvmesh.prompt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvmesh.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ _DTYPES = {
 class LoadedModel:
     config: ModelConfig
     model: nn.Module            # eval mode, on `device`, weights in `dtype` (RoPE cache stays float32)
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None   # None when loaded without one (a tensor-parallel worker)
     name: str                   # served model name (API `model` field)
     path: Path                  # what was loaded: the directory or the .gguf file
     dtype: torch.dtype
@@ -76,9 +77,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", attention_backend: str = "auto",
-               tokenizer_path: str | os.PathLike | None = None, tp=None) -> LoadedModel:
+               tokenizer_path: str | os.PathLike | None = None, tp=None,
+               load_tokenizer: bool = True) -> LoadedModel:
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
-    TPGroup, connected or not) only that rank's shard."""
+    TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
+    tokenizer (and importing transformers: a worker process starts faster)."""
     builtin = path is None
     p = _model_path(path)
     dev = resolve_device(device)
@@ -86,12 +89,12 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     backend = resolve_backend(attention_backend, dev)
 
     if p.is_dir():
-        config, files, tokenizer = _open_hf_dir(p)
+        config, files, tok_dir = _open_hf_dir(p)
         name = p.name
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
         gguf = GGUFFile(p)
         config = ModelConfig.from_hf_config(gguf.hf_config())
-        tokenizer = Tokenizer.from_dir(gguf_tokenizer_dir(p), config.eos_token_ids)
+        tok_dir = None
         name = BUILTIN_MODEL_NAME if builtin else p.stem
     else:
         raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
@@ -101,7 +104,11 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         tok_dir = Path(tokenizer_path).expanduser()
         if not tok_dir.is_dir():
             raise ModelFileNotFoundError(f"tokenizer directory does not exist: {tok_dir}")
-        tokenizer = Tokenizer.from_dir(tok_dir, config.eos_token_ids)
+    tokenizer = None
+    if load_tokenizer:
+        from kvmesh.prompt.sources import gguf_tokenizer_dir  # noqa: PLC0415
+        from kvmesh.prompt.tokenizer import Tokenizer  # noqa: PLC0415
+        tokenizer = Tokenizer.from_dir(tok_dir or gguf_tokenizer_dir(p), config.eos_token_ids)
 
     # NOTE: resolved (and its module imported) outside the meta-device context: module-level
     # code, e.g. the oneDNN probe in kernels/linear.py, must run on real tensors.
@@ -174,7 +181,8 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     model.tie_weights()
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Tokenizer]:
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
+    """(config, weight files, tokenizer directory) of an HF model directory."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelFileNotFoundError(f"no config.json in model directory {path}")
@@ -188,8 +196,7 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Tokenizer]:
                                 "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
     if not (path / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"missing tokenizer.json in model directory {path}")
-    tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
-    return config, files, tokenizer
+    return config, files, path
 
 
 def _safetensors_weights(files: list[Path], rules: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
