@@ -60,25 +60,25 @@ def test_smollm_refuses_two_ranks_with_the_numbers_and_accepts_three():
 
 
 def _qwen2_config(**kw) -> Qwen2Config:
-    args = dict(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                bos_token_id=1, eos_token_id=2)
+    args = {"vocab_size": 301, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "bos_token_id": 1, "eos_token_id": 2}
     return Qwen2Config(**{**args, **kw})
 
 
 @pytest.mark.parametrize("kw,size,message", [
-    (dict(num_attention_heads=6, num_key_value_heads=3), 4,
-     "the number of query heads (6) is not divisible by 4; 4 is not a multiple of the number of KV "
-     "heads (3), so the KV heads cannot be replicated evenly (sizes that fit this model: 3, 6)"),
-    (dict(num_attention_heads=8, num_key_value_heads=8), 3,
-     "the number of query heads (8) is not divisible by 3; the number of KV heads (8) is not "
-     "divisible by 3 (sizes that fit this model: 2, 4, 8)"),
-    (dict(intermediate_size=90), 4,
+    ({"num_attention_heads": 6, "num_key_value_heads": 3}, 4,
+     ("the number of query heads (6) is not divisible by 4; 4 is not a multiple of the number of KV "
+      "heads (3), so the KV heads cannot be replicated evenly (sizes that fit this model: 3, 6)")),
+    ({"num_attention_heads": 8, "num_key_value_heads": 8}, 3,
+     ("the number of query heads (8) is not divisible by 3; the number of KV heads (8) is not "
+      "divisible by 3 (sizes that fit this model: 2, 4, 8)")),
+    ({"intermediate_size": 90}, 4,
      "the MLP intermediate size (90) is not divisible by 4 (sizes that fit this model: 2)"),
-    (dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=60, intermediate_size=91), 2,
-     "the number of query heads (5) is not divisible by 2; the number of KV heads (5) is not "
-     "divisible by 2; the MLP intermediate size (91) is not divisible by 2 (this model cannot be "
-     "split; use --tensor-parallel-size 1)"),
+    ({"num_attention_heads": 5, "num_key_value_heads": 5, "hidden_size": 60, "intermediate_size": 91}, 2,
+     ("the number of query heads (5) is not divisible by 2; the number of KV heads (5) is not "
+      "divisible by 2; the MLP intermediate size (91) is not divisible by 2 (this model cannot be "
+      "split; use --tensor-parallel-size 1)")),
 ])
 def test_sizes_that_do_not_split_are_named(kw, size, message):
     from kvmesh.engine.model_config import ModelConfig

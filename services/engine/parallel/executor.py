@@ -32,7 +32,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
 from kvmesh.engine.parallel.messages import InitCache, Ready, Shutdown, Started, Step, decode, encode
 from kvmesh.engine.parallel.plan import validate_tensor_parallel
-from kvmesh.engine.parallel.worker import free_memory, run_worker
+from kvmesh.engine.parallel.worker import run_worker
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("kvmesh.engine.tp")
