@@ -21,6 +21,13 @@ Both transformers systems use one model loaded by transformers from the same fil
 for the built-in model), in the same dtype on the same device. Each system is warmed up (a few
 short requests) before it is timed. Times are wall clock.
 
+Tensor parallelism (`--tensor-parallel-size 1,2`: kvmesh once per size, side by side; each size
+N > 1 runs N ranks of max(1, threads / N) torch threads each and reports the time rank 0 spent in
+the collectives per step; a model that splits is needed, e.g. `--model random-300m`):
+
+    python benchmarks/offline_throughput.py --model random-300m --systems kvmesh \
+        --tensor-parallel-size 1,2 --threads 2
+
 On a GPU (`--device cuda --dtype bfloat16`) and with another model (`--model random-1b`, a seeded
 random 1B-class Llama, or an HF directory; see benchmarks/models.py):
 
@@ -30,6 +37,7 @@ random 1B-class Llama, or an HF directory; see benchmarks/models.py):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import platform
@@ -87,7 +95,8 @@ class Result:
 # ---------------------------------------------------------------------------------- systems
 
 
-def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
+def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
+               model_path: str | None = None) -> tuple[float, float, list[list[int]], str]:
     from kvmesh.common.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -97,7 +106,21 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, li
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
                        swap_space=0.0, dtype=args.dtype, device=args.device)
-    engine = LLMEngine(cfg, loaded=loaded)
+    if tp > 1:
+        # NOTE: the ranks load their own shards (the model path, not `loaded`); threads per rank
+        # split the threads TP=1 gets, so both use the same cores.
+        threads = max(1, (args.threads or os.cpu_count() or 1) // tp)
+        cfg = dataclasses.replace(cfg, model=model_path, tensor_parallel_size=tp, cpu_threads=threads)
+        engine = LLMEngine(cfg)
+    else:
+        engine = LLMEngine(cfg, loaded=loaded)
+    try:
+        return _time_kvmesh(engine, reqs, args, SamplingParams)
+    finally:
+        engine.shutdown()
+
+
+def _time_kvmesh(engine, reqs: list[BenchRequest], args, SamplingParams) -> tuple[float, float, list[list[int]], str]:
 
     def go(batch: list[BenchRequest], tag: str) -> list[list[int]]:
         for i, r in enumerate(batch):
@@ -113,11 +136,23 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args) -> tuple[float, float, li
 
     go(_warmup_requests(reqs), "warm")
     engine.reset_prefix_cache()
+    group = engine.executor.group if engine.executor is not None else None
+    if group is not None:
+        group.reset_counters()
+    steps0 = engine.num_steps
     t0, c0 = time.perf_counter(), time.process_time()
     outs = go(reqs, "r")
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = engine.num_steps - steps0
     note = (f"max_num_seqs={args.max_num_seqs}, budget={engine.scheduler.token_budget} tok/step, "
-            f"{engine.num_steps} steps")
+            f"{steps} steps")
+    if group is not None:
+        # NOTE: rank 0's wall time inside all-reduce / gather, waiting for slower ranks included;
+        # CPU time is rank 0's process only (the workers' is not counted)
+        note += (f", TP={group.size} x {torch.get_num_threads()} threads: collectives "
+                 f"{1e3 * group.comm_seconds / steps:.2f} ms/step ({100 * group.comm_seconds / wall:.0f}% "
+                 f"of wall), {group.comm_calls / steps:.0f} calls and "
+                 f"{group.comm_bytes / steps / 1024:.0f} KiB/step from rank 0")
     return wall, cpu, outs, note
 
 
@@ -249,7 +284,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="where random models are written once")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--tensor-parallel-size", default="1",
+                   help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
     args = p.parse_args(argv)
+    tp_sizes = [int(n) for n in args.tensor_parallel_size.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -275,9 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    for system in systems:
-        if system == "kvmesh":
-            wall, cpu, outs, note = run_kvmesh(loaded, reqs, args)
+    runs = [(f"kvmesh-tp{n}" if n > 1 else "kvmesh", n) if s == "kvmesh" else (s, 1)
+            for s in systems for n in (tp_sizes if s == "kvmesh" else [1])]
+    for system, tp in runs:
+        if system.startswith("kvmesh"):
+            wall, cpu, outs, note = run_kvmesh(loaded, reqs, args, tp, model_path)
         else:
             if hf is None:
                 hf = load_hf_model(model_path, args.dtype, args.device)
@@ -297,14 +337,14 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"| {r.system} | {r.requests} | {r.prompt_tokens} | {r.output_tokens} | {r.wall_s:.1f} "
               f"| {r.output_tps:.1f} | {r.total_tps:.1f} | {r.cpu_s:.1f} | {r.output_per_cpu_s:.1f} |")
-    base = next((r for r in results if r.system == "kvmesh"), None)
+    base = next((r for r in results if r.system.startswith("kvmesh")), None)
     if base is not None:
         print()
         for r in results:
             if r is not base:
-                print(f"kvmesh / {r.system}: {base.output_tps / r.output_tps:.2f}x output tok/s "
+                print(f"{base.system} / {r.system}: {base.output_tps / r.output_tps:.2f}x output tok/s "
                       f"({base.output_per_cpu_s / r.output_per_cpu_s:.2f}x per CPU second); "
-                      f"greedy outputs identical for {agreement(outputs['kvmesh'], outputs[r.system])} requests")
+                      f"greedy outputs identical for {agreement(outputs[base.system], outputs[r.system])} requests")
     print(f"# load average at end: {os.getloadavg()}")
 
 

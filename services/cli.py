@@ -22,16 +22,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"kvmesh generate: error: {e}", file=sys.stderr)
         return 2
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-            if out.finished:
-                sys.stdout.write("\n")
-                if args.json:
-                    o = out.outputs[0]
-                    print(json.dumps({"text": o.text, "token_ids": o.token_ids,
-                                      "finish_reason": o.finish_reason}))
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+                    if args.json:
+                        o = out.outputs[0]
+                        print(json.dumps({"text": o.text, "token_ids": o.token_ids,
+                                          "finish_reason": o.finish_reason}))
+    finally:
+        engine.shutdown()           # tensor parallelism: stop the worker processes
     return 0
 
 

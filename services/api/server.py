@@ -191,6 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
+    if config.tensor_parallel_size > 1:
+        # NOTE: checked here from the config alone, so a size that does not fit the model is a
+        # message and exit status 2, not a model-loading failure behind a 503.
+        from kvmesh.engine.loader import read_model_config
+        from kvmesh.engine.parallel.plan import validate_tensor_parallel
+        try:
+            validate_tensor_parallel(read_model_config(config.model), config.tensor_parallel_size)
+        except ValueError as e:
+            print(f"kvmesh serve: error: {e}", file=sys.stderr)
+            return 2
     state = ServerState(api_key=_api_key(args), limits=limits, cache_salt_from=cache_salt_from,
                         admin_api_key=resolve_api_key(args.admin_api_key, args.admin_api_key_file,
                                                       "KVMESH_ADMIN_API_KEY"))

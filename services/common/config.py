@@ -42,7 +42,8 @@ class EngineConfig:
     hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
     enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
     kv_share_url: str | None = None        # Redis holding other pods' KV bytes (--kv-share redis)
-    cpu_threads: int | None = None         # torch CPU threads; None: torch's default (all cores)
+    cpu_threads: int | None = None         # torch CPU threads (per rank); None: torch's default (all cores; cores / N with tensor parallelism)
+    tensor_parallel_size: int = 1          # ranks (one per device) the model is split over; 1: no worker processes
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
     dynamic_weights: DynamicPriorityWeights = field(default_factory=DynamicPriorityWeights)
     # NOTE: cost model for preemption mode "auto": recompute costs tokens / throughput, swap
@@ -80,6 +81,8 @@ class EngineConfig:
         need(self.sjf_aging_tokens_per_s >= 0, "sjf_aging_tokens_per_s must be >= 0")
         need(self.cpu_threads is None or self.cpu_threads >= 1,
              f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        need(self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget once the model's context length is known."""
@@ -135,6 +138,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hash-seed", default="kvmesh")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads (default: all cores); 1 when processes share few cores")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -122,6 +122,7 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
         for obs in list(self.engine.observers):
             obs.on_shutdown()
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -285,6 +286,7 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_health()    # a worker process may die while idle
                     self._wakeup.wait(0.5)
                     continue
                 # NOTE: step() has told its observers before any client sees an output, so once

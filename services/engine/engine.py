@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -26,6 +26,9 @@ from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.index.events import KVEventBatch
 
+if TYPE_CHECKING:
+    from kvmesh.engine.parallel.executor import TPExecutor
+
 logger = logging.getLogger("kvmesh.engine")
 
 
@@ -46,19 +49,40 @@ def _available_host_memory() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.executor: "TPExecutor | None" = None   # tensor parallelism: the worker processes
+        try:
+            self._init(config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         self.config = config
-        if config.cpu_threads is not None:
+        tp = config.tensor_parallel_size
+        threads = config.cpu_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
+        if threads is not None:
             # NOTE: OpenMP threads of several processes on few cores spin-wait on each other;
             # one thread each was 10x faster than two on a shared 2-core machine.
-            torch.set_num_threads(config.cpu_threads)
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                           config.attention_backend, config.tokenizer)
+            torch.set_num_threads(threads)
+        if tp > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own shards: pass the model "
+                                 "path in the config, not a loaded model")
+            if config.kv_share_url:
+                raise ValueError("--kv-share is not supported with --tensor-parallel-size > 1")
+            from kvmesh.engine.parallel.executor import TPExecutor  # noqa: PLC0415
+            self.executor, self.loaded = TPExecutor.launch(config)
+        else:
+            self.loaded = loaded or load_model(config.model, config.dtype, config.device,
+                                               config.attention_backend, config.tokenizer)
         mc = self.loaded.config
+        # NOTE: a rank holds only its KV heads: blocks are counted from per-rank bytes
+        kv_heads = self.loaded.plan.local_kv_heads if self.loaded.plan else mc.num_key_value_heads
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
         self.block_size = config.block_size
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
-                                          mc.num_key_value_heads, mc.head_dim, self.loaded.dtype)
+                                          kv_heads, mc.head_dim, self.loaded.dtype)
         num_gpu_blocks = self._num_gpu_blocks()
         capacity = num_gpu_blocks * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -77,9 +101,13 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
                                          enable_events=config.enable_kv_events)
-        self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, mc.num_key_value_heads,
-                                  mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                  self.loaded.dtype, self.loaded.device, seed=config.seed)
+        if self.executor is not None:
+            self.runner = self.executor.make_runner(self.loaded, config.block_size, num_gpu_blocks,
+                                                    num_cpu_blocks, config.seed)
+        else:
+            self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, kv_heads,
+                                      mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
+                                      self.loaded.dtype, self.loaded.device, seed=config.seed)
         # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
         # NOTE: KV bytes are named by the loaded weights' fingerprint, not the served name
         self.kv_share: KVConnector | None = make_kv_connector(
@@ -96,9 +124,20 @@ class LLMEngine:
         self.num_steps = 0
         # tracing, metrics, the prefix-index publisher: see observers.py
         self.observers: list[EngineObserver] = []
-        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%d tokens) "
-                    "swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
-                    self.loaded.device, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
+        logger.info("engine ready: model=%s dtype=%s device=%s tensor_parallel=%d kv_blocks=%d "
+                    "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
+                    self.loaded.device, tp, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
+
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step (a tensor-parallel worker died)."""
+        if self.executor is not None:
+            self.executor.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; idempotent. A single-rank engine holds no
+        process or thread of its own."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _num_gpu_blocks(self) -> int:
         cfg = self.config
@@ -109,6 +148,8 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(device)
         else:
             free = _available_host_memory()
+        if self.executor is not None:
+            free = self.executor.kv_free_memory(free, device)
         blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
         max_len = cfg.max_model_len or self.loaded.config.max_position_embeddings
         # NOTE: no point holding more than every sequence at full length.

@@ -25,6 +25,16 @@ class LLM:
         self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (none with one rank)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -5,6 +5,10 @@
                          └────────── model built on the meta device, weights assigned ──────────┘
 
 Every user-facing failure is a FileNotFoundError / ValueError naming the file and the problem.
+
+Tensor-parallel (`tp`, a rank's TPGroup): the rank builds its model at its local sizes and reads
+only its shard of each tensor: memory-mapped `get_slice` reads from safetensors; GGUF tensors are
+dequantized one at a time and cut to the rank's slice (see `kvmesh.engine.parallel.sharding`).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -22,9 +26,11 @@ from kvmesh.common.model_files import BUILTIN_MODEL_NAME, ModelFileNotFoundError
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
+from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
 from kvmesh.kernels.ops import get_ops, resolve_backend
-from kvmesh.prompt.sources import gguf_tokenizer_dir
-from kvmesh.prompt.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvmesh.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +45,13 @@ _DTYPES = {
 class LoadedModel:
     config: ModelConfig
     model: nn.Module            # eval mode, on `device`, weights in `dtype` (RoPE cache stays float32)
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None   # None when loaded without one (a tensor-parallel worker)
     name: str                   # served model name (API `model` field)
     path: Path                  # what was loaded: the directory or the .gguf file
     dtype: torch.dtype
     device: torch.device
     attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "triton")
+    plan: TPPlan | None = None  # tensor-parallel: this rank's share (config stays the full model's)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -70,24 +77,24 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", attention_backend: str = "auto",
-               tokenizer_path: str | os.PathLike | None = None) -> LoadedModel:
-    """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF)."""
+               tokenizer_path: str | os.PathLike | None = None, tp=None,
+               load_tokenizer: bool = True) -> LoadedModel:
+    """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
+    TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
+    tokenizer (and importing transformers: a worker process starts faster)."""
     builtin = path is None
-    p = builtin_model_path() if builtin else Path(path).expanduser()
-    if not p.exists():
-        raise ModelFileNotFoundError(f"model path does not exist: {p}")
+    p = _model_path(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     backend = resolve_backend(attention_backend, dev)
 
     if p.is_dir():
-        config, weights, tokenizer = _open_hf_dir(p)
+        config, files, tok_dir = _open_hf_dir(p)
         name = p.name
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
         gguf = GGUFFile(p)
         config = ModelConfig.from_hf_config(gguf.hf_config())
-        tokenizer = Tokenizer.from_dir(gguf_tokenizer_dir(p), config.eos_token_ids)
-        weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads)
+        tok_dir = None
         name = BUILTIN_MODEL_NAME if builtin else p.stem
     else:
         raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
@@ -97,18 +104,53 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         tok_dir = Path(tokenizer_path).expanduser()
         if not tok_dir.is_dir():
             raise ModelFileNotFoundError(f"tokenizer directory does not exist: {tok_dir}")
-        tokenizer = Tokenizer.from_dir(tok_dir, config.eos_token_ids)
+    tokenizer = None
+    if load_tokenizer:
+        from kvmesh.prompt.sources import gguf_tokenizer_dir  # noqa: PLC0415
+        from kvmesh.prompt.tokenizer import Tokenizer  # noqa: PLC0415
+        tokenizer = Tokenizer.from_dir(tok_dir or gguf_tokenizer_dir(p), config.eos_token_ids)
 
     # NOTE: resolved (and its module imported) outside the meta-device context: module-level
     # code, e.g. the oneDNN probe in kernels/linear.py, must run on real tensors.
     model_cls, ops = get_model_class(config.architecture), get_ops(backend)
+    plan = None if tp is None else make_plan(config, tp.rank, tp.size)
     with torch.device("meta"):
-        model = model_cls(config, ops)
+        model = model_cls(config if plan is None else local_config(config, plan), ops)
+    rules = {}
+    if plan is not None:
+        from kvmesh.engine.parallel.sharding import shard_model, shard_rules  # noqa: PLC0415
+        with torch.device("meta"):
+            shard_model(model, plan, tp)
+        rules = shard_rules(model, plan)
+    if p.is_dir():
+        weights = _safetensors_weights(files, rules)
+    else:
+        weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads)
+        if rules:
+            weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
-                       dtype=dt, device=dev, attention_backend=backend)
+                       dtype=dt, device=dev, attention_backend=backend, plan=plan)
+
+
+def read_model_config(path: str | os.PathLike | None = None) -> ModelConfig:
+    """The model's config alone (config.json or the GGUF metadata), without its weights."""
+    p = _model_path(path)
+    if p.is_dir():
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise ModelFileNotFoundError(f"no config.json in model directory {p}")
+        return ModelConfig.from_hf_config(_read_json(config_file))
+    return ModelConfig.from_hf_config(GGUFFile(p).hf_config())
+
+
+def _model_path(path: str | os.PathLike | None) -> Path:
+    p = builtin_model_path() if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileNotFoundError(f"model path does not exist: {p}")
+    return p
 
 
 def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -139,7 +181,8 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     model.tie_weights()
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
+    """(config, weight files, tokenizer directory) of an HF model directory."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelFileNotFoundError(f"no config.json in model directory {path}")
@@ -153,18 +196,20 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Ten
                                 "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
     if not (path / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"missing tokenizer.json in model directory {path}")
-    tokenizer = Tokenizer.from_dir(path, config.eos_token_ids)
-    return config, _safetensors_weights(files), tokenizer
+    return config, files, path
 
 
-def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(files: list[Path], rules: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor; a name with a shard rule yields only that shard (a memory-mapped slice read)."""
     from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
+    rules = rules or {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    rule = rules.get(name)
+                    yield name, f.get_tensor(name) if rule is None else rule.take(f.get_slice(name))
         except SafetensorError as e:
             raise ValueError(f"malformed safetensors file {file}: {e}") from None
 

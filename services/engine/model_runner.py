@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.sampler import Sampler, SamplingRow
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvmesh.kernels.metadata import AttentionMetadata
@@ -111,13 +112,10 @@ class ModelRunner:
                     eos_token_ids=req.eos_token_ids,
                 ))
                 row_ids.append(req.request_id)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        logits = self.run_model(ModelInput(input_ids, positions, query_lens, seq_lens, tables,
+                                           sample_rows))
         if not rows:
             return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()
@@ -127,3 +125,15 @@ class ModelRunner:
             model_time_s=time.perf_counter() - t0,
             sample_window=(s0, s1),
         )
+
+    def run_model(self, step: ModelInput) -> torch.Tensor | None:
+        """The forward pass; the float32 logits of `step.sample_rows` (None when there are none,
+        and on a tensor-parallel rank other than 0)."""
+        meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables,
+                                       self.block_size, self.device)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])

@@ -36,6 +36,10 @@ class AttentionSpec:
 
 
 class Attention(nn.Module):
+    # NOTE: tensor parallelism (kvmesh.engine.parallel) sets the rank's group: this layer holds
+    # some heads, and its o_proj output is a partial sum over the ranks.
+    tp_group = None
+
     def __init__(self, hidden: int, spec: AttentionSpec, ops: ModuleType, *, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
                  fused_qkv: bool = False):
@@ -86,4 +90,5 @@ class Attention(nn.Module):
         # reference backend's per-metadata plan).
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.with_window(s.sliding_window),
                                      s.scale, s.softcap)                 # [T, heads, d]
-        return linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
+        out = linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)

@@ -33,6 +33,8 @@ def layer_window(config: ModelConfig, layer: int) -> int:
 class CausalLM(nn.Module):
     """HF parameter names: `model.embed_tokens`, `model.layers.N...`, `model.norm`, `lm_head`."""
 
+    tp_group = None     # tensor parallelism: lm_head holds a vocabulary shard (parallel/sharding.py)
+
     def __init__(self, config: ModelConfig, model: nn.Module):
         super().__init__()
         self.config = config
@@ -88,9 +90,15 @@ class CausalLM(nn.Module):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, tables)
         return self.final_norm(hidden, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> [R, vocab] float32 (R: the rows to sample from, e.g. last token per seq)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[R, hidden] -> [R, vocab] float32 (R: the rows to sample from, e.g. last token per seq).
+
+        Tensor-parallel: the vocabulary shards are gathered on rank 0; other ranks get None."""
         logits = linear(hidden, self.lm_head.weight)
+        if self.tp_group is not None:
+            logits = self.tp_group.gather_columns(logits, self.config.vocab_size)
+            if logits is None:
+                return None
         cap = self.config.final_logit_softcapping
         if cap:
             # NOTE: Gemma 2: in the model dtype, as HF does, before the float32 upcast.

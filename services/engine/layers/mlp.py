@@ -22,6 +22,8 @@ def _activation(name: str):
 class GatedMLP(nn.Module):
     """HF names: gate_proj / up_proj / down_proj, or (fused_gate_up, Phi-3) gate_up_proj / down_proj."""
 
+    tp_group = None     # tensor parallelism: down_proj's output is a partial sum over the ranks
+
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
                  fused_gate_up: bool = False):
         super().__init__()
@@ -42,6 +44,9 @@ class GatedMLP(nn.Module):
         else:
             w, b = fused_weights(self, (self.gate_proj, self.up_proj), "_gate_up")
             if w is None:
-                return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+                return self._reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
         gate, up = linear(x, w, b).chunk(2, dim=-1)                 # [T, i] each
-        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return self._reduce(linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)

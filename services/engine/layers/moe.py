@@ -35,6 +35,10 @@ class _Expert(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + experts: each token goes through its top-k experts, outputs weighted and summed."""
 
+    # NOTE: tensor parallelism shards every expert (gate/up rows, down columns) and replicates
+    # the router, so the output is a partial sum over the ranks: one all-reduce per block.
+    tp_group = None
+
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
                  ops: ModuleType, expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                  *, round_weights: bool = False):
@@ -81,4 +85,5 @@ class SparseMoeBlock(nn.Module):
         if self.round_weights:
             weights = weights.to(x.dtype).float()
         w13, w2 = self.stacked_weights()
-        return self.ops.fused_moe(x, w13, w2, weights, ids)
+        out = self.ops.fused_moe(x, w13, w2, weights, ids)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
