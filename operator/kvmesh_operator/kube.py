@@ -16,7 +16,8 @@ _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
     "Deployment": "deployments", "Ingress": "ingresses", "NetworkPolicy": "networkpolicies",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
-    "InferenceService": "inferenceservices",
+    "InferenceService": "inferenceservices", "ServiceAccount": "serviceaccounts", "Role": "roles",
+    "RoleBinding": "rolebindings", "InferencePool": "inferencepools",
 }
 
 
