@@ -103,6 +103,13 @@ class KubeClient:
         assert out is not None
         return out
 
+    async def merge_patch(self, api_version: str, kind: str, namespace: str, name: str,
+                          body: dict[str, Any]) -> dict[str, Any]:
+        out = await self._call("PATCH", object_path(api_version, kind, namespace, name), body,
+                               "application/merge-patch+json")
+        assert out is not None
+        return out
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete in the background (children go with their owner); False if it was already gone."""
         out = await self._call("DELETE", object_path(api_version, kind, namespace, name),

@@ -436,7 +436,7 @@ def build_front_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 
 # ---- redis -------------------------------------------------------------------------------------------
-def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+def build_redis_deployment(svc: InferenceService, owner: Owner, redis_auth: str | None = None) -> dict[str, Any]:
     probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
     container = {
         "name": "redis", "image": svc.redis.image, "imagePullPolicy": svc.image_pull_policy,
@@ -458,7 +458,8 @@ def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": selector(svc, "redis")},
-                     "template": {"metadata": {"labels": labels(svc, "redis")},
+                     "template": {"metadata": {"labels": labels(svc, "redis"), **(
+                                      {"annotations": {REDIS_AUTH_ANNOTATION: redis_auth}} if redis_auth else {})},
                                   "spec": {"automountServiceAccountToken": False, "securityContext": security,
                                            "containers": [container],
                                            "volumes": [{"name": "data", "emptyDir": {}}, {
@@ -601,8 +602,8 @@ def build_children(svc: InferenceService, owner: Owner, replicas: int | None,
     """
     out: list[dict[str, Any]] = []
     if svc.redis.managed and needs_redis(svc):
-        out += [build_redis_network_policy(svc, owner, operator_namespace), build_redis_deployment(svc, owner),
-                build_redis_service(svc, owner)]
+        out += [build_redis_network_policy(svc, owner, operator_namespace),
+                build_redis_deployment(svc, owner, redis_auth), build_redis_service(svc, owner)]
     if svc.engine.runtime == "kvmesh":
         out.append(build_config_map(svc, owner))
     out += [build_engine_service(svc, owner), build_engine_deployment(svc, owner, replicas, redis_auth)]

@@ -313,6 +313,8 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
     "selector": _str("Label selector of the engine pods (scale subresource)."),
     "url": _str("Where clients reach the OpenAI API."),
     "lastScaleTime": _str("When the operator's autoscaler last changed replicas.", format="date-time"),
+    "redisAuthChecksum": _str("Checksum of the Redis password on the pod templates (a new password rolls the "
+                              "pods); kept for when the operator may not read the Secret back."),
     "childFingerprints": _string_map("Per child (Kind/name): a hash of the fields the operator owns as its last "
                                      "write left them; a different live hash means an edit to revert."),
     "conditions": {"type": "array", "description": "Conditions.", "items": _CONDITION,
