@@ -46,6 +46,12 @@ class GPUSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class NCCLSpec:
+    socket_ifname: str | None  # NCCL_SOCKET_IFNAME; None: NCCL picks the interface
+    debug: str  # NCCL_DEBUG
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -54,6 +60,17 @@ class EngineSpec:
     scheduling_policy: str
     enable_prefix_caching: bool
     preemption_mode: str
+    runtime: str = "kvmesh"  # kvmesh | vllm: which server the engine pods run
+    tensor_parallel_size: int = 1  # GPUs one model is sharded across; divides gpu.count
+    shared_memory_size: str = "2Gi"  # sizeLimit of the in-memory /dev/shm
+    nccl: NCCLSpec = NCCLSpec(None, "WARN")
+
+
+@dataclass(frozen=True, slots=True)
+class InferencePoolSpec:
+    endpoint_picker_image: str  # llm-d's inference scheduler
+    failure_mode: str  # FailOpen | FailClose (the InferencePool's endpointPickerRef.failureMode)
+    replicas: int  # endpoint picker pods
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +78,16 @@ class RouterSpec:
     enabled: bool  # false: the Service selects the engines directly
     strategy: str
     replicas: int
+    mode: str = "builtin"  # builtin (kvmesh's router) | inference-pool (InferencePool + llm-d's endpoint picker)
+    image: str = S.DEFAULT_IMAGE  # runs `kvmesh router`
+    cache_salt_from: str = "none"  # --cache-salt-from of router and engines: none | api-key | header:NAME
+    expose_route_headers: bool = False  # --expose-route-headers
+    inference_pool: InferencePoolSpec = InferencePoolSpec(S.DEFAULT_EPP_IMAGE, "FailClose", 1)
+
+    @property
+    def builtin(self) -> bool:
+        """kvmesh's own router runs (enabled, and not replaced by an InferencePool)."""
+        return self.enabled and self.mode == "builtin"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +155,12 @@ class InferenceService:
     tracing: TracingSpec
     ingress: IngressSpec
     api_key_secret: SecretRef | None
+    admin_api_key_secret: SecretRef | None = None  # kvmesh engines' --admin-api-key
+
+    @property
+    def kv_events(self) -> bool:
+        """Do the engines publish vLLM-format KV events over ZMQ (for kvmesh's router or llm-d's)?"""
+        return self.engine.runtime == "vllm" or self.router.mode == "inference-pool"
 
 
 class _Reader:
@@ -255,18 +288,68 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     resources = {k: dict(res.get(k)) for k in ("requests", "limits") if res.get(k)}
 
     e = root.sub("engine")
+    nc = e.sub("nccl")
+    gpus = gpu.count if isinstance(gpu.count, int) else 0
+    tp = e.get("tensorParallelSize")
+    tp_size = tp if isinstance(tp, int) else max(gpus, 1)
     engine = EngineSpec(
         max_num_seqs=e.get("maxNumSeqs"), max_num_batched_tokens=e.get("maxNumBatchedTokens"),
         block_size=e.get("blockSize"), kv_cache_memory_fraction=e.get("kvCacheMemoryFraction"),
         scheduling_policy=e.get("schedulingPolicy"), enable_prefix_caching=e.get("enablePrefixCaching"),
-        preemption_mode=e.get("preemptionMode"))
+        preemption_mode=e.get("preemptionMode"), runtime=e.get("runtime"), tensor_parallel_size=tp_size,
+        shared_memory_size=e.get("sharedMemorySize") or ("8Gi" if tp_size > 1 else "2Gi"),
+        nccl=NCCLSpec(socket_ifname=nc.get("socketIfname"), debug=nc.get("debug")))
     if (isinstance(engine.max_num_seqs, int) and isinstance(engine.max_num_batched_tokens, int)
             and engine.max_num_batched_tokens < engine.max_num_seqs):
         problems.append(f"spec.engine.maxNumBatchedTokens ({engine.max_num_batched_tokens}) must be at least "
                         f"spec.engine.maxNumSeqs ({engine.max_num_seqs}): raise it or lower maxNumSeqs")
+    if isinstance(tp, int) and tp > 1 and gpus == 0:
+        problems.append(f"spec.engine.tensorParallelSize {tp} needs GPUs: set spec.gpu.count to a multiple of it "
+                        f"(or tensorParallelSize 1 on CPU)")
+    elif isinstance(tp, int) and gpus > 0 and gpus % tp:
+        problems.append(f"spec.engine.tensorParallelSize ({tp}) must divide spec.gpu.count ({gpus}): each engine "
+                        f"pod runs gpu.count / tensorParallelSize model replicas of {tp} GPUs")
+    vllm = engine.runtime == "vllm"
+    if vllm and engine.scheduling_policy in ("sjf", "dynamic"):
+        problems.append(f"spec.engine.schedulingPolicy {engine.scheduling_policy} is kvmesh-only: runtime vllm "
+                        f"takes fcfs or priority")
+    if vllm and engine.preemption_mode in ("swap", "auto"):
+        problems.append(f"spec.engine.preemptionMode {engine.preemption_mode} is kvmesh-only: runtime vllm "
+                        f"recomputes (use recompute)")
 
     r = root.sub("router")
-    router = RouterSpec(enabled=r.get("enabled"), strategy=r.get("strategy"), replicas=r.get("replicas"))
+    p = r.sub("inferencePool")
+    router = RouterSpec(
+        enabled=r.get("enabled"), strategy=r.get("strategy"), replicas=r.get("replicas"), mode=r.get("mode"),
+        image=r.get("image") or (S.DEFAULT_IMAGE if vllm else root.get("image") or S.DEFAULT_IMAGE),
+        cache_salt_from=r.get("cacheSaltFrom"), expose_route_headers=r.get("exposeRouteHeaders"),
+        inference_pool=InferencePoolSpec(endpoint_picker_image=p.get("endpointPickerImage"),
+                                         failure_mode=p.get("failureMode"), replicas=p.get("replicas")))
+    pool = router.mode == "inference-pool"
+    if pool and model.source != "pvc":
+        problems.append("spec.router.mode inference-pool needs spec.model.source pvc: the endpoint picker reads "
+                        "the model's tokenizer.json from the claim")
+    if pool and model.tokenizer is not None and not model.tokenizer.startswith("/models/"):
+        problems.append(f"spec.model.tokenizer {model.tokenizer!r} must be under /models with router.mode "
+                        f"inference-pool: the endpoint picker mounts only the model claim")
+    if pool and router.enabled is False:
+        problems.append("spec.router.mode inference-pool needs spec.router.enabled (the endpoint picker is the "
+                        "router): remove enabled: false, or use mode builtin")
+    if pool and router.expose_route_headers:
+        problems.append("spec.router.exposeRouteHeaders is a kvmesh router flag: router.mode inference-pool has "
+                        "no kvmesh router")
+    if vllm and router.cache_salt_from not in (None, "none"):
+        problems.append("spec.router.cacheSaltFrom needs runtime kvmesh: vLLM engines do not salt their blocks "
+                        "per tenant, so the router's salted lookups would never match")
+    if (vllm or pool) and engine.enable_prefix_caching is False:
+        problems.append("spec.engine.enablePrefixCaching must stay true with runtime vllm or router.mode "
+                        "inference-pool: the router learns the engines' blocks from their KV events")
+    if vllm and root.get("image") is None:
+        problems.append("spec.image is required with spec.engine.runtime vllm: a vLLM image with `vllm serve`, "
+                        "e.g. vllm/vllm-openai:v0.11.0")
+    if vllm and model.source == "builtin":
+        problems.append("spec.engine.runtime vllm needs spec.model.source uri or pvc: the built-in model ships in "
+                        "kvmesh's image only")
 
     rd = root.sub("redis")
     ca_bundle = None
@@ -311,12 +394,19 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                         f"(they inject raw proxy configuration); use the controller's dedicated annotations")
     if ingress.tls_secret is not None and ingress.host is None:
         problems.append("spec.ingress.tlsSecretName needs spec.ingress.host (TLS is issued per host)")
+    if pool and ingress.enabled:
+        problems.append("spec.ingress.enabled does not apply to spec.router.mode inference-pool: route a Gateway "
+                        "(HTTPRoute) to the InferencePool instead")
+    admin_key = _secret(root, "adminApiKeySecret")
+    if vllm and admin_key is not None:
+        problems.append("spec.adminApiKeySecret is a kvmesh engine flag: runtime vllm has no admin key")
 
     svc = InferenceService(
-        name=name, namespace=namespace, model=model, image=root.get("image"),
+        name=name, namespace=namespace, model=model, image=root.get("image") or S.DEFAULT_IMAGE,
         image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
         resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
-        tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"))
+        tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"),
+        admin_api_key_secret=admin_key)
     if suffix := next((x for x in S.CHILD_SUFFIXES if name.endswith(x)), None):
         problems.append(f"metadata.name {name!r} must not end in {suffix!r}: it would collide with the children "
                         f"of InferenceService {name[:-len(suffix)]!r}; choose another name")

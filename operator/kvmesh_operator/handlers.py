@@ -18,7 +18,7 @@ import kopf
 
 from kvmesh.index.layout import KeySpace
 
-from . import GROUP, PLURAL, VERSION, autoscale, crd, redis_cleanup
+from . import API_VERSION, GROUP, KIND, PLURAL, VERSION, autoscale, crd, redis_auth, redis_cleanup
 from . import resources as R
 from . import status as S
 from .apply import NotOwned, apply, controlled_by, fingerprint_key, fingerprints_update
@@ -36,6 +36,7 @@ class OperatorConfig:
     cleanup_delay_seconds: float = 10.0  # between those attempts
     metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
     operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
+    watch_secrets: bool = False  # watch the Secrets the operator owns (needs list/watch on Secrets)
 
 
 def _now() -> str:
@@ -100,48 +101,83 @@ def _note_action(body: Any, child: dict[str, Any], action: str) -> None:
         kopf.event(body, type="Normal", reason=action.capitalize(), message=f"{action} {what}")
 
 
-async def ensure_redis_secret(kube: KubeClient, svc: crd.InferenceService, owner: R.Owner, body: Any
-                              ) -> NotOwned | None:
-    """Create the managed Redis' password Secret once; never patch or rotate it. A conflict if not ours."""
-    name = R.redis_secret_name(svc)
+async def _read_secret(kube: KubeClient, namespace: str, name: str) -> tuple[bool, dict[str, Any] | None]:
+    """(readable, the Secret or None when absent); not readable: a 403 (rbac.readSecrets=false)."""
     try:
-        live = await kube.get("v1", "Secret", svc.namespace, name)
+        return True, await kube.get("v1", "Secret", namespace, name)
     except KubeError as err:
         if err.status != 403:
             raise
-        live = None  # NOTE: rbac.readSecrets=false: create-if-absent only (a 409 means it exists)
+        return False, None
+
+
+async def ensure_redis_secret(kube: KubeClient, svc: crd.InferenceService, owner: R.Owner, body: Any,
+                              recorded: str | None = None) -> tuple[NotOwned | None, str | None]:
+    """Create the managed Redis' password Secret when absent; never patch or rotate it.
+
+    Returns (a conflict if a same-named Secret is not ours, the password's checksum: from the live
+    Secret, from the one just created, else `recorded`, the last one known).
+    """
+    name = R.redis_secret_name(svc)
+    readable, live = await _read_secret(kube, svc.namespace, name)
     if live is not None:
-        return None if controlled_by(live, owner.uid) else NotOwned("Secret", name, owner.uid)
+        if not controlled_by(live, owner.uid):
+            return NotOwned("Secret", name, owner.uid), None
+        return None, redis_auth.secret_checksum(live, R.REDIS_PASSWORD_KEY) or recorded
+    # NOTE: 32 random bytes from `secrets`; the only copy is the Secret (never logged or in status).
+    password = secrets.token_urlsafe(32)
     try:
-        # NOTE: 32 random bytes from `secrets`; the only copy is the Secret (never logged or in status).
-        await kube.create(R.build_redis_secret(svc, owner, secrets.token_urlsafe(32)))
+        await kube.create(R.build_redis_secret(svc, owner, password))
     except KubeError as err:
         if err.status != 409:
             raise
+        return None, recorded  # NOTE: unreadable but there (rbac.readSecrets=false): a 409 means it exists
+    kopf.event(body, type="Normal", reason="Created", message=f"created Secret {name}"
+               + ("" if readable or recorded is None else " (it was gone: the pods roll to the new password)"))
+    return None, redis_auth.checksum(password)
+
+
+async def external_redis_checksum(kube: KubeClient, svc: crd.InferenceService, recorded: str | None) -> str | None:
+    """The external Redis password's checksum when the operator may read its Secret, else `recorded`.
+
+    NOTE: a missing Secret keeps the last checksum: rolling pods onto a Secret that is not there would
+    only trade running pods for ones that cannot start.
+    """
+    ref = svc.redis.password_secret
+    if ref is None:
         return None
-    kopf.event(body, type="Normal", reason="Created", message=f"created Secret {name}")
-    return None
+    _, live = await _read_secret(kube, svc.namespace, ref.name)
+    return redis_auth.secret_checksum(live, ref.key) or recorded
 
 
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
                patch: Any, autoscaled: int | None, warned: set[str] | None = None,
-               operator_namespace: str | None = None) -> None:
+               operator_namespace: str | None = None, full_sweep: bool = True) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
+    `full_sweep`: look for every child any spec could have (after a spec change); else only for
+    those recorded in status.childFingerprints (the resync: fewer reads on every tick).
     """
     warned = set() if warned is None else warned
     owner = R.Owner(name=svc.name, uid=uid)
+    status = await _fresh_status(kube, svc, uid, status)
     replicas = R.engine_replicas(svc, autoscaled)
-    desired = R.build_children(svc, owner, replicas, operator_namespace)
     observed: S.Observed = {}
     forbidden: set[str] = set()
     recorded = dict(status.get("childFingerprints") or {})
     fingerprints: dict[str, str] = {}
     conflicts: list[NotOwned] = []
+    auth: str | None = None
     try:
-        if svc.redis.managed and (conflict := await ensure_redis_secret(kube, svc, owner, body)) is not None:
-            conflicts.append(conflict)
+        known = status.get("redisAuthChecksum")
+        if svc.redis.managed and R.needs_redis(svc):
+            conflict, auth = await ensure_redis_secret(kube, svc, owner, body, known)
+            if conflict is not None:
+                conflicts.append(conflict)
+        elif R.needs_redis(svc):
+            auth = await external_redis_checksum(kube, svc, known)
+        desired = R.build_children(svc, owner, replicas, operator_namespace, auth)
         for child in desired:
             key = fingerprint_key(child)
             try:
@@ -167,6 +203,8 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         for api_version, kind, name in R.possible_children(svc):
             if (api_version, kind, name) in wanted or kind in forbidden:
                 continue
+            if not full_sweep and f"{kind}/{name}" not in recorded:
+                continue  # NOTE: never written (or its deletion already recorded): nothing to delete
             try:
                 live = await kube.get(api_version, kind, svc.namespace, name)
                 if live is not None and controlled_by(live, uid):  # only ever delete what we own
@@ -189,11 +227,29 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
                                        [str(c) for c in conflicts]))
+    if auth is not None:
+        patch.status["redisAuthChecksum"] = auth
     if conflicts:
         already = any(c.get("type") == "ChildrenOwned" and c.get("status") == "False" for c in previous)
         if not already:
             kopf.event(body, type="Warning", reason="NameConflict", message="; ".join(map(str, conflicts)))
         raise ChildConflict("; ".join(map(str, conflicts)))
+
+
+async def _fresh_status(kube: KubeClient, svc: crd.InferenceService, uid: str, status: Any) -> Any:
+    """The resource's status as the API server has it now.
+
+    NOTE: kopf may hand a handler a body older than the operator's last status write (a watch event
+    processed late, a handler re-run): its childFingerprints would be missing or stale, and every
+    child would be patched again for nothing.
+    """
+    try:
+        live = await kube.get(API_VERSION, KIND, svc.namespace, svc.name)
+    except KubeError:
+        return status
+    if live is None or (live.get("metadata") or {}).get("uid") != uid:
+        return status
+    return live.get("status") or {}
 
 
 async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any, status: Any, patch: Any,
@@ -218,6 +274,20 @@ def _pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
+async def redis_ca_bundle(kube: KubeClient, svc: crd.InferenceService) -> str | None:
+    """The PEM of `redis.caBundle` (the ConfigMap's or Secret's key, in the service's namespace), or None
+    without one; raises when it is configured but cannot be read (the cleanup then retries, then gives up)."""
+    ca = svc.redis.ca_bundle
+    if ca is None:
+        return None
+    obj = await kube.get("v1", ca.kind, svc.namespace, ca.name)
+    pem = (((obj or {}).get("data") or {}).get(ca.key) if ca.kind == "ConfigMap"
+           else redis_auth.password_of(obj, ca.key))
+    if not pem:
+        raise ValueError(f"redis.caBundle: {ca.kind} {ca.name} has no key {ca.key!r}")
+    return pem
+
+
 async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry: int,
                    config: OperatorConfig, logger: logging.Logger) -> None:
     """Remove the service's keys from an external Redis; retry a few times, then give up loudly."""
@@ -232,7 +302,9 @@ async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry
             secret = await kube.get("v1", "Secret", svc.namespace, ref.name)
             raw = ((secret or {}).get("data") or {}).get(ref.key)
             password = base64.b64decode(raw).decode() if raw else None
-        deleted = await asyncio.to_thread(redis_cleanup.cleanup, svc.redis.url, password, svc.namespace, svc.name)
+        ca = await redis_ca_bundle(kube, svc)
+        deleted = await asyncio.to_thread(redis_cleanup.cleanup, svc.redis.url, password, svc.namespace, svc.name,
+                                          ca)
     except Exception as err:  # noqa: BLE001 - any Redis or API failure is retried the same way
         if retry + 1 < config.cleanup_retries:
             raise kopf.TemporaryError(f"Redis cleanup failed ({err}); retrying", delay=config.cleanup_delay_seconds)
@@ -241,6 +313,32 @@ async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry
                           f"after {retry + 1} attempts: {err}")
         return
     kopf.event(body, type="Normal", reason="RedisCleaned", message=f"deleted {deleted} Redis keys")
+
+
+async def note_secret_change(kube: KubeClient, event_type: str | None, secret: Any, namespace: str) -> bool:
+    """A Secret the operator owns changed: mark its InferenceService so kopf re-runs the reconcile.
+
+    The reconcile recreates a deleted password Secret and rolls the pods onto a changed password
+    (the checksum on the pod templates). Returns whether the InferenceService was marked; it is not
+    when the change is the one the pods already run with (the operator's own create, the first list).
+    """
+    owner = redis_auth.owner_name(secret, KIND, API_VERSION)
+    if owner is None or (secret.get("metadata") or {}).get("name") != f"{owner}-redis-auth":
+        return False
+    value = ("deleted" if event_type == "DELETED"
+             else redis_auth.secret_checksum(secret, R.REDIS_PASSWORD_KEY) or "unreadable")
+    cr = await kube.get(API_VERSION, KIND, namespace, owner)
+    if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    annotations = (cr.get("metadata") or {}).get("annotations") or {}
+    if value == (cr.get("status") or {}).get("redisAuthChecksum") or value == annotations.get(
+            redis_auth.TRIGGER_ANNOTATION):
+        return False
+    await kube.merge_patch(API_VERSION, KIND, namespace, owner,
+                           {"metadata": {"annotations": {redis_auth.TRIGGER_ANNOTATION: value}}})
+    log.info("Secret %s/%s %s: reconciling InferenceService %s", namespace, secret["metadata"]["name"],
+             "deleted" if value == "deleted" else "changed", owner)
+    return True
 
 
 def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
@@ -275,6 +373,8 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.resume(**on, id="reconcile")
     @kopf.on.create(**on, id="reconcile")
     @kopf.on.update(**on, id="reconcile", field="spec")
+    # a Secret the operator owns changed or went (the Secret watch marks the resource)
+    @kopf.on.update(**on, id="redis-auth", field=("metadata", "annotations", redis_auth.TRIGGER_ANNOTATION))
     async def reconcile(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
                         patch: kopf.Patch, memo: Any, **_: Any) -> None:
         svc = _parse(name, namespace, spec, body, patch, status, meta)
@@ -298,16 +398,32 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             autoscaled = status.get("replicas")
         with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
             await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace)
+                       config.operator_namespace, full_sweep=False)
+
+    if config.watch_secrets:
+        # NOTE: only Secrets labelled as the operator's (the managed Redis' passwords); needs list/watch
+        # on Secrets (chart: rbac.readSecrets), so it is opt-in. Without it the resync notices within
+        # --resync-seconds (a deleted password Secret is recreated; a rotated one read when allowed).
+        @kopf.on.event("v1", "secrets", labels={"app.kubernetes.io/managed-by": R.MANAGED_BY},
+                       registry=registry, id="redis-auth-watch")
+        async def secret_event(event: Any, body: Any, namespace: str, memo: Any, **_: Any) -> None:
+            await note_secret_change(_kube(memo), (event or {}).get("type"), body, namespace)
 
     @kopf.on.delete(**on, id="redis-cleanup")
-    async def delete(name: str, namespace: str, spec: Any, body: Any, retry: int, memo: Any,
+    async def delete(name: str, namespace: str, uid: str, spec: Any, body: Any, retry: int, memo: Any,
                      patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         patch.status["phase"] = "Terminating"
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:
             return  # nothing was ever created
-        await finalize(_kube(memo), svc, body, retry, config, logger)
+        kube = _kube(memo)
+        # NOTE: a late watch event can replay the deletion of a resource already released: clean once.
+        live = await kube.get(API_VERSION, KIND, namespace, name)
+        if live is None or (live.get("metadata") or {}).get("uid") != uid or FINALIZER not in (
+                (live.get("metadata") or {}).get("finalizers") or []):
+            logger.info("already released; nothing to clean")
+            return
+        await finalize(kube, svc, body, retry, config, logger)
 
     return registry

@@ -16,7 +16,8 @@ _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
     "Deployment": "deployments", "Ingress": "ingresses", "NetworkPolicy": "networkpolicies",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "ScaledObject": "scaledobjects",
-    "InferenceService": "inferenceservices",
+    "InferenceService": "inferenceservices", "ServiceAccount": "serviceaccounts", "Role": "roles",
+    "RoleBinding": "rolebindings", "InferencePool": "inferencepools",
 }
 
 
@@ -99,6 +100,13 @@ class KubeClient:
                          ops: list[dict[str, Any]], subresource: str | None = None) -> dict[str, Any]:
         path = object_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
         out = await self._call("PATCH", path, ops, "application/json-patch+json")
+        assert out is not None
+        return out
+
+    async def merge_patch(self, api_version: str, kind: str, namespace: str, name: str,
+                          body: dict[str, Any]) -> dict[str, Any]:
+        out = await self._call("PATCH", object_path(api_version, kind, namespace, name), body,
+                               "application/merge-patch+json")
         assert out is not None
         return out
 

@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--operator-namespace", default=os.environ.get("POD_NAMESPACE") or None,
                    help="the operator's own namespace, admitted by each managed Redis' NetworkPolicy "
                         "(default: $POD_NAMESPACE; none: only the service's engines and router)")
+    p.add_argument("--watch-secrets", action="store_true",
+                   help="watch the Secrets the operator owns (the managed Redis' passwords): a deleted or "
+                        "changed one rolls the pods at once instead of at the next resync (needs list and "
+                        "watch on Secrets)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return p
 
@@ -36,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     registry = make_registry(OperatorConfig(resync_seconds=args.resync_seconds,
-                                             operator_namespace=args.operator_namespace))
+                                             operator_namespace=args.operator_namespace,
+                                             watch_secrets=args.watch_secrets))
     kopf.run(registry=registry, standalone=args.standalone, clusterwide=args.all_namespaces,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0

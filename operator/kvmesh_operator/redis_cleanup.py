@@ -10,8 +10,12 @@ from kvmesh.index.purge import delete_keys
 ALLOWED_SCHEMES = ("redis://", "rediss://")
 
 
-def cleanup(url: str, password: str | None, namespace: str, name: str) -> int:
-    """Connect, delete, disconnect; raises redis errors for the caller to retry."""
+def cleanup(url: str, password: str | None, namespace: str, name: str, ca_pem: str | None = None) -> int:
+    """Connect, delete, disconnect; raises redis errors for the caller to retry.
+
+    `ca_pem`: the CA bundle (redis.caBundle) a rediss:// server's certificate is verified against
+    (None: the system store), the same CA the engines and router trust.
+    """
     import redis  # imported here: only deletions need it
 
     # NOTE: the URL comes from a user's spec and the password from a user's Secret: never send them
@@ -19,7 +23,8 @@ def cleanup(url: str, password: str | None, namespace: str, name: str) -> int:
     if not url.startswith(ALLOWED_SCHEMES):
         raise ValueError(f"refusing Redis URL {url.split('://')[0]}://…: only redis:// and rediss:// are allowed")
 
-    client = redis.Redis.from_url(url, password=password, socket_timeout=5, socket_connect_timeout=5)
+    tls = {"ssl_ca_data": ca_pem} if ca_pem is not None and url.startswith("rediss://") else {}
+    client = redis.Redis.from_url(url, password=password, socket_timeout=5, socket_connect_timeout=5, **tls)
     try:
         return delete_keys(client, namespace, name)
     finally:

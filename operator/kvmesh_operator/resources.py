@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import API_VERSION, KIND
+from . import runtimes as RT
 from .crd import InferenceService, SecretRef
 
-ENGINE_PORT = 8000
+ENGINE_PORT = RT.ENGINE_PORT
 ROUTER_PORT = 8080
 REDIS_PORT = 6379
 RUN_AS_USER = 10001  # the image's `kvmesh` user
@@ -27,6 +28,9 @@ CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"  # what `kvmesh serve --config` reads
 MANAGED_BY = "kvmesh-operator"
 OWNER_LABEL = "kvmesh.io/inference-service"
 CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"
+# NOTE: a hash of the Redis password Secret's data on the engine and router pod templates: a rotated
+# (or deleted, then regenerated) password rolls the pods, which read it from env at start only.
+REDIS_AUTH_ANNOTATION = "kvmesh.io/redis-auth-checksum"
 WAITING_METRIC = "kvmesh:num_requests_waiting"
 REDIS_PASSWORD_KEY = "password"  # key of the generated Secret the clients read (KVMESH_REDIS_PASSWORD)
 REDIS_CONF_KEY = "redis.conf"  # key of the same Secret the managed Redis reads (`requirepass …`)
@@ -93,6 +97,11 @@ def selector_string(svc: InferenceService) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector(svc, "engine").items()))
 
 
+def needs_redis(svc: InferenceService) -> bool:
+    """Is there a prefix index to run or use: kvmesh engines publish to it, kvmesh's router reads it."""
+    return svc.engine.runtime == "kvmesh" or svc.router.builtin
+
+
 def redis_url(svc: InferenceService) -> str:
     if svc.redis.url is not None:
         return svc.redis.url
@@ -129,11 +138,15 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+def _pod_env() -> list[dict[str, Any]]:
+    return [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
+            _field_env("POD_IP", "status.podIP")]
+
+
 def _common_env(svc: InferenceService) -> list[dict[str, Any]]:
     # NOTE: POD_IP is the address engines advertise to the router; KVMESH_SERVICE scopes the
     # Redis keys to kvmesh:{namespace}/{name}:, the prefix the finalizer deletes.
-    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
-           _field_env("POD_IP", "status.podIP"), {"name": "KVMESH_SERVICE", "value": svc.name}]
+    env = _pod_env() + [{"name": "KVMESH_SERVICE", "value": svc.name}]
     if (ref := redis_password_ref(svc)) is not None:
         env.append({"name": "KVMESH_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     if svc.redis.ca_bundle is not None:
@@ -152,12 +165,13 @@ def _redis_ca_volume(svc: InferenceService) -> tuple[list[dict[str, Any]], list[
     return [{"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True}], [{"name": "redis-ca", **source}]
 
 
-def _api_key_env(svc: InferenceService) -> list[dict[str, Any]]:
-    """KVMESH_API_KEY, read by `kvmesh serve` and `kvmesh router` alike; empty without apiKeySecret."""
-    if svc.api_key_secret is None:
-        return []
-    return [{"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {
-        "name": svc.api_key_secret.name, "key": svc.api_key_secret.key}}}]
+def _secret_env(name: str, ref: SecretRef | None) -> list[dict[str, Any]]:
+    return [] if ref is None else [{"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _api_key_env(svc: InferenceService, variable: str = "KVMESH_API_KEY") -> list[dict[str, Any]]:
+    """The API key (KVMESH_API_KEY for `kvmesh serve` and `kvmesh router`, VLLM_API_KEY for `vllm serve`)."""
+    return _secret_env(variable, svc.api_key_secret)
 
 
 def tracing_env(svc: InferenceService) -> list[dict[str, Any]]:
@@ -186,7 +200,7 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
     model, the model's own tokenizer).
     """
     e = svc.engine
-    return {
+    config: dict[str, Any] = {
         "model": _model_arg(svc) or None, "served_model_name": svc.model.served_name,
         "tokenizer": svc.model.tokenizer,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
@@ -194,6 +208,13 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
         "scheduling_policy": e.scheduling_policy, "enable_prefix_caching": e.enable_prefix_caching,
         "preemption_mode": e.preemption_mode, "redis_url": redis_url(svc),
     }
+    # NOTE: only when they differ from the flags' defaults, so that specs without them keep their
+    # config hash (no rollout of every engine on an operator upgrade).
+    if e.tensor_parallel_size != 1:
+        config["tensor_parallel_size"] = e.tensor_parallel_size
+    if svc.router.cache_salt_from != "none":
+        config["cache_salt_from"] = svc.router.cache_salt_from
+    return config
 
 
 def config_hash(svc: InferenceService) -> str:
@@ -220,7 +241,8 @@ def engine_args(svc: InferenceService) -> list[str]:
             "--pod-id", "$(POD_NAME)"]
     if svc.tracing.otlp_endpoint is not None:
         args += ["--otlp-traces-endpoint", svc.tracing.otlp_endpoint]
-    return args
+    # NOTE: an argument, not a ConfigMap key: its topic names the pod ($(POD_IP)) for llm-d's picker.
+    return args + RT.kv_events_args(svc)
 
 
 def _engine_resources(svc: InferenceService) -> dict[str, Any]:
@@ -237,35 +259,62 @@ def _engine_resources(svc: InferenceService) -> dict[str, Any]:
     return out
 
 
-def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int | None) -> dict[str, Any]:
-    """The GPU engine pods. `replicas=None` leaves the count to an HPA / KEDA."""
+def _engine_container_run(svc: InferenceService) -> tuple[dict[str, Any], list[dict[str, Any]], str, str]:
+    """(command/args, runtime env, readiness path, probe path) of the engine container."""
+    if svc.engine.runtime == "vllm":
+        # NOTE: vLLM's /health answers once the engine runs and needs no API key (/v1/models does).
+        run = {"command": ["vllm", "serve"], "args": RT.vllm_args(svc, _model_arg(svc))}
+        return run, RT.vllm_env() + _api_key_env(svc, "VLLM_API_KEY"), "/health", "/health"
     # NOTE: the root filesystem is read-only; Triton would write its kernel cache to ~/.triton.
-    env = _common_env(svc) + tracing_env(svc) + [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-                                                 {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
-    env += _api_key_env(svc)
+    env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+           {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR}]
+    env += _api_key_env(svc) + _secret_env("KVMESH_ADMIN_API_KEY", svc.admin_api_key_secret)
+    return {"args": engine_args(svc)}, env, "/ready", "/health"
+
+
+def _engine_ports(svc: InferenceService) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if svc.kv_events:
+        ports += [{"name": "kv-events", "containerPort": RT.KV_EVENTS_PORT, "protocol": "TCP"},
+                  {"name": "kv-replay", "containerPort": RT.KV_REPLAY_PORT, "protocol": "TCP"}]
+    return ports
+
+
+def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int | None,
+                            redis_auth: str | None = None) -> dict[str, Any]:
+    """The GPU engine pods. `replicas=None` leaves the count to an HPA / KEDA; `redis_auth`: the
+    checksum of the Redis password Secret (None: unknown, no annotation)."""
+    run, runtime_env, ready_path, health_path = _engine_container_run(svc)
+    vllm = svc.engine.runtime == "vllm"
+    # NOTE: vLLM engines never talk to Redis (kvmesh's router reads their KV events over ZMQ).
+    env = (_pod_env() if vllm else _common_env(svc)) + tracing_env(svc) + runtime_env
+    env += RT.nccl_env(svc)
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
-              {"name": "dshm", "mountPath": "/dev/shm"}, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+              {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [
         {"name": "model-cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
-        # NOTE: torch's shared-memory tensors need more than the runtime's default 64 MiB /dev/shm.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
-        {"name": "config", "configMap": {"name": config_name(svc)}}]
+        # NOTE: NCCL (tensor parallelism) and torch's shared-memory tensors need more than the
+        # runtime's default 64 MiB /dev/shm; memory-backed, so it counts against the pod's memory.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": svc.engine.shared_memory_size}}]
+    if not vllm:
+        mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
+        volumes.append({"name": "config", "configMap": {"name": config_name(svc)}})
     if svc.model.source == "pvc":
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                    "readOnly": True}})
-    ca_mounts, ca_volumes = _redis_ca_volume(svc)
-    mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
+    if not vllm:
+        ca_mounts, ca_volumes = _redis_ca_volume(svc)
+        mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     container: dict[str, Any] = {
         "name": "engine", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-        "args": engine_args(svc), "env": env,
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        **run, "env": env, "ports": _engine_ports(svc),
         # NOTE: loading weights can take minutes; the startup probe holds liveness off for 30 min.
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+        "startupProbe": {"httpGet": {"path": health_path, "port": "http"}, "periodSeconds": 10,
                          "failureThreshold": 180, "timeoutSeconds": 5},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+        "readinessProbe": {"httpGet": {"path": ready_path, "port": "http"}, "periodSeconds": 5,
                            "failureThreshold": 3, "timeoutSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+        "livenessProbe": {"httpGet": {"path": health_path, "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5},
         "securityContext": _CONTAINER_SECURITY, "volumeMounts": mounts,
     }
@@ -289,9 +338,7 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
         # model change rolls out without dropping capacity.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
-            "metadata": {"labels": labels(svc, "engine"), "annotations": {
-                "prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT),
-                "prometheus.io/path": "/metrics", CONFIG_HASH_ANNOTATION: config_hash(svc)}},
+            "metadata": {"labels": labels(svc, "engine"), "annotations": _engine_annotations(svc, redis_auth)},
             "spec": pod_spec,
         },
     }
@@ -301,11 +348,22 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
             "metadata": _meta(svc, owner, engine_name(svc), "engine"), "spec": spec}
 
 
+def _engine_annotations(svc: InferenceService, redis_auth: str | None) -> dict[str, str]:
+    out = {"prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT), "prometheus.io/path": "/metrics"}
+    if svc.engine.runtime == "kvmesh":
+        out[CONFIG_HASH_ANNOTATION] = config_hash(svc)
+        if redis_auth is not None:
+            out[REDIS_AUTH_ANNOTATION] = redis_auth
+    return out
+
+
 def build_engine_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
-    """Headless: the router discovers every ready engine pod from its DNS records."""
+    """Headless: the router discovers every ready engine pod from its DNS records (and their ZMQ ports)."""
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in _engine_ports(svc)]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, engine_name(svc), "engine"),
             "spec": {"clusterIP": "None", "selector": selector(svc, "engine"), "publishNotReadyAddresses": False,
-                     "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+                     "ports": ports}}
 
 
 def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
@@ -325,10 +383,14 @@ def router_args(svc: InferenceService) -> list[str]:
         args += ["--model", _model_arg(svc)]
     if svc.model.tokenizer is not None:
         args += ["--tokenizer", svc.model.tokenizer]
-    return args
+    if svc.router.cache_salt_from != "none":
+        args += ["--cache-salt-from", svc.router.cache_salt_from]
+    if svc.router.expose_route_headers:
+        args.append("--expose-route-headers")
+    return args + RT.router_backend_args(svc)
 
 
-def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+def build_router_deployment(svc: InferenceService, owner: Owner, redis_auth: str | None = None) -> dict[str, Any]:
     ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     alive = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
@@ -341,7 +403,7 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
     ca_mounts, ca_volumes = _redis_ca_volume(svc)
     mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     container = {
-        "name": "router", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
+        "name": "router", "image": svc.router.image, "imagePullPolicy": svc.image_pull_policy,
         # NOTE: the router checks the same API key as the engines: the Service and Ingress point at it.
         "args": router_args(svc), "env": _common_env(svc) + _api_key_env(svc),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
@@ -354,7 +416,8 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
             "spec": {"replicas": svc.router.replicas, "selector": {"matchLabels": selector(svc, "router")},
                      "template": {"metadata": {"labels": labels(svc, "router"), "annotations": {
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
-                         "prometheus.io/path": "/metrics"}},
+                         "prometheus.io/path": "/metrics",
+                         **({REDIS_AUTH_ANNOTATION: redis_auth} if redis_auth is not None else {})}},
                          "spec": {"automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
                                   "containers": [container], "volumes": volumes,
                                   "topologySpreadConstraints": [{
@@ -364,15 +427,16 @@ def build_router_deployment(svc: InferenceService, owner: Owner) -> dict[str, An
 
 
 def build_front_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
-    """`<name>`: the stable entry point; the router when enabled, else the engines themselves."""
-    component, port = ("router", ROUTER_PORT) if svc.router.enabled else ("engine", ENGINE_PORT)
+    """`<name>`: the stable entry point; kvmesh's router when it runs, else the engines themselves
+    (with an InferencePool, clients come through a Gateway; this Service bypasses the picker)."""
+    component, port = ("router", ROUTER_PORT) if svc.router.builtin else ("engine", ENGINE_PORT)
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, svc.name, component),
             "spec": {"type": "ClusterIP", "selector": selector(svc, component),
                      "ports": [{"name": "http", "port": 80, "targetPort": port, "protocol": "TCP"}]}}
 
 
 # ---- redis -------------------------------------------------------------------------------------------
-def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any]:
+def build_redis_deployment(svc: InferenceService, owner: Owner, redis_auth: str | None = None) -> dict[str, Any]:
     probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
     container = {
         "name": "redis", "image": svc.redis.image, "imagePullPolicy": svc.image_pull_policy,
@@ -394,7 +458,8 @@ def build_redis_deployment(svc: InferenceService, owner: Owner) -> dict[str, Any
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": selector(svc, "redis")},
-                     "template": {"metadata": {"labels": labels(svc, "redis")},
+                     "template": {"metadata": {"labels": labels(svc, "redis"), **(
+                                      {"annotations": {REDIS_AUTH_ANNOTATION: redis_auth}} if redis_auth else {})},
                                   "spec": {"automountServiceAccountToken": False, "securityContext": security,
                                            "containers": [container],
                                            "volumes": [{"name": "data", "emptyDir": {}}, {
@@ -446,7 +511,7 @@ def build_ingress(svc: InferenceService, owner: Owner) -> dict[str, Any]:
         spec = {"ingressClassName": ing.class_name, **spec}
     if ing.tls_secret and ing.host:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
-    component = "router" if svc.router.enabled else "engine"
+    component = "router" if svc.router.builtin else "engine"
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
             "metadata": _meta(svc, owner, svc.name, component, annotations), "spec": spec}
 
@@ -501,12 +566,20 @@ def possible_children(svc: InferenceService) -> list[ChildKey]:
             ("networking.k8s.io/v1", "NetworkPolicy", redis_name(svc)),
             ("networking.k8s.io/v1", "Ingress", n),
             ("autoscaling/v2", "HorizontalPodAutoscaler", engine_name(svc)),
-            ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))]
+            ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))] + _pool_module().possible_pool_children(svc)
+
+
+def _pool_module() -> Any:
+    # NOTE: imported late: inference_pool builds on this module's names, labels and metadata.
+    from . import inference_pool
+    return inference_pool
 
 
 # NOTE: kinds whose RBAC is optional in the chart (a 403 means "not managed here", not a failure),
 # with the chart value that grants it.
-OPTIONAL_KINDS: dict[str, str] = {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda"}
+OPTIONAL_KINDS: dict[str, str] = {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda",
+                                  "InferencePool": "rbac.inferencePool", "ServiceAccount": "rbac.inferencePool",
+                                  "Role": "rbac.inferencePool", "RoleBinding": "rbac.inferencePool"}
 
 
 def engine_replicas(svc: InferenceService, autoscaled: int | None) -> int | None:
@@ -521,19 +594,23 @@ def engine_replicas(svc: InferenceService, autoscaled: int | None) -> int | None
 
 
 def build_children(svc: InferenceService, owner: Owner, replicas: int | None,
-                   operator_namespace: str | None = None) -> list[dict[str, Any]]:
+                   operator_namespace: str | None = None, redis_auth: str | None = None) -> list[dict[str, Any]]:
     """All objects this spec wants, in creation order (Redis and config before the pods using them).
 
-    Not here: the managed Redis' password Secret, created once before these (`build_redis_secret`).
+    Not here: the managed Redis' password Secret, created once before these (`build_redis_secret`);
+    `redis_auth` is the checksum of the Redis password Secret's data (None: unknown or none).
     """
     out: list[dict[str, Any]] = []
-    if svc.redis.managed:
-        out += [build_redis_network_policy(svc, owner, operator_namespace), build_redis_deployment(svc, owner),
-                build_redis_service(svc, owner)]
-    out += [build_config_map(svc, owner), build_engine_service(svc, owner),
-            build_engine_deployment(svc, owner, replicas)]
-    if svc.router.enabled:
-        out.append(build_router_deployment(svc, owner))
+    if svc.redis.managed and needs_redis(svc):
+        out += [build_redis_network_policy(svc, owner, operator_namespace),
+                build_redis_deployment(svc, owner, redis_auth), build_redis_service(svc, owner)]
+    if svc.engine.runtime == "kvmesh":
+        out.append(build_config_map(svc, owner))
+    out += [build_engine_service(svc, owner), build_engine_deployment(svc, owner, replicas, redis_auth)]
+    if svc.router.builtin:
+        out.append(build_router_deployment(svc, owner, redis_auth))
+    if svc.router.mode == "inference-pool":
+        out += _pool_module().build_pool_children(svc, owner)
     out.append(build_front_service(svc, owner))
     if svc.ingress.enabled:
         out.append(build_ingress(svc, owner))

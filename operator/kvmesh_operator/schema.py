@@ -22,13 +22,22 @@ OTLP_PROTOCOLS = ["grpc", "http/protobuf"]
 PHASES = ["Pending", "Progressing", "Ready", "Failed", "Terminating"]
 BLOCK_SIZES = [8, 16, 32, 64]
 PULL_POLICIES = ["Always", "IfNotPresent", "Never"]
+RUNTIMES = ["kvmesh", "vllm"]
+ROUTER_MODES = ["builtin", "inference-pool"]
+FAILURE_MODES = ["FailOpen", "FailClose"]
+NCCL_DEBUG_LEVELS = ["VERSION", "WARN", "INFO", "TRACE"]
 DEFAULT_IMAGE = "ghcr.io/kvmesh/kvmesh:0.1.0"
+DEFAULT_EPP_IMAGE = "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0"
+# kvmesh serve / kvmesh router --cache-salt-from: none, api-key or header:NAME (an HTTP header name)
+CACHE_SALT_PATTERN = r"^(none|api-key|header:[A-Za-z0-9][-A-Za-z0-9_]*)$"
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
+                    r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DEFAULT_REDIS_IMAGE = "redis:7.4.1-alpine"
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 REDIS_URL_PATTERN = r"^rediss?://.+"  # no unix:// or other schemes: the operator itself connects at deletion
 # NOTE: child names are <name>-engine, -router, -redis, -engine-config…: a resource named like a
 # child of another one (`foo-engine`) would collide with it (`foo`'s headless Service).
-CHILD_SUFFIXES = ["-engine", "-router", "-redis"]
+CHILD_SUFFIXES = ["-engine", "-router", "-redis", "-epp"]
 # Ingress annotations that inject raw proxy configuration (ingress-nginx *-snippet, NGINX Inc.
 # *-snippets, HAProxy *-config-snippet, haproxy-ingress config-*): refused.
 SNIPPET_ANNOTATION_PATTERN = r"snippet|/config-(backend|frontend|defaults|global|tcp|tcp-service)$"
@@ -69,7 +78,7 @@ def _string_map(desc: str) -> dict[str, Any]:
 def _quantity_map(desc: str) -> dict[str, Any]:
     quantity = {"anyOf": [{"type": "integer"}, {"type": "string"}],
                 "x-kubernetes-int-or-string": True,
-                "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"}
+                "pattern": QUANTITY_PATTERN}
     return {"type": "object", "description": desc, "additionalProperties": quantity}
 
 
@@ -118,8 +127,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
          "message": "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face "
                     "ids and URLs are not downloaded"},
     ], default={}),
-    "image": _str("Container image running `kvmesh serve` and `kvmesh router`; pin a tag.",
-                  default=DEFAULT_IMAGE, minLength=1),
+    "image": _str(f"Image of the engine pods; pin a tag. Runtime kvmesh: an image running `kvmesh serve` "
+                  f"(default {DEFAULT_IMAGE}); runtime vllm: a vLLM image with `vllm serve` (required).",
+                  minLength=1),
     "imagePullPolicy": _str("Image pull policy of every container.", enum=PULL_POLICIES,
                             default="IfNotPresent"),
     "replicas": _int("Engine pods (ignored while autoscaling is enabled).", minimum=0, default=1),
@@ -145,13 +155,56 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         "enablePrefixCaching": _bool("Reuse KV blocks of shared prefixes.", True),
         "preemptionMode": _str("What to do with a preempted sequence's KV blocks.",
                                enum=PREEMPTION_MODES, default="recompute"),
+        "runtime": _str("kvmesh (`kvmesh serve`) or vllm (`vllm serve` from spec.image, kvmesh's router and index "
+                        "in front, fed by vLLM's KV events).", enum=RUNTIMES, default="kvmesh"),
+        "tensorParallelSize": _int("GPUs one model is sharded across (--tensor-parallel-size); must divide "
+                                   "gpu.count. Default: gpu.count (1 on CPU).", minimum=1, maximum=16),
+        "sharedMemorySize": {**_str("Size limit of the in-memory /dev/shm of the engine pods (NCCL and torch "
+                                    "shared-memory tensors). Default: 2Gi, 8Gi with tensorParallelSize > 1."),
+                             "pattern": QUANTITY_PATTERN},
+        "nccl": _obj("NCCL settings of tensor-parallel engines (env of the engine pods when "
+                     "tensorParallelSize > 1).", {
+            "socketIfname": _str("NCCL_SOCKET_IFNAME: the network interface(s) NCCL's bootstrap uses, e.g. eth0 "
+                                 "or ^lo,docker.", pattern=r"^\^?[A-Za-z0-9_.=:-]+(,[A-Za-z0-9_.=:-]+)*$",
+                                 maxLength=128),
+            "debug": _str("NCCL_DEBUG log level.", enum=NCCL_DEBUG_LEVELS, default="WARN"),
+        }, default={}),
     }, rules=[{"rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
-               "message": "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"}], default={}),
+               "message": "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"},
+              {"rule": "self.runtime != 'vllm' || self.schedulingPolicy in ['fcfs', 'priority']",
+               "message": "engine.schedulingPolicy sjf and dynamic are kvmesh-only; runtime vllm takes fcfs or "
+                          "priority"},
+              {"rule": "self.runtime != 'vllm' || self.preemptionMode == 'recompute'",
+               "message": "engine.preemptionMode swap and auto are kvmesh-only; runtime vllm recomputes"}],
+        default={}),
     "router": _obj("The KV-aware router in front of the engines.", {
         "enabled": _bool("Deploy the router; when false the Service points straight at the engines.", True),
         "strategy": _str("Routing strategy.", enum=ROUTER_STRATEGIES, default="kv-aware"),
         "replicas": _int("Router pods.", minimum=1, maximum=64, default=1),
-    }, default={}),
+        "mode": _str("builtin (kvmesh's router) or inference-pool (a Gateway API InferencePool and llm-d's "
+                     "endpoint picker instead; a Gateway's HTTPRoute sends clients to the pool).",
+                     enum=ROUTER_MODES, default="builtin"),
+        "image": _str(f"Image running `kvmesh router`; default spec.image with runtime kvmesh, else "
+                      f"{DEFAULT_IMAGE}.", minLength=1),
+        "cacheSaltFrom": _str("Per-tenant prefix-cache isolation (--cache-salt-from of router and engines): none, "
+                              "api-key (an HMAC of the Bearer key) or header:NAME (of that header's value).",
+                              pattern=CACHE_SALT_PATTERN, default="none", maxLength=128),
+        "exposeRouteHeaders": _bool("Add x-kvmesh-backend and x-kvmesh-route-reason to responses (diagnostics: "
+                                    "they reveal backend addresses and cache hits).", False),
+        "inferencePool": _obj("The endpoint picker of router.mode inference-pool.", {
+            "endpointPickerImage": _str("Image of llm-d's inference scheduler (the endpoint picker); pin a tag.",
+                                        default=DEFAULT_EPP_IMAGE, minLength=1),
+            "failureMode": _str("What the gateway does when the endpoint picker does not answer: FailClose "
+                                "(refuse the request) or FailOpen (send it to any pod of the pool).",
+                                enum=FAILURE_MODES, default="FailClose"),
+            "replicas": _int("Endpoint picker pods (more than one elect a leader).", minimum=1, maximum=8,
+                             default=1),
+        }, default={}),
+    }, rules=[{"rule": "self.mode != 'inference-pool' || self.enabled",
+               "message": "router.mode inference-pool needs router.enabled (the endpoint picker is the router)"},
+              {"rule": "self.mode != 'inference-pool' || !self.exposeRouteHeaders",
+               "message": "router.exposeRouteHeaders is a kvmesh router flag; router.mode inference-pool has none"}],
+        default={}),
     "redis": _obj("The prefix index. Without url the operator runs a Redis for this service.", {
         "url": _str("External Redis, e.g. redis://redis.infra:6379/0 or rediss:// for TLS.",
                     pattern=REDIS_URL_PATTERN),
@@ -208,10 +261,42 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                "message": "ingress.annotations must not inject configuration snippets (*-snippet, *-snippets, "
                           "config-backend…)"}], default={}),
     "apiKeySecret": _secret_ref("Secret whose key is the API key clients must send.", "api-key"),
-}, required=["model"])
+    "adminApiKeySecret": _secret_ref("Secret whose key the engines' admin endpoints (POST /reset_prefix_cache) "
+                                     "require (--admin-api-key; runtime kvmesh). Default: the API key.",
+                                     "admin-api-key"),
+}, required=["model"], rules=[
+    {"rule": "self.engine.runtime != 'vllm' || has(self.image)",
+     "message": "spec.image is required with engine.runtime vllm (a vLLM image, e.g. vllm/vllm-openai:v0.11.0)"},
+    {"rule": "self.engine.runtime != 'vllm' || self.model.source != 'builtin'",
+     "message": "engine.runtime vllm needs model.source uri or pvc (the built-in model ships in kvmesh's image)"},
+    {"rule": "self.engine.runtime != 'vllm' || !has(self.adminApiKeySecret)",
+     "message": "adminApiKeySecret is a kvmesh engine flag; runtime vllm has no admin key"},
+    {"rule": "self.engine.runtime != 'vllm' || self.router.cacheSaltFrom == 'none'",
+     "message": "router.cacheSaltFrom needs runtime kvmesh (vLLM engines do not salt their blocks per tenant)"},
+    {"rule": "(self.engine.runtime != 'vllm' && self.router.mode != 'inference-pool') || "
+             "self.engine.enablePrefixCaching",
+     "message": "engine.enablePrefixCaching must stay true with runtime vllm or router.mode inference-pool (the "
+                "router learns the engines' blocks from their KV events)"},
+    {"rule": "!has(self.engine.tensorParallelSize) || self.engine.tensorParallelSize == 1 || self.gpu.count > 0",
+     "message": "engine.tensorParallelSize > 1 needs GPUs (gpu.count > 0)"},
+    {"rule": "!has(self.engine.tensorParallelSize) || self.gpu.count == 0 || "
+             "self.gpu.count % self.engine.tensorParallelSize == 0",
+     "message": "engine.tensorParallelSize must divide gpu.count"},
+    {"rule": "self.router.mode != 'inference-pool' || self.model.source == 'pvc'",
+     "message": "router.mode inference-pool needs model.source pvc (the endpoint picker reads the tokenizer from "
+                "the claim)"},
+    {"rule": "self.router.mode != 'inference-pool' || !has(self.model.tokenizer) || "
+             "self.model.tokenizer.startsWith('/models/')",
+     "message": "model.tokenizer must be under /models with router.mode inference-pool (the endpoint picker mounts "
+                "only the model claim)"},
+    {"rule": "self.router.mode != 'inference-pool' || !self.ingress.enabled",
+     "message": "ingress.enabled does not apply to router.mode inference-pool: route a Gateway (HTTPRoute) to "
+                "the InferencePool instead"},
+])
 
 _CONDITION = _obj("A KServe-style condition.", {
-    "type": _str("ChildrenOwned, EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady or Ready."),
+    "type": _str("ChildrenOwned, EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady, "
+                 "InferencePoolReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),
@@ -228,6 +313,8 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
     "selector": _str("Label selector of the engine pods (scale subresource)."),
     "url": _str("Where clients reach the OpenAI API."),
     "lastScaleTime": _str("When the operator's autoscaler last changed replicas.", format="date-time"),
+    "redisAuthChecksum": _str("Checksum of the Redis password on the pod templates (a new password rolls the "
+                              "pods); kept for when the operator may not read the Secret back."),
     "childFingerprints": _string_map("Per child (Kind/name): a hash of the fields the operator owns as its last "
                                      "write left them; a different live hash means an edit to revert."),
     "conditions": {"type": "array", "description": "Conditions.", "items": _CONDITION,

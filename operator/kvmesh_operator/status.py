@@ -1,8 +1,9 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
 Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
-EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes), and
-Ready (all of them True).
+EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
+InferencePoolReady (only in router.mode inference-pool: the pool's conditions as its gateways report
+them), and Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
 """
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
+from . import inference_pool as IP
 from . import resources as R
 from .crd import InferenceService
 
-CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady")
+CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
+                   "InferencePoolReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
 
@@ -103,6 +106,33 @@ def autoscaling_condition(svc: InferenceService, observed: Observed,
                  f"{kind} {R.engine_name(svc)} scales the engines within {a.min_replicas}-{a.max_replicas}")
 
 
+def inference_pool_condition(svc: InferenceService, observed: Observed,
+                             forbidden: Set[str]) -> dict[str, str] | None:
+    """router.mode inference-pool only: the InferencePool's `status.parents[].conditions`, one line per
+    parent (gateway). True when at least one parent accepted the pool and resolved its references."""
+    if svc.router.mode != "inference-pool":
+        return None
+    if "InferencePool" in forbidden:
+        return _cond("InferencePoolReady", False, "Forbidden",
+                     "the operator may not manage InferencePool objects: install the chart with "
+                     "rbac.inferencePool=true (and the InferencePool CRD)")
+    pool = observed.get((IP.POOL_API_VERSION, "InferencePool", svc.name))
+    if pool is None:
+        return _cond("InferencePoolReady", False, "InferencePoolMissing", "the InferencePool does not exist yet")
+    parents = ((pool.get("status") or {}).get("parents") or [])
+    if not parents:
+        return _cond("InferencePoolReady", False, "NoParents",
+                     f"no Gateway has accepted InferencePool {svc.name} yet: route an HTTPRoute to it")
+    lines, ready = [], False
+    for parent in parents:
+        ref = parent.get("parentRef") or {}
+        conds = {c.get("type"): c for c in parent.get("conditions") or []}
+        lines.append(f"{ref.get('kind', 'Gateway')} {ref.get('namespace', svc.namespace)}/{ref.get('name', '?')}: "
+                     + ", ".join(f"{t}={c.get('status')} ({c.get('reason')})" for t, c in conds.items()))
+        ready = ready or all(conds.get(t, {}).get("status") == "True" for t in ("Accepted", "ResolvedRefs"))
+    return _cond("InferencePoolReady", ready, "Accepted" if ready else "NotAccepted", "; ".join(lines))
+
+
 def conditions(svc: InferenceService, observed: Observed, want: int,
                forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = ()) -> list[dict[str, str]]:
     """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses;
@@ -111,12 +141,17 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
     if conflicts:
         out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
     out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
-    if svc.router.enabled:
+    if svc.router.builtin:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
                                          "router"))
+    elif svc.router.mode == "inference-pool":
+        out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", IP.epp_name(svc))),
+                                         "endpoint picker"))
     else:
         out.append(_cond("RouterReady", True, "Disabled", "router disabled; the Service selects the engines"))
-    if svc.redis.managed:
+    if not R.needs_redis(svc):
+        out.append(_cond("RedisReady", True, "NotUsed", "vLLM engines behind an InferencePool use no kvmesh index"))
+    elif svc.redis.managed:
         out.append(_deployment_condition("RedisReady", observed.get(("apps/v1", "Deployment", R.redis_name(svc))),
                                          "redis"))
     else:
@@ -134,6 +169,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
                                                                         "assigned an address yet"))
     if (autoscaling := autoscaling_condition(svc, observed, forbidden)) is not None:
         out.append(autoscaling)
+    if (pool := inference_pool_condition(svc, observed, forbidden)) is not None:
+        out.append(pool)
     failing = [c for c in out if c["status"] != "True"]
     if failing:
         first = failing[0]

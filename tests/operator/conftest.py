@@ -26,13 +26,20 @@ RESOURCES = {
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True),
-    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    # NOTE: with its verbs, so kopf's discovery lets the Secret watch (--watch-secrets) watch them
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True,
+                                     verbs={"get", "list", "watch", "create", "patch", "delete"}),
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
     "networking.k8s.io/v1/ingresses": kmock.ResourceInfo(kind="Ingress", namespaced=True, subresources={"status"}),
     "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
+    "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True),
+    "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(kind="Role", namespaced=True),
+    "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(kind="RoleBinding", namespaced=True),
+    "inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(
+        kind="InferencePool", namespaced=True, subresources={"status"}),
     "kvmesh.io/v1alpha1/inferenceservices": kmock.ResourceInfo(
         kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"kisvc"},
         verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"}),

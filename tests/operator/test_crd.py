@@ -40,12 +40,22 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
     defaulted = _apply_defaults(SPEC_SCHEMA, {"model": {}})
     assert defaulted["engine"] == {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192, "blockSize": 16,
                                    "kvCacheMemoryFraction": 0.9, "schedulingPolicy": "fcfs",
-                                   "enablePrefixCaching": True, "preemptionMode": "recompute"}
+                                   "enablePrefixCaching": True, "preemptionMode": "recompute",
+                                   "runtime": "kvmesh", "nccl": {"debug": "WARN"}}
+    assert defaulted["router"] == {"enabled": True, "strategy": "kv-aware", "replicas": 1, "mode": "builtin",
+                                   "cacheSaltFrom": "none", "exposeRouteHeaders": False, "inferencePool": {
+                                       "endpointPickerImage": "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0",
+                                       "failureMode": "FailClose", "replicas": 1}}
+    assert "image" not in defaulted  # the engine image defaults by runtime (required with vllm)
     # the server-defaulted spec parses to exactly the same object
     assert crd.parse("smol", "ns", defaulted) == svc
-    assert svc.engine == crd.EngineSpec(256, 8192, 16, 0.9, "fcfs", True, "recompute")
+    assert svc.engine == crd.EngineSpec(256, 8192, 16, 0.9, "fcfs", True, "recompute", "kvmesh", 1, "2Gi",
+                                        crd.NCCLSpec(None, "WARN"))
     assert svc.model == crd.ModelSpec("builtin", None, None, "", "smol", None)
-    assert svc.router == crd.RouterSpec(True, "kv-aware", 1)
+    assert svc.router == crd.RouterSpec(True, "kv-aware", 1, "builtin", "ghcr.io/kvmesh/kvmesh:0.1.0", "none", False,
+                                        crd.InferencePoolSpec("ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0",
+                                                              "FailClose", 1))
+    assert svc.admin_api_key_secret is None and not svc.kv_events
     assert svc.redis.managed and svc.redis.image == "redis:7.4.1-alpine"
     assert svc.autoscaling == crd.AutoscalingSpec(False, "operator", 1, 4, 4, 300, None)
     assert svc.gpu == crd.GPUSpec(1, "nvidia.com/gpu", {}, ())
@@ -60,7 +70,12 @@ def test_full_example_parses_every_field() -> None:
                                       "Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct",
                                       "/models/tokenizers/Llama-3.1-8B-Instruct")
     assert svc.gpu.count == 2 and svc.gpu.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap")
+    assert svc.engine == crd.EngineSpec(128, 16384, 32, 0.85, "priority", False, "swap", "kvmesh", 2, "16Gi",
+                                        crd.NCCLSpec("eth0", "WARN"))
+    assert svc.router == crd.RouterSpec(True, "kv-aware", 2, "builtin", "ghcr.io/kvmesh/kvmesh:0.1.0", "api-key",
+                                        False, crd.InferencePoolSpec(
+                                            "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0", "FailClose", 1))
+    assert svc.admin_api_key_secret == crd.SecretRef("kvmesh-admin-key", "admin-api-key")
     assert svc.redis == crd.RedisSpec("rediss://redis.infra.svc:6380/2", crd.SecretRef("redis-auth", "password"),
                                       "redis:7.4.1-alpine", crd.CABundleRef("ConfigMap", "redis-ca", "ca.crt"))
     assert svc.autoscaling == crd.AutoscalingSpec(True, "keda", 2, 8, 6, 120, "http://prometheus.monitoring:9090")
@@ -70,7 +85,7 @@ def test_full_example_parses_every_field() -> None:
     assert svc.api_key_secret == crd.SecretRef("kvmesh-api-key", "api-key")
 
 
-@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml"])
+@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml", "vllm.yaml", "inference-pool.yaml"])
 def test_good_examples_pass_the_crd_schema(example: str) -> None:
     assert _schema_errors(load_example(example)) == []
 
@@ -141,6 +156,44 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
      ["spec.model.uri 'HuggingFaceTB/SmolLM2-360M' is not an absolute path: it must be an absolute path to an "
       "HF-format directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake "
       "the files into the image, or use source: pvc and a path under /models)"]),
+    ({"model": {}, "gpu": {"count": 0}, "engine": {"tensorParallelSize": 2}},
+     ["spec.engine.tensorParallelSize 2 needs GPUs: set spec.gpu.count to a multiple of it (or tensorParallelSize "
+      "1 on CPU)"]),
+    ({"model": {}, "gpu": {"count": 4}, "engine": {"tensorParallelSize": 3}},
+     ["spec.engine.tensorParallelSize (3) must divide spec.gpu.count (4): each engine pod runs gpu.count / "
+      "tensorParallelSize model replicas of 3 GPUs"]),
+    ({"model": {}, "gpu": {"count": 2}, "engine": {"tensorParallelSize": 4}},
+     ["spec.engine.tensorParallelSize (4) must divide spec.gpu.count (2): each engine pod runs gpu.count / "
+      "tensorParallelSize model replicas of 4 GPUs"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0",
+      "engine": {"runtime": "vllm", "schedulingPolicy": "sjf", "preemptionMode": "swap"}},
+     ["spec.engine.schedulingPolicy sjf is kvmesh-only: runtime vllm takes fcfs or priority",
+      "spec.engine.preemptionMode swap is kvmesh-only: runtime vllm recomputes (use recompute)"]),
+    ({"model": {}, "engine": {"runtime": "vllm"}},
+     ["spec.image is required with spec.engine.runtime vllm: a vLLM image with `vllm serve`, e.g. "
+      "vllm/vllm-openai:v0.11.0",
+      "spec.engine.runtime vllm needs spec.model.source uri or pvc: the built-in model ships in kvmesh's image "
+      "only"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0",
+      "engine": {"runtime": "vllm", "enablePrefixCaching": False},
+      "router": {"cacheSaltFrom": "api-key"}, "adminApiKeySecret": {"name": "admin"}},
+     ["spec.router.cacheSaltFrom needs runtime kvmesh: vLLM engines do not salt their blocks per tenant, so the "
+      "router's salted lookups would never match",
+      "spec.engine.enablePrefixCaching must stay true with runtime vllm or router.mode inference-pool: the router "
+      "learns the engines' blocks from their KV events",
+      "spec.adminApiKeySecret is a kvmesh engine flag: runtime vllm has no admin key"]),
+    ({"model": {"source": "uri", "uri": "/m", "tokenizer": "/opt/tok"},
+      "router": {"mode": "inference-pool", "enabled": False, "exposeRouteHeaders": True},
+      "ingress": {"enabled": True}},
+     ["spec.router.mode inference-pool needs spec.model.source pvc: the endpoint picker reads the model's "
+      "tokenizer.json from the claim",
+      "spec.model.tokenizer '/opt/tok' must be under /models with router.mode inference-pool: the endpoint "
+      "picker mounts only the model claim",
+      "spec.router.mode inference-pool needs spec.router.enabled (the endpoint picker is the router): remove "
+      "enabled: false, or use mode builtin",
+      "spec.router.exposeRouteHeaders is a kvmesh router flag: router.mode inference-pool has no kvmesh router",
+      "spec.ingress.enabled does not apply to spec.router.mode inference-pool: route a Gateway (HTTPRoute) to "
+      "the InferencePool instead"]),
     ({"model": {"source": "uri", "uri": "https://huggingface.co/x/y", "tokenizer": "s3://bucket/tok"}},
      ["spec.model.uri 'https://huggingface.co/x/y' is a URL: it must be an absolute path to an HF-format "
       "directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake the files "
@@ -156,6 +209,44 @@ def test_cross_field_rules(spec: dict[str, Any], problems: list[str]) -> None:
     with pytest.raises(crd.SpecError) as err:
         crd.parse("x", "ns", spec)
     assert err.value.problems == problems
+
+
+def test_tensor_parallel_size_defaults_to_the_gpus_of_a_pod() -> None:
+    def tp(spec: dict[str, Any]) -> tuple[int, str]:
+        engine = crd.parse("x", "ns", {"model": {}, **spec}).engine
+        return engine.tensor_parallel_size, engine.shared_memory_size
+    assert tp({}) == (1, "2Gi")
+    assert tp({"gpu": {"count": 4}}) == (4, "8Gi")
+    assert tp({"gpu": {"count": 0}}) == (1, "2Gi")  # CPU
+    assert tp({"gpu": {"count": 4}, "engine": {"tensorParallelSize": 2}}) == (2, "8Gi")
+    assert tp({"gpu": {"count": 4}, "engine": {"tensorParallelSize": 1}}) == (1, "2Gi")
+    assert tp({"gpu": {"count": 2}, "engine": {"sharedMemorySize": "20Gi"}}) == (2, "20Gi")
+    assert tp({"gpu": {"count": 0}, "engine": {"tensorParallelSize": 1}}) == (1, "2Gi")
+
+
+@pytest.mark.parametrize(("value", "ok"), [("none", True), ("api-key", True), ("header:X-Tenant-Id", True),
+                                           ("header:", False), ("cookie:x", False), ("header:a b", False)])
+def test_cache_salt_from_takes_the_router_flags_values(value: str, ok: bool) -> None:
+    spec = {"model": {}, "router": {"cacheSaltFrom": value}}
+    if ok:
+        assert crd.parse("x", "ns", spec).router.cache_salt_from == value
+        assert _schema_errors({"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                               "metadata": {"name": "x"}, "spec": spec}) == []
+    else:
+        with pytest.raises(crd.SpecError, match="spec.router.cacheSaltFrom"):
+            crd.parse("x", "ns", spec)
+
+
+def test_runtime_vllm_and_router_images() -> None:
+    vllm = crd.parse("x", "ns", {"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0",
+                                 "engine": {"runtime": "vllm"}})
+    assert (vllm.image, vllm.router.image) == ("vllm/vllm-openai:v0.11.0", "ghcr.io/kvmesh/kvmesh:0.1.0")
+    assert vllm.kv_events and vllm.router.builtin
+    own = crd.parse("x", "ns", {"model": {}, "image": "registry.example.com/kvmesh:1.2.3"})
+    assert (own.image, own.router.image) == ("registry.example.com/kvmesh:1.2.3", "registry.example.com/kvmesh:1.2.3")
+    pool = crd.parse("x", "ns", {"model": {"source": "pvc", "pvc": {"claimName": "w"}},
+                                 "router": {"mode": "inference-pool"}})
+    assert pool.kv_events and not pool.router.builtin
 
 
 def test_local_paths_are_accepted() -> None:
@@ -176,7 +267,7 @@ def test_cross_field_rules_are_declared_in_the_crd() -> None:
         assert rule in text
 
 
-@pytest.mark.parametrize("name", ["foo-engine", "foo-router", "foo-redis"])
+@pytest.mark.parametrize("name", ["foo-engine", "foo-router", "foo-redis", "foo-epp"])
 def test_names_that_collide_with_another_services_children_are_refused(name: str) -> None:
     with pytest.raises(crd.SpecError) as err:
         crd.parse(name, "ns", {"model": {}})

@@ -51,16 +51,23 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 15
+    assert len(RULES) == 29
 
 
 @pytest.mark.parametrize("spec", [
     load_example("minimal.yaml")["spec"],
     load_example("full.yaml")["spec"],
+    load_example("vllm.yaml")["spec"],
+    load_example("inference-pool.yaml")["spec"],
+    {"model": {}, "gpu": {"count": 4}, "engine": {"tensorParallelSize": 2}},
+    {"model": {}, "gpu": {"count": 0}, "engine": {"tensorParallelSize": 1}},
+    {"model": {"source": "pvc", "pvc": {"claimName": "w"}, "tokenizer": "/models/tok"},
+     "router": {"mode": "inference-pool"}},
     {"model": {"source": "uri", "uri": "/opt/models/m.gguf", "tokenizer": "/opt/models/tok"}},
     {"model": {}, "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 64}},
     {"model": {}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
-], ids=["minimal", "full", "local-paths", "equal-seqs-and-tokens", "equal-min-max"])
+], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "pool-tokenizer-on-pvc",
+        "local-paths", "equal-seqs-and-tokens", "equal-min-max"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -96,3 +103,22 @@ def test_every_rule_rejects_some_example() -> None:
     seen |= set(failures(_cr({"model": {}}, name="foo-redis")))
     seen |= set(failures(_cr({"model": {}, "redis": {"url": "unix:///run/redis.sock"}})))
     assert seen == {message for _, _, message in RULES}
+
+
+def test_tensor_parallel_rules_name_the_problem() -> None:
+    assert failures(_cr({"model": {}, "gpu": {"count": 4}, "engine": {"tensorParallelSize": 3}})) == [
+        "engine.tensorParallelSize must divide gpu.count"]
+    assert failures(_cr({"model": {}, "gpu": {"count": 2}, "engine": {"tensorParallelSize": 4}})) == [
+        "engine.tensorParallelSize must divide gpu.count"]
+    assert failures(_cr({"model": {}, "gpu": {"count": 0}, "engine": {"tensorParallelSize": 2}})) == [
+        "engine.tensorParallelSize > 1 needs GPUs (gpu.count > 0)"]
+    for count, size in ((8, 8), (8, 4), (8, 2), (8, 1), (1, 1), (6, 3)):
+        assert failures(_cr({"model": {}, "gpu": {"count": count}, "engine": {"tensorParallelSize": size}})) == []
+
+
+def test_vllm_runtime_needs_an_image_after_defaulting() -> None:
+    """spec.image has no schema default: with runtime vllm the API server refuses a spec without one."""
+    spec = {"model": {"source": "uri", "uri": "/m"}, "engine": {"runtime": "vllm"}}
+    assert failures(_cr(spec)) == [
+        "spec.image is required with engine.runtime vllm (a vLLM image, e.g. vllm/vllm-openai:v0.11.0)"]
+    assert failures(_cr({**spec, "image": "vllm/vllm-openai:v0.11.0"})) == []

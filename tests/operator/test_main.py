@@ -48,3 +48,14 @@ def test_operator_namespace_defaults_to_the_pods(monkeypatch: pytest.MonkeyPatch
     assert operator_main.build_parser().parse_args(["--operator-namespace", "ops"]).operator_namespace == "ops"
     monkeypatch.delenv("POD_NAMESPACE")
     assert operator_main.build_parser().parse_args([]).operator_namespace is None
+
+
+def test_watch_secrets_registers_the_secret_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def handlers(argv: list[str]) -> list[str]:
+        seen: dict[str, Any] = {}
+        monkeypatch.setattr(kopf, "run", lambda **kw: seen.update(kw))
+        monkeypatch.setattr(kopf, "configure", lambda **kw: None)
+        operator_main.main(argv)
+        return sorted(h.id for h in seen["registry"]._watching.get_all_handlers())
+    assert handlers([]) == []
+    assert handlers(["--watch-secrets"]) == ["redis-auth-watch"]

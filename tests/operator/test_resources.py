@@ -118,14 +118,14 @@ def test_engine_deployment_full() -> None:
         "tokenizer": "/models/tokenizers/Llama-3.1-8B-Instruct", "max_num_seqs": 128,
         "max_num_batched_tokens": 16384, "block_size": 32, "kv_cache_memory_fraction": 0.85,
         "scheduling_policy": "priority", "enable_prefix_caching": False, "preemption_mode": "swap",
-        "redis_url": "rediss://redis.infra.svc:6380/2"}
+        "redis_url": "rediss://redis.infra.svc:6380/2", "tensor_parallel_size": 2, "cache_salt_from": "api-key"}
     assert c["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 2},
                               "limits": {"memory": "96Gi", "nvidia.com/gpu": 2}}
     assert [e["name"] for e in c["env"]] == [
         "POD_NAME", "POD_NAMESPACE", "POD_IP", "KVMESH_SERVICE", "KVMESH_REDIS_PASSWORD", "KVMESH_REDIS_CA_FILE",
         "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",
         "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "HF_HOME", "TRITON_CACHE_DIR",
-        "KVMESH_API_KEY"]
+        "KVMESH_API_KEY", "KVMESH_ADMIN_API_KEY", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME"]
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["KVMESH_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "redis-auth", "key": "password"}}
     assert env["KVMESH_API_KEY"] == {"secretKeyRef": {"name": "kvmesh-api-key", "key": "api-key"}}
@@ -151,7 +151,8 @@ def test_router_and_front_service() -> None:
         "router", "--host", "0.0.0.0", "--port", "8080", "--redis-url", "rediss://redis.infra.svc:6380/2",
         "--discover-headless-service", "llama-engine", "--strategy", "kv-aware",
         "--served-model-name", "llama-3.1-8b-instruct", "--block-size", "32",
-        "--model", "/models/Llama-3.1-8B-Instruct", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct"]
+        "--model", "/models/Llama-3.1-8B-Instruct", "--tokenizer", "/models/tokenizers/Llama-3.1-8B-Instruct",
+        "--cache-salt-from", "api-key"]
     # the router has no tracing: no OTEL_* variables even though spec.tracing is set
     router_env = router["spec"]["template"]["spec"]["containers"][0]["env"]
     assert [e["name"] for e in router_env] == [
@@ -328,4 +329,6 @@ def test_tracing_protocol_follows_the_spec() -> None:
 
 
 def test_optional_kinds_name_their_rbac_value() -> None:
-    assert R.OPTIONAL_KINDS == {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda"}
+    assert R.OPTIONAL_KINDS == {"HorizontalPodAutoscaler": "rbac.hpa", "ScaledObject": "rbac.keda",
+                                "InferencePool": "rbac.inferencePool", "ServiceAccount": "rbac.inferencePool",
+                                "Role": "rbac.inferencePool", "RoleBinding": "rbac.inferencePool"}

@@ -6,13 +6,14 @@ import re
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from kvmesh.operator import crd
 from kvmesh.operator import resources as R
-from kvmesh.operator.schema import crd_yaml
+from kvmesh.operator.schema import crd_manifest, crd_yaml
 
 from .render import CHART, MANIFESTS, render
 
@@ -28,7 +29,11 @@ FULL = {
                      {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["system"]}]}]}}},
                  "podAnnotations": {"example.com/team": "ml"}, "priorityClassName": "system-cluster-critical"},
     "serviceAccount": {"create": True, "name": "kvmesh-operator", "annotations": {"example.com/role": "op"}},
-    "rbac": {"create": True, "hpa": True, "keda": True, "readSecrets": False},
+    "rbac": {"create": True, "hpa": True, "keda": True, "readSecrets": False, "watchSecrets": False,
+             "inferencePool": True},
+    "inferenceServices": [{"name": "llama", "namespace": "llm", "spec": {
+        "model": {"source": "pvc", "pvc": {"claimName": "llama-weights", "path": "Llama-3.1-8B-Instruct"}},
+        "gpu": {"count": 2}, "engine": {"sharedMemorySize": "16Gi", "nccl": {"socketIfname": "eth0"}}}}],
     "redis": {"enabled": True, "image": {"repository": "redis", "tag": "7.4.1-alpine"}, "maxMemory": "2gb",
               "resources": {"requests": {"cpu": "200m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}}},
 }
@@ -38,10 +43,18 @@ def _kinds(objects: list[dict[str, Any]]) -> list[tuple[str, str, str | None]]:
     return sorted((o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")) for o in objects)
 
 
+def _validate(obj: dict[str, Any]) -> None:
+    if obj["kind"] == "InferenceService":  # our CRD: its own schema (jsonschema), the built-in kinds: OpenAPI
+        schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        jsonschema.Draft4Validator(schema).validate(obj)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
 @pytest.mark.parametrize("values", [None, FULL], ids=["default", "full"])
 def test_rendered_objects_are_valid_kubernetes(values: dict[str, Any] | None) -> None:
     for obj in render(values):
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        _validate(obj)
         labels = obj["metadata"]["labels"]
         assert labels["app.kubernetes.io/name"] == "kvmesh"
         assert labels["app.kubernetes.io/instance"] == "kvmesh"
@@ -69,10 +82,14 @@ def test_full_render() -> None:
     assert _kinds(objects) == [
         ("ClusterRole", "kvmesh-discovery", None), ("ClusterRoleBinding", "kvmesh-discovery", None),
         ("Deployment", "kvmesh-operator", "kvmesh-system"), ("Deployment", "kvmesh-redis", "kvmesh-system"),
-        ("Role", "kvmesh", "llm"), ("Role", "kvmesh", "team-a"),
+        ("InferenceService", "llama", "llm"), ("Role", "kvmesh", "llm"), ("Role", "kvmesh", "team-a"),
         ("RoleBinding", "kvmesh", "llm"), ("RoleBinding", "kvmesh", "team-a"),
         ("Service", "kvmesh-redis", "kvmesh-system"), ("ServiceAccount", "kvmesh-operator", "kvmesh-system")]
     dep = next(o for o in objects if o["metadata"]["name"] == "kvmesh-operator")
+    # the two-GPU model: the operator reads the same spec (tensor parallelism over both GPUs)
+    llama = next(o for o in objects if o["kind"] == "InferenceService")
+    svc = crd.parse(llama["metadata"]["name"], llama["metadata"]["namespace"], llama["spec"])
+    assert (svc.gpu.count, svc.engine.tensor_parallel_size, svc.engine.shared_memory_size) == (2, 2, "16Gi")
     pod = dep["spec"]["template"]["spec"]
     assert pod["containers"][0]["args"] == ["operator", "--standalone", "--liveness=http://0.0.0.0:9090/healthz",
                                             "--resync-seconds=30", "--namespace=llm", "--namespace=team-a",
@@ -161,19 +178,42 @@ def _rules(values: dict[str, Any] | None) -> dict[tuple[str, str], set[str]]:
 
 
 def test_rbac_grants_exactly_what_the_operator_uses() -> None:
+    from kvmesh.operator.inference_pool import EPP_RULES
     from kvmesh.operator.kube import _PLURALS
     svc = crd.parse("x", "ns", {"model": {}})
     managed = {(api.rpartition("/")[0], _PLURALS[kind]) for api, kind, _ in R.possible_children(svc)}
-    rules = _rules({"rbac": {"keda": True}})
+    rules = _rules({"rbac": {"keda": True, "inferencePool": True}})
     for key in managed:
-        assert rules[key] == {"get", "create", "patch", "delete"}, key
+        assert {"get", "create", "patch", "delete"} <= rules[key], key
+    # the endpoint picker's Role: the operator holds every right it grants (the API server's escalation check)
+    for rule in EPP_RULES:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= rules[(group, resource)], (group, resource)
     assert rules == {
         **{k: {"get", "create", "patch", "delete"} for k in managed},
+        ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch", "create", "patch", "delete"},
+        ("inference.networking.x-k8s.io", "inferenceobjectives"): {"get", "list", "watch"},
         ("kvmesh.io", "inferenceservices"): {"get", "list", "watch", "patch"},
         ("kvmesh.io", "inferenceservices/status"): {"get", "patch"},
         ("kvmesh.io", "inferenceservices/finalizers"): {"update"},
-        ("", "pods"): {"list"}, ("", "events"): {"create"}, ("", "secrets"): {"create"}}
+        ("", "pods"): {"get", "list", "watch"}, ("", "events"): {"create"}, ("", "secrets"): {"create"}}
+    # without rbac.inferencePool: none of the pool's kinds, pods only listed (the autoscaler)
+    plain = _rules(None)
+    assert not {("inference.networking.k8s.io", "inferencepools"), ("", "serviceaccounts"),
+                ("rbac.authorization.k8s.io", "roles"), ("rbac.authorization.k8s.io", "rolebindings")} & set(plain)
+    assert plain[("", "pods")] == {"list"}
     assert _rules({"rbac": {"readSecrets": True}})[("", "secrets")] == {"get", "create"}
+    assert _rules({"rbac": {"watchSecrets": True}})[("", "secrets")] == {"get", "list", "watch", "create"}
+
+
+def test_watch_secrets_runs_the_operator_with_the_secret_watch() -> None:
+    def args(values: dict[str, Any] | None) -> list[str]:
+        dep = next(o for o in render(values) if o["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--watch-secrets" not in args(None)
+    assert args({"rbac": {"watchSecrets": True}})[-1] == "--watch-secrets"
+    assert "--watch-secrets" not in args({"rbac": {"create": False, "watchSecrets": True}})
 
 
 def test_no_secret_is_readable_cluster_wide_by_default() -> None:

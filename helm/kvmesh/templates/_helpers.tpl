@@ -54,7 +54,7 @@ app.kubernetes.io/component: {{ .component }}
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: {{ if .Values.rbac.inferencePool }}["get", "list", "watch"]{{ else }}["list"]{{ end }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
@@ -68,9 +68,26 @@ app.kubernetes.io/component: {{ .component }}
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.rbac.inferencePool }}
+{{- /* NOTE: router.mode inference-pool: the pool, and the endpoint picker's identity and rights. The
+       operator can grant the picker only what it holds itself (RBAC escalation check): pods
+       get/list/watch (above), inferencepools and inferenceobjectives get/list/watch. */}}
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["inference.networking.x-k8s.io"]
+  resources: ["inferenceobjectives"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+{{- end }}
 {{- /* NOTE: create (not read) Secrets: the managed Redis' generated password. Reading any Secret
-       of a namespace is opt-in: rbac.readSecrets. */}}
+       of a namespace is opt-in: rbac.readSecrets (get), rbac.watchSecrets (get, list, watch). */}}
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: {{ if .Values.rbac.readSecrets }}["get", "create"]{{ else }}["create"]{{ end }}
+  verbs: {{ if .Values.rbac.watchSecrets }}["get", "list", "watch", "create"]{{ else if .Values.rbac.readSecrets }}["get", "create"]{{ else }}["create"]{{ end }}
 {{- end -}}
