@@ -14,6 +14,7 @@ import logging
 import re
 import socket
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,17 +32,40 @@ _METRIC = re.compile(r"^(?:kvmesh|vllm):(num_requests_running|num_requests_waiti
 BACKEND_KINDS = ("kvmesh", "vllm")
 
 
-def parse_backend(entry: str, default_kind: str) -> tuple[str, str]:
-    """A --backends entry, `URL` or `KIND=URL`, -> (kind, normalised URL)."""
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One --backends entry: `[KIND=]URL[#kv-events=PORT[,REPLAY_PORT]]`."""
+    kind: str                                   # kvmesh | vllm
+    url: str                                    # normalised base URL
+    kv_events_ports: tuple[int, int] | None     # this vLLM backend's PUB and replay ports (0:
+    #                                             none); None: the router's --kv-events-port(s)
+
+
+def parse_backend(entry: str, default_kind: str) -> BackendSpec:
+    """A --backends entry -> BackendSpec; ValueError saying what is wrong.
+
+    NOTE: the ports ride in the URL's fragment, which is never sent to a server: several vLLM
+    engines on one host (each binds its own ports) can be told apart."""
     kind, sep, url = entry.partition("=")
     if not sep or "://" in kind or "/" in kind:
         kind, url = default_kind, entry
     if kind not in BACKEND_KINDS:
         raise ValueError(f"backend kind must be one of {', '.join(BACKEND_KINDS)}, got "
                          f"{kind!r} in {entry!r}")
+    url, _, fragment = url.partition("#")
     if not url:
         raise ValueError(f"backend {entry!r} has no URL")
-    return kind, normalize_url(url)
+    ports = None
+    if fragment:
+        m = re.fullmatch(r"kv-events=(\d+)(?:,(\d+))?", fragment)
+        if m is None or kind != "vllm":
+            raise ValueError(f"backend {entry!r}: the only annotation is #kv-events=PORT"
+                             "[,REPLAY_PORT], on a vllm backend")
+        ports = (int(m.group(1)), int(m.group(2) or 0))
+        if not 0 < ports[0] < 65536 or not 0 <= ports[1] < 65536 or ports[0] == ports[1]:
+            raise ValueError(f"backend {entry!r}: kv-events ports must be two different TCP "
+                             "ports (replay 0: none)")
+    return BackendSpec(kind, normalize_url(url), ports)
 
 
 def normalize_url(url: str) -> str:
@@ -89,10 +113,13 @@ class BackendPool:
         self.claims = PodClaims()
         self.duplicate_pod_ids: dict[str, set[str]] = {}   # pod id -> URLs sharing it
         self.scraped_load: dict[str, tuple[int, int, float]] = {}   # url -> last /metrics load
+        self.kv_events_ports: dict[str, tuple[int, int]] = {}   # url -> its own ZMQ ports
         for entry in urls or ():
-            kind, u = parse_backend(entry, default_kind)
+            spec = parse_backend(entry, default_kind)
             # NOTE: start healthy so the first requests need not wait for a health check.
-            self.backends[u] = BackendState(u, kind=kind)
+            self.backends[spec.url] = BackendState(spec.url, kind=spec.kind)
+            if spec.kv_events_ports is not None:
+                self.kv_events_ports[spec.url] = spec.kv_events_ports
 
     def states(self) -> list[BackendState]:
         """Every backend, in a stable order (the policy's tie-break order)."""

@@ -53,7 +53,7 @@ class RouterConfig:
         if self.backend_kind not in BACKEND_KINDS:
             raise ValueError(f"--backend-kind must be one of {', '.join(BACKEND_KINDS)}, "
                              f"got {self.backend_kind!r}")
-        kinds = {parse_backend(b, self.backend_kind)[0] for b in self.backends}
+        kinds = {parse_backend(b, self.backend_kind).kind for b in self.backends}
         if self.discover:
             kinds.add(self.backend_kind)
         if "vllm" in kinds and not self.redis_url:

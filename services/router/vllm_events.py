@@ -21,15 +21,16 @@ from kvmesh.router.config import RouterConfig
 logger = logging.getLogger("kvmesh.router")
 
 
-def source_for(url: str, cfg: RouterConfig) -> VllmSource:
-    """Where the vLLM engine serving at `url` publishes its KV events."""
+def source_for(url: str, cfg: RouterConfig, ports: tuple[int, int] | None = None) -> VllmSource:
+    """Where the vLLM engine serving at `url` publishes its KV events: its host, at `ports`
+    (PUB, replay; from its --backends entry) or the router's --kv-events-port(s)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
-    replay = (f"tcp://{host}:{cfg.kv_events_replay_port}" if cfg.kv_events_replay_port
-              else None)
+    pub_port, replay_port = ports or (cfg.kv_events_port, cfg.kv_events_replay_port)
+    replay = f"tcp://{host}:{replay_port}" if replay_port else None
     return VllmSource(pod_id=f"{host}:{parts.port}", url=url,
-                      endpoint=f"tcp://{host}:{cfg.kv_events_port}", replay_endpoint=replay,
+                      endpoint=f"tcp://{host}:{pub_port}", replay_endpoint=replay,
                       topic=cfg.kv_events_topic)
 
 
@@ -58,7 +59,8 @@ class VllmEventSources:
                 sub.stop(clear=False)
                 sub = None
             if sub is None:
-                sub = VllmEventSubscriber(source_for(url, self.cfg), self.target,
+                sub = VllmEventSubscriber(source_for(url, self.cfg, pool.kv_events_ports.get(url)),
+                                          self.target,
                                           self.heartbeat_interval_s, self.heartbeat_ttl_s)
                 self.subscribers[url] = sub
                 logger.info("following the KV events of vLLM backend %s at %s", url,
