@@ -149,6 +149,7 @@ class ZmqKVEventPublisher(EngineObserver):
             self._close_sockets()
             raise
         self._closed = False
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
 
@@ -182,8 +183,13 @@ class ZmqKVEventPublisher(EngineObserver):
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        try:
+            self._queue.put_nowait(None)      # after what is queued
+        except queue.Full:
+            self._stop.set()                  # a full queue: give up on it
         self._thread.join(timeout)
+        self._stop.set()
+        self._thread.join(0.5)
         if not self._thread.is_alive():
             self._close_sockets()
 
@@ -194,7 +200,7 @@ class ZmqKVEventPublisher(EngineObserver):
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._serve_replay()
@@ -232,5 +238,5 @@ class ZmqKVEventPublisher(EngineObserver):
                 if seq >= first:
                     self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq),
                                                  payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
         self.replays_served += 1
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -361,3 +361,28 @@ def test_metrics_show_vllm_cache_config_info(tiny):
             '"True",num_cpu_blocks="0",num_gpu_blocks="21"} 1.0')
     assert line in text
     assert line.replace("vllm:", "kvmesh:") in text
+
+
+def test_close_with_a_full_queue_returns(endpoints, monkeypatch):
+    """Fault injection: shutdown while the sender is stuck and the queue is full never hangs
+    the engine thread."""
+    import threading
+    import time
+    endpoint, _ = endpoints
+    release = threading.Event()
+    pub = ZmqKVEventPublisher(KVEventsConfig(endpoint=endpoint, max_queue_size=1))
+    entered = threading.Event()
+
+    def stuck_send(*a):
+        entered.set()
+        release.wait(1.5)
+    monkeypatch.setattr(pub, "_send", stuck_send)
+    pub.publish(KVEventBatch(0, 1.0, [AllBlocksCleared()]))
+    assert entered.wait(5)
+    pub.publish(KVEventBatch(1, 1.0, [AllBlocksCleared()]))        # fills the queue
+    t0 = time.monotonic()
+    pub.close(timeout=0.2)
+    assert time.monotonic() - t0 < 5
+    pub.publish(KVEventBatch(2, 1.0, [AllBlocksCleared()]))        # after close: ignored
+    assert pub.batches_dropped == 0
+    release.set()
