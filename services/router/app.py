@@ -41,7 +41,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prompt import prompt_token_ids
 from kvmesh.router.routing_policy import BackendState, choose
 from kvmesh.router.recent import RecentRoutes, merge_hits
-from kvmesh.router.vllm_events import VllmEventSources
+from kvmesh.router.vllm_events import VllmEventsCollector, VllmEventSources
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -89,6 +89,7 @@ class RouterState:
         if cfg.redis_url and (cfg.backend_kind == "vllm"
                               or any(b.kind == "vllm" for b in self.pool.states())):
             self.vllm = VllmEventSources(cfg, self.model_name)
+            self.metrics.registry.register(VllmEventsCollector(self.vllm))
         self.metrics = RouterMetrics()
         self.rr = itertools.count()
         self.rng = random.Random()

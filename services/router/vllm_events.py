@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from kvmesh.index.vllm_subscriber import IndexTarget, VllmEventSubscriber, VllmSource
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
@@ -76,3 +78,35 @@ class VllmEventSources:
         for sub in self.subscribers.values():
             sub.stop(clear=False)
         self.subscribers.clear()
+
+
+_COUNTERS = {
+    "batches_applied": "KV event batches applied to the index",
+    "replays": "Replay requests sent for sequence gaps",
+    "lost_batches": "KV event batches neither the stream nor a replay supplied",
+    "skipped_blocks": "Blocks left out of the index (LoRA, extra keys, block size, unknown parent)",
+    "restarts": "Engine restarts seen (sequence numbers started again)",
+    "decode_errors": "Undecodable KV event messages",
+    "redis_errors": "Failed index writes (the pod is rewritten from memory)",
+}
+
+
+class VllmEventsCollector:
+    """The subscribers' state on the router's /metrics, one series per vLLM backend."""
+
+    def __init__(self, sources: VllmEventSources) -> None:
+        self.sources = sources
+
+    def collect(self):
+        subs = list(self.sources.subscribers.items())
+        live = GaugeMetricFamily("kvmesh_router_vllm_events_live",
+                                 "1 while a vLLM backend's KV events count (healthy, publisher "
+                                 "answering)", labels=["backend"])
+        for url, sub in subs:
+            live.add_metric([url], 1.0 if sub.live else 0.0)
+        yield live
+        for name, help_ in _COUNTERS.items():
+            c = CounterMetricFamily(f"kvmesh_router_vllm_events_{name}", help_, labels=["backend"])
+            for url, sub in subs:
+                c.add_metric([url], float(getattr(sub, name)))
+            yield c

@@ -119,6 +119,14 @@ def test_subscribers_follow_the_vllm_backends_as_they_come_and_go(redis_server):
         assert (p.url, p.model, p.running, p.waiting, p.kv_usage) == \
             ("http://127.0.0.1:8001", "m", 3, 1, 0.25)
         assert wait_until(lambda: index_call(redis_server.url, "dump", "m") != {})
+        from prometheus_client import CollectorRegistry, generate_latest
+        from kvmesh.router.vllm_events import VllmEventsCollector
+        registry = CollectorRegistry()
+        registry.register(VllmEventsCollector(sources))
+        text = generate_latest(registry).decode()
+        assert 'kvmesh_router_vllm_events_live{backend="http://127.0.0.1:8001"} 1.0' in text
+        assert ('kvmesh_router_vllm_events_batches_applied_total{backend="http://127.0.0.1:8001"}'
+                ' 1.0') in text
 
         pool.backends["http://127.0.0.1:8001"].healthy = False
         sources.sync(pool)
