@@ -182,7 +182,11 @@ class VllmEventSubscriber:
             while not self._stop.is_set():
                 if sub.poll(50):
                     while sub.poll(0):
-                        self._on_message(*sub.recv_multipart(), live=True)
+                        frames = sub.recv_multipart()
+                        if len(frames) != 3:
+                            self.decode_errors += 1      # not a (topic, seq, payload) message
+                            continue
+                        self._on_message(*frames, live=True)
                 self._drain_replies()
                 now = time.monotonic()
                 if self.source.replay_endpoint is not None and now >= next_probe:

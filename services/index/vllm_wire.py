@@ -160,8 +160,10 @@ def _event(raw: Any) -> WireEvent:
     if kind == "BlockStored":
         _, f = _fields(raw, _STORED_FIELDS)
         tokens, size = f.get("token_ids"), f.get("block_size")
-        if not isinstance(tokens, list) or not isinstance(size, int) or size <= 0:
-            raise WireFormatError("BlockStored needs token_ids (a list) and a positive block_size")
+        if (not isinstance(tokens, list) or not isinstance(size, int) or size <= 0
+                or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens)):
+            raise WireFormatError("BlockStored needs token_ids (a list of token ids) and a "
+                                  "positive block_size")
         parent = f.get("parent_block_hash")
         if parent is not None and not isinstance(parent, (int, bytes)):
             raise WireFormatError(f"parent_block_hash must be an int, bytes or nil: {parent!r:.80}")

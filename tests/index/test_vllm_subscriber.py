@@ -180,3 +180,33 @@ def test_a_redis_outage_is_repaired_from_memory(pub, redis_server):
         assert wait_until(lambda: lookup(redis_server.url, PROMPT) == {POD: 3}, timeout=5)
     finally:
         sub.stop()
+
+
+def test_malformed_messages_are_counted_and_the_stream_goes_on(pub, redis_server):
+    """Fault injection: frames, payloads and events that are not vLLM's format."""
+    import msgspec
+    sub = subscriber(pub, redis_server.url)
+    try:
+        assert wait_until(lambda: 0 in pub.replay_requests)
+        topic = b"kv-events"
+
+        def raw(seq: int, payload: bytes, *extra: bytes) -> None:
+            with pub._lock:
+                pub.seq = seq + 1
+                pub.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload, *extra])
+        raw(0, b"\xc1not msgpack")
+        raw(1, msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]))
+        raw(2, msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                               "parent_block_hash": None,
+                                               "token_ids": ["a", "b", "c", "d"],
+                                               "block_size": 4}], 0]))
+        raw(3, b"x", b"a fourth frame")
+        with pub._lock:
+            pub.pub.send_multipart([topic, b"\x00\x01", b"x"])      # a 2-byte sequence number
+        assert wait_until(lambda: sub.decode_errors == 5)
+        pub.seq = 4
+        pub.send(stored([1], None, PROMPT[:4]))
+        assert wait_until(lambda: lookup(redis_server.url, PROMPT) == {POD: 1})
+        assert sub.running and sub.lost_batches == 1        # seq 3 never arrived intact
+    finally:
+        sub.stop()

@@ -31,7 +31,7 @@ from waiting import wait_until
 VENV = Path(os.environ.get("KVMESH_VLLM_VENV")
             or Path.home() / ".cache" / "kvmesh" / "vllm-venv")
 START_TIMEOUT_S = float(os.environ.get("KVMESH_VLLM_START_TIMEOUT", "1500"))
-BLOCK = 16
+BLOCK = 32          # vLLM's CPU attention takes multiples of 32 only
 SYSTEM = {
     "alpha": "Alphacorp support desk. You are the assistant of Alphacorp, which sells garden "
              "tools. Answer politely and briefly, never reveal prices, and always suggest the "
@@ -159,6 +159,19 @@ def prefix_hits(engines) -> dict[str, float]:
                               "vllm:prefix_cache_hits_total") for e in engines}
 
 
+def _prompt(system: str, user: str) -> list[int]:
+    from kvmesh.prompt.sources import load_tokenizer   # noqa: PLC0415
+    return load_tokenizer(None).apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_shared_prefix_requests_land_on_the_vllm_engine_holding_the_prefix(cluster):
     engines, router = cluster
     holders = {}
@@ -168,19 +181,25 @@ def test_shared_prefix_requests_land_on_the_vllm_engine_holding_the_prefix(clust
         holders[name] = r.headers["x-kvmesh-backend"]
         time.sleep(1.5)          # vLLM publishes the step's events; the subscriber writes them
     before = prefix_hits(engines)
-    sent = dict.fromkeys(before, 0)
+    # at least the full blocks each request shares with its family's first request
+    floor = dict.fromkeys(before, 0)
     for question in QUESTIONS[1:]:
         for name, system in SYSTEM.items():
             r = chat(router.url, system, question)
             backend = r.headers["x-kvmesh-backend"]
             assert (backend, r.headers["x-kvmesh-route-reason"]) == (holders[name], "prefix-hit")
-            sent[backend] += 1
+            first, this = _prompt(system, QUESTIONS[0]), _prompt(system, question)
+            floor[backend] += min(_common(first, this), len(this) - 1) // BLOCK * BLOCK
     after = prefix_hits(engines)
+    print("vllm:prefix_cache_hits_total before", before, "after", after, "floor", floor,
+          "holders", holders)
     for url in after:
-        # every request the router sent to an engine hit its cache for the whole system prompt
-        assert after[url] - before[url] >= sent[url] * 3 * BLOCK, (url, before, after, sent)
-        if sent[url] == 0:
+        # every request the router sent to an engine hit that engine's cache for its family's
+        # shared blocks; an engine the router sent nothing to gained no hits
+        assert after[url] - before[url] >= floor[url] > 0 or floor[url] == 0
+        if floor[url] == 0:
             assert after[url] == before[url]
+    assert sum(floor.values()) >= 2 * len(SYSTEM) * BLOCK
 
 
 def test_greedy_output_through_the_router_equals_kvmesh_on_the_same_weights(cluster):
