@@ -6,14 +6,10 @@
 
 The index must be keyed by kvmesh's own chained block hash (kvmesh.common.block_hash), since
 that is what the router computes for a prompt; vLLM's hashes depend on its version, hash
-function and seed. Every BlockStored carries its blocks' token ids and its parent's engine hash,
-so the subscriber keeps a map engine hash -> kvmesh hash for the blocks the engine holds and
-extends the chain from the parent's kvmesh hash. Blocks it cannot express (LoRA adapters,
-multimodal extra keys, another block size, an unknown parent) are left out of the index:
-leaving a block out only costs a prefix hit, while a wrong entry would misroute.
+function and seed. The events carry their blocks' token ids: vllm_chain.py re-hashes them.
 
-The subscriber's memory (engine hash -> kvmesh hash, tiers) is the pod's whole state, so after a
-Redis error it rewrites the pod's entries from memory. Sequence numbers: a gap asks the replay
+The chain in memory is the pod's whole state, so after a Redis error the subscriber rewrites the
+pod's entries from it. Sequence numbers: a gap asks the replay
 socket for the missing range; what the replay cannot supply is counted as lost. A live sequence
 number at or below one already seen means the engine restarted: its old blocks are forgotten.
 
@@ -36,11 +32,12 @@ import zmq
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvmesh.common.block_hash import BlockHash, hash_block, hash_hex, root_hash
+from kvmesh.common.block_hash import hash_hex, root_hash
 from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import CLEAR_POD, KeySpace, block_member, pod_block_member
-from kvmesh.index.vllm_wire import (ExternalHash, WireCleared, WireFormatError, WireRemoved,
-                                    WireStored, decode_batch, seq_bytes, seq_from_bytes)
+from kvmesh.index.vllm_chain import EngineBlockChain
+from kvmesh.index.vllm_wire import (WireCleared, WireFormatError, WireRemoved, WireStored,
+                                    decode_batch, seq_bytes, seq_from_bytes)
 
 logger = logging.getLogger("kvmesh.index.vllm_subscriber")
 
@@ -90,13 +87,11 @@ class VllmEventSubscriber:
             socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0), decode_responses=True,
             **redis_client_kwargs(target.redis_url))
         self._clear_pod = self._client.register_script(CLEAR_POD)
-        self._root = root_hash(target.hash_seed)
         # ---- set by the router (any thread) ----
         self._healthy = True
         self._load = (0, 0, 0.0)             # running, waiting, kv usage (from /metrics)
         # ---- thread-private state: the engine's blocks as the events describe them ----
-        self._chain: dict[ExternalHash, BlockHash] = {}       # engine hash -> kvmesh hash
-        self._tiers: dict[ExternalHash, set[str]] = {}        # engine hash -> tiers holding it
+        self._chain = EngineBlockChain(root_hash(target.hash_seed), target.block_size)
         self._next_seq: int | None = None    # the next number expected (None: nothing yet)
         self._last_live: int | None = None   # the highest number read from the SUB socket
         self._last_answer = time.monotonic()  # the publisher last proved it is there
@@ -106,7 +101,6 @@ class VllmEventSubscriber:
         self.batches_applied = 0
         self.replays = 0                     # replay requests sent for gaps
         self.lost_batches = 0                # numbers neither the stream nor a replay supplied
-        self.skipped_blocks = 0              # blocks left out (LoRA, extra keys, size, parent)
         self.restarts = 0                    # engine restarts seen (sequence numbers reset)
         self.decode_errors = 0
         self.redis_errors = 0
@@ -144,7 +138,12 @@ class VllmEventSubscriber:
 
     def blocks(self) -> set[tuple[bytes, str]]:
         """(kvmesh hash, tier) of every block the subscriber believes the engine holds."""
-        return {(self._chain[h], t) for h, tiers in self._tiers.items() for t in tiers}
+        return self._chain.entries()
+
+    @property
+    def skipped_blocks(self) -> int:
+        """Blocks left out of the index (LoRA, extra keys, block size, unknown parent)."""
+        return self._chain.skipped_blocks
 
     def stop(self, clear: bool = True, timeout: float = 2.0) -> None:
         """Stop the thread; with `clear`, delete the pod's entries and heartbeat (it left)."""
@@ -319,9 +318,11 @@ class VllmEventSubscriber:
         pipe = self._client.pipeline(transaction=True)
         for event in events:
             if isinstance(event, WireStored):
-                self._stored(pipe, event)
+                for h, tier in self._chain.stored(event):
+                    self._add(pipe, h, tier)
             elif isinstance(event, WireRemoved):
-                self._removed(pipe, event)
+                for h, tier in self._chain.removed(event):
+                    self._remove(pipe, h, tier)
             elif isinstance(event, WireCleared):
                 self._forget()
         self.batches_applied += 1
@@ -334,43 +335,9 @@ class VllmEventSubscriber:
             self._dirty = True
             logger.warning("prefix index write for %s failed (%s)", self.source.pod_id, e)
 
-    def _stored(self, pipe, e: WireStored) -> None:
-        n = len(e.block_hashes)
-        parent = self._root if e.parent_block_hash is None else self._chain.get(e.parent_block_hash)
-        salt = _salt(e.extra_keys, e.parent_block_hash is None)
-        if (parent is None or e.lora or e.block_size != self.target.block_size
-                or len(e.token_ids) != n * e.block_size or salt is False):
-            self.skipped_blocks += n
-            return
-        for i, engine_hash in enumerate(e.block_hashes):
-            extra = ({"cache_salt": salt},) if i == 0 and salt else ()
-            parent = hash_block(parent, e.token_ids[i * e.block_size:(i + 1) * e.block_size],
-                                extra)
-            known = self._chain.get(engine_hash)
-            if known is not None and known != parent:
-                self.skipped_blocks += 1      # an engine hash collision: keep the first
-                continue
-            self._chain[engine_hash] = parent
-            tiers = self._tiers.setdefault(engine_hash, set())
-            if e.medium not in tiers:
-                tiers.add(e.medium)
-                self._add(pipe, parent, e.medium)
-
-    def _removed(self, pipe, e: WireRemoved) -> None:
-        for engine_hash in e.block_hashes:
-            tiers = self._tiers.get(engine_hash)
-            if not tiers or e.medium not in tiers:
-                continue
-            tiers.discard(e.medium)
-            self._remove(pipe, self._chain[engine_hash], e.medium)
-            if not tiers:
-                del self._tiers[engine_hash]
-                del self._chain[engine_hash]
-
     def _forget(self) -> None:
         """The engine dropped every block (AllBlocksCleared, a restart, a lapse)."""
         self._chain.clear()
-        self._tiers.clear()
         self._next_seq = None
         self._dirty = True
 
@@ -412,18 +379,3 @@ class VllmEventSubscriber:
             # NOTE: the key lapsed (or Redis restarted): a purge may have removed our entries
             self._rewrite()
 
-
-def _salt(extra_keys: list | None, first_block: bool) -> str | None | bool:
-    """The cache salt of a chain's block 0 from its extra keys: None (no extra keys), the salt
-    string, or False when the keys hold anything kvmesh's hash cannot express."""
-    if not extra_keys:
-        return None
-    if any(k for k in extra_keys[1:]):
-        return False
-    first = extra_keys[0]
-    if not first:
-        return None
-    if first_block and isinstance(first, (list, tuple)) and len(first) == 1 \
-            and isinstance(first[0], str):
-        return first[0]
-    return False

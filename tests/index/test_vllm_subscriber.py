@@ -210,3 +210,25 @@ def test_malformed_messages_are_counted_and_the_stream_goes_on(pub, redis_server
         assert sub.running and sub.lost_batches == 1        # seq 3 never arrived intact
     finally:
         sub.stop()
+
+
+def test_the_chain_rehashes_tokens_and_tracks_tiers():
+    """EngineBlockChain alone (no I/O): exact kvmesh hashes, tiers counted per engine hash."""
+    from kvmesh.common.block_hash import root_hash
+    from kvmesh.index.vllm_chain import EngineBlockChain
+    from kvmesh.index.vllm_wire import WireRemoved, WireStored
+    chain = EngineBlockChain(root_hash("kvmesh"), BS)
+    want = prompt_block_hashes(PROMPT, BS, "kvmesh")
+    assert chain.stored(WireStored([b"\x01", b"\x02"], None, PROMPT[:8], BS, "gpu", False, None)) \
+        == [(want[0], "gpu"), (want[1], "gpu")]
+    assert chain.stored(WireStored([b"\x02"], b"\x01", PROMPT[4:8], BS, "cpu", False, None)) \
+        == [(want[1], "cpu")]
+    assert chain.stored(WireStored([b"\x02"], b"\x01", PROMPT[4:8], BS, "gpu", False, None)) == []
+    assert chain.removed(WireRemoved([b"\x02"], "gpu")) == [(want[1], "gpu")]
+    assert chain.entries() == {(want[0], "gpu"), (want[1], "cpu")}
+    # the same engine hash for other tokens (a collision): the first mapping stays
+    assert chain.stored(WireStored([b"\x01"], None, [1, 2, 3, 4], BS, "gpu", False, None)) == []
+    assert chain.skipped_blocks == 1
+    assert chain.removed(WireRemoved([b"\x02", b"\x09"], "cpu")) == [(want[1], "cpu")]
+    chain.clear()
+    assert chain.entries() == set()
