@@ -59,5 +59,5 @@ $(KVMESH_VLLM_VENV)/bin/vllm:
 	$(KVMESH_VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 
 test-vllm: install-test $(KVMESH_VLLM_VENV)/bin/vllm
-	KVMESH_TEST_VLLM=1 KVMESH_VLLM_VENV=$(KVMESH_VLLM_VENV) \
+	KVMESH_TEST_VLLM=1 KVMESH_VLLM_VENV=$(KVMESH_VLLM_VENV) KVMESH_VLLM_LOG_DIR=$${KVMESH_VLLM_LOG_DIR:-/tmp/kvmesh-test-vllm} \
 	  $(BIN)/python -m pytest tests/vllm -v --timeout 3600 $(PYTEST_ARGS)

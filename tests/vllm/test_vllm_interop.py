@@ -59,7 +59,10 @@ class Proc:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self, tail: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-tail:]
+        """The log's end, and before it every line that reports an error."""
+        text = self.log_path.read_text(errors="replace")
+        errors = [line for line in text.splitlines() if "Error" in line or "ERROR" in line]
+        return "\n".join(errors[-20:]) + "\n...\n" + text[-tail:]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -91,7 +94,10 @@ def cluster(tmp_path_factory):
     python = VENV / "bin" / "python"
     assert (VENV / "bin" / "vllm").exists(), f"no vLLM at {VENV} (make test-vllm installs it)"
     model_dir = hf_model_dir(dtype="float32")
-    log_dir = tmp_path_factory.mktemp("vllm")
+    # NOTE: the engines' logs outlive pytest's temporary directories (a first start compiles
+    # for many minutes; a failure's cause is in these logs)
+    log_dir = Path(os.environ.get("KVMESH_VLLM_LOG_DIR") or tmp_path_factory.mktemp("vllm"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     rs = RedisServer()
     rs.start()
     cores = os.cpu_count() or 2
