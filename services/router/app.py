@@ -41,6 +41,7 @@ from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prompt import prompt_token_ids
 from kvmesh.router.routing_policy import BackendState, choose
 from kvmesh.router.recent import RecentRoutes, merge_hits
+from kvmesh.router.vllm_events import VllmEventsCollector, VllmEventSources
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -81,7 +82,14 @@ class RouterState:
         self.tokenizer = tokenizer
         self.model_name = model_name or cfg.model or ""
         self.salt_from = CacheSaltSource.parse(cfg.cache_salt_from)
-        self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port)
+        self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port,
+                                default_kind=cfg.backend_kind)
+        # vLLM backends' KV events -> the shared index (None: every backend is a kvmesh engine)
+        self.vllm: VllmEventSources | None = None
+        if cfg.redis_url and (cfg.backend_kind == "vllm"
+                              or any(b.kind == "vllm" for b in self.pool.states())):
+            self.vllm = VllmEventSources(cfg, self.model_name)
+            self.metrics.registry.register(VllmEventsCollector(self.vllm))
         self.metrics = RouterMetrics()
         self.rr = itertools.count()
         self.rng = random.Random()
@@ -117,6 +125,8 @@ class RouterState:
                 retry=Retry(NoBackoff(), 1))
             self.index = PrefixIndex(self.redis, self.cfg.namespace, self.cfg.service)
         await self.pool.discover_now()
+        if self.vllm is not None:
+            await asyncio.to_thread(self.vllm.sync, self.pool)
         await self.refresh_load()
         self._tasks = [asyncio.create_task(self._health_loop()),
                        asyncio.create_task(self._load_loop())]
@@ -129,6 +139,8 @@ class RouterState:
                 await t
         if self.http is not None:
             await self.http.aclose()
+        if self.vllm is not None:
+            await asyncio.to_thread(self.vllm.stop)
         if self.redis is not None:
             with suppress(Exception):
                 await self.redis.aclose()
@@ -142,6 +154,8 @@ class RouterState:
                     await self.pool.discover_now()
                     next_discover = time.monotonic() + self.cfg.discover_interval_s
                 await self.pool.check_health(self.http, scrape_load=not self.redis_ok)
+                if self.vllm is not None:
+                    await asyncio.to_thread(self.vllm.sync, self.pool)
                 self._export_health()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round
                 logger.exception("health check round failed")

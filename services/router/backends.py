@@ -3,6 +3,9 @@
 Health: `GET /health` every `health_interval_s` (one failure marks a backend unhealthy, one success
 heals it); a request that cannot connect marks it unhealthy at once. Load: the pods' Redis
 heartbeats, matched to backends by URL; while Redis is down, each backend's `/metrics` instead.
+vLLM backends (`--backend-kind vllm`, or `vllm=URL`) publish no heartbeat of their own: their
+`/metrics` is scraped every round and the router's KV-event subscriber heartbeats for them
+(vllm_events.py).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import logging
 import re
 import socket
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,6 +27,45 @@ logger = logging.getLogger("kvmesh.router")
 
 _METRIC = re.compile(r"^(?:kvmesh|vllm):(num_requests_running|num_requests_waiting|"
                      r"gpu_cache_usage_perc|kv_cache_usage_perc)(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+BACKEND_KINDS = ("kvmesh", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One --backends entry: `[KIND=]URL[#kv-events=PORT[,REPLAY_PORT]]`."""
+    kind: str                                   # kvmesh | vllm
+    url: str                                    # normalised base URL
+    kv_events_ports: tuple[int, int] | None     # this vLLM backend's PUB and replay ports (0:
+    #                                             none); None: the router's --kv-events-port(s)
+
+
+def parse_backend(entry: str, default_kind: str) -> BackendSpec:
+    """A --backends entry -> BackendSpec; ValueError saying what is wrong.
+
+    NOTE: the ports ride in the URL's fragment, which is never sent to a server: several vLLM
+    engines on one host (each binds its own ports) can be told apart."""
+    kind, sep, url = entry.partition("=")
+    if not sep or "://" in kind or "/" in kind:
+        kind, url = default_kind, entry
+    if kind not in BACKEND_KINDS:
+        raise ValueError(f"backend kind must be one of {', '.join(BACKEND_KINDS)}, got "
+                         f"{kind!r} in {entry!r}")
+    url, _, fragment = url.partition("#")
+    if not url:
+        raise ValueError(f"backend {entry!r} has no URL")
+    ports = None
+    if fragment:
+        m = re.fullmatch(r"kv-events=(\d+)(?:,(\d+))?", fragment)
+        if m is None or kind != "vllm":
+            raise ValueError(f"backend {entry!r}: the only annotation is #kv-events=PORT"
+                             "[,REPLAY_PORT], on a vllm backend")
+        ports = (int(m.group(1)), int(m.group(2) or 0))
+        if not 0 < ports[0] < 65536 or not 0 <= ports[1] < 65536 or ports[0] == ports[1]:
+            raise ValueError(f"backend {entry!r}: kv-events ports must be two different TCP "
+                             "ports (replay 0: none)")
+    return BackendSpec(kind, normalize_url(url), ports)
 
 
 def normalize_url(url: str) -> str:
@@ -58,19 +101,25 @@ def parse_load_metrics(text: str) -> tuple[int, int, float] | None:
 
 class BackendPool:
     def __init__(self, urls: list[str] | None = None, discover: str | None = None,
-                 backend_port: int = 8000, health_timeout_s: float = 1.0) -> None:
+                 backend_port: int = 8000, health_timeout_s: float = 1.0,
+                 default_kind: str = "kvmesh") -> None:
         if not urls and not discover:
             raise ValueError("give --backends URL ... or --discover-headless-service NAME")
         self.discover = discover
         self.backend_port = backend_port
         self.health_timeout_s = health_timeout_s
+        self.default_kind = default_kind        # the kind of discovered backends
         self.backends: dict[str, BackendState] = {}
         self.claims = PodClaims()
         self.duplicate_pod_ids: dict[str, set[str]] = {}   # pod id -> URLs sharing it
-        for url in urls or ():
-            u = normalize_url(url)
+        self.scraped_load: dict[str, tuple[int, int, float]] = {}   # url -> last /metrics load
+        self.kv_events_ports: dict[str, tuple[int, int]] = {}   # url -> its own ZMQ ports
+        for entry in urls or ():
+            spec = parse_backend(entry, default_kind)
             # NOTE: start healthy so the first requests need not wait for a health check.
-            self.backends[u] = BackendState(u)
+            self.backends[spec.url] = BackendState(spec.url, kind=spec.kind)
+            if spec.kv_events_ports is not None:
+                self.kv_events_ports[spec.url] = spec.kv_events_ports
 
     def states(self) -> list[BackendState]:
         """Every backend, in a stable order (the policy's tie-break order)."""
@@ -100,10 +149,11 @@ class BackendPool:
         urls = {normalize_url(f"http://{_host(info[4][0])}:{info[4][1]}") for info in infos}
         for u in urls - self.backends.keys():
             logger.info("discovered backend %s", u)
-            self.backends[u] = BackendState(u)
+            self.backends[u] = BackendState(u, kind=self.default_kind)
         for u in self.backends.keys() - urls:
             logger.info("backend %s left %s", u, self.discover)
             del self.backends[u]
+            self.scraped_load.pop(u, None)
 
     async def check_health(self, client: httpx.AsyncClient, scrape_load: bool) -> None:
         """GET /health on every backend at once (and /metrics for load when `scrape_load`)."""
@@ -113,11 +163,13 @@ class BackendPool:
         try:
             r = await client.get(f"{b.url}/health", timeout=self.health_timeout_s)
             ok = r.status_code == 200
-            if ok and scrape:
+            if ok and (scrape or b.kind == "vllm"):
                 m = await client.get(f"{b.url}/metrics", timeout=self.health_timeout_s)
                 load = parse_load_metrics(m.text) if m.status_code == 200 else None
                 if load is not None:
-                    b.running, b.waiting, b.kv_usage = load
+                    self.scraped_load[b.url] = load
+                    if scrape:
+                        b.running, b.waiting, b.kv_usage = load
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.common.cache_salt import CacheSaltSource
+from kvmesh.router.backends import BACKEND_KINDS, parse_backend
 from kvmesh.router.routing_policy import STRATEGIES, PolicyConfig
 
 
@@ -13,6 +14,10 @@ class RouterConfig:
     backends: tuple[str, ...] = ()          # static engine URLs
     discover: str | None = None             # headless Service name resolved for engine IPs
     backend_port: int = 8000                # engine port for discovered IPs
+    backend_kind: str = "kvmesh"            # kvmesh | vllm: backends without a KIND= prefix
+    kv_events_port: int = 5557              # vLLM backends' ZMQ PUB port (on the backend's host)
+    kv_events_replay_port: int = 5558       # their ZMQ replay port; 0: none (no gap repair)
+    kv_events_topic: str = "kv-events"      # their --kv-events-config topic
     strategy: str = "kv-aware"
     model: str | None = None                # model path or name, for the tokenizer
     tokenizer: str | None = None            # tokenizer directory (overrides model)
@@ -45,6 +50,21 @@ class RouterConfig:
                              f"value), got {self.block_size}")
         if not 0 < self.backend_port < 65536:
             raise ValueError(f"--backend-port must be a TCP port, got {self.backend_port}")
+        if self.backend_kind not in BACKEND_KINDS:
+            raise ValueError(f"--backend-kind must be one of {', '.join(BACKEND_KINDS)}, "
+                             f"got {self.backend_kind!r}")
+        kinds = {parse_backend(b, self.backend_kind).kind for b in self.backends}
+        if self.discover:
+            kinds.add(self.backend_kind)
+        if "vllm" in kinds and not self.redis_url:
+            raise ValueError("vLLM backends need --redis-url: their KV events are written to "
+                             "the shared prefix index")
+        if not 0 < self.kv_events_port < 65536:
+            raise ValueError(f"--kv-events-port must be a TCP port, got {self.kv_events_port}")
+        if not 0 <= self.kv_events_replay_port < 65536 \
+                or self.kv_events_replay_port == self.kv_events_port:
+            raise ValueError("--kv-events-replay-port must be a TCP port other than "
+                             f"--kv-events-port, or 0 (none), got {self.kv_events_replay_port}")
         CacheSaltSource.parse(self.cache_salt_from)     # raises with the accepted values
         if not self.lookup_timeout_s > 0:
             raise ValueError(f"--lookup-timeout must be > 0 seconds, got {self.lookup_timeout_s}")

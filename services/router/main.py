@@ -23,10 +23,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", required=True, help="the shared prefix index, redis://host:port/db "
                    "(password from $KVMESH_REDIS_PASSWORD when set)")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--backends", nargs="+", metavar="URL", help="engine base URLs")
+    where.add_argument("--backends", nargs="+", metavar="[KIND=]URL",
+                       help="engine base URLs; KIND=URL (vllm=http://10.0.0.5:8000) sets one "
+                       "backend's kind")
     where.add_argument("--discover-headless-service", metavar="NAME",
                        help="resolve this DNS name (a headless Service) for engine pod IPs")
     p.add_argument("--backend-port", type=int, default=8000, help="engine port for discovered IPs")
+    p.add_argument("--backend-kind", choices=("kvmesh", "vllm"), default="kvmesh",
+                   help="the engines' software: kvmesh engines publish to --redis-url themselves; "
+                   "for vllm engines the router follows their ZMQ KV events (started with vLLM's "
+                   "--kv-events-config) and writes them to --redis-url (default: kvmesh)")
+    p.add_argument("--kv-events-port", type=int, default=5557,
+                   help="vLLM backends' KV event PUB port, on each backend's host (default: 5557)")
+    p.add_argument("--kv-events-replay-port", type=int, default=5558,
+                   help="vLLM backends' KV event replay port; 0: none (default: 5558)")
+    p.add_argument("--kv-events-topic", default="kv-events",
+                   help="vLLM backends' KV event topic (default: kv-events)")
     p.add_argument("--strategy", choices=STRATEGIES, default="kv-aware")
     p.add_argument("--model", default=None, help="model path (HF dir or .gguf) or the built-in "
                    "model's name: the tokenizer the engines use (default: built-in)")
@@ -59,6 +71,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         redis_url=args.redis_url, backends=tuple(args.backends or ()),
         discover=args.discover_headless_service, backend_port=args.backend_port,
+        backend_kind=args.backend_kind, kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
         strategy=args.strategy, model=args.model, tokenizer=args.tokenizer,
         block_size=args.block_size, hash_seed=args.hash_seed,
         api_key=resolve_api_key(args.api_key, args.api_key_file),

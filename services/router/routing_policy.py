@@ -35,6 +35,7 @@ class BackendState:
     waiting: int = 0            # from the heartbeat (or /metrics)
     kv_usage: float = 0.0       # from the heartbeat (or /metrics), 0..1
     in_flight: int = 0          # requests this router has sent and not seen finish
+    kind: str = "kvmesh"        # engine software: kvmesh (publishes to Redis) | vllm (ZMQ events)
 
     @property
     def load(self) -> int:

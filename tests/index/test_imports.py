@@ -4,7 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ("events", "layout", "publisher", "lookup", "hashing", "purge", "serve", "kv_bytes")
+MODULES = ("events", "layout", "publisher", "lookup", "hashing", "purge", "serve", "kv_bytes",
+           "vllm_wire", "zmq_events", "vllm_subscriber", "vllm_chain")
 
 
 def test_index_package_imports_without_torch():
