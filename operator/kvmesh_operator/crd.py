@@ -347,6 +347,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     if vllm and root.get("image") is None:
         problems.append("spec.image is required with spec.engine.runtime vllm: a vLLM image with `vllm serve`, "
                         "e.g. vllm/vllm-openai:v0.11.0")
+    if vllm and gpus == 0 and isinstance(engine.block_size, int) and engine.block_size % 32:
+        problems.append(f"spec.engine.blockSize {engine.block_size} does not suit runtime vllm on CPU: vLLM's CPU "
+                        f"build takes multiples of 32 only (use 32 or 64, or GPUs)")
     if vllm and model.source == "builtin":
         problems.append("spec.engine.runtime vllm needs spec.model.source uri or pvc: the built-in model ships in "
                         "kvmesh's image only")

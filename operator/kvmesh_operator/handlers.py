@@ -161,7 +161,10 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     """
     warned = set() if warned is None else warned
     owner = R.Owner(name=svc.name, uid=uid)
-    status = await _fresh_status(kube, svc, uid, status)
+    live = await _live(kube, svc, uid)
+    if live is not None and (live.get("metadata") or {}).get("deletionTimestamp"):
+        return  # NOTE: being deleted (the handler's body may predate it): the finalizer's turn, not ours
+    status = (live.get("status") or {}) if live is not None else status
     replicas = R.engine_replicas(svc, autoscaled)
     observed: S.Observed = {}
     forbidden: set[str] = set()
@@ -170,7 +173,7 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     conflicts: list[NotOwned] = []
     auth: str | None = None
     try:
-        known = status.get("redisAuthChecksum")
+        known = await _running_checksum(kube, svc, status) if R.needs_redis(svc) else None
         if svc.redis.managed and R.needs_redis(svc):
             conflict, auth = await ensure_redis_secret(kube, svc, owner, body, known)
             if conflict is not None:
@@ -236,20 +239,32 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         raise ChildConflict("; ".join(map(str, conflicts)))
 
 
-async def _fresh_status(kube: KubeClient, svc: crd.InferenceService, uid: str, status: Any) -> Any:
-    """The resource's status as the API server has it now.
+async def _running_checksum(kube: KubeClient, svc: crd.InferenceService, status: Any) -> str | None:
+    """The Redis password checksum the engine pods run with: their template's, else the status' record.
+
+    NOTE: the template, not only the status: the status is written after the children, so a sync
+    right after a roll could read the previous checksum there and roll the pods back.
+    """
+    engine = await kube.get("apps/v1", "Deployment", svc.namespace, R.engine_name(svc))
+    annotations = ((((engine or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}).get(
+        "annotations") or {}
+    return annotations.get(R.REDIS_AUTH_ANNOTATION) or status.get("redisAuthChecksum")
+
+
+async def _live(kube: KubeClient, svc: crd.InferenceService, uid: str) -> dict[str, Any] | None:
+    """The resource as the API server has it now (None: unreadable, gone or another object by that name).
 
     NOTE: kopf may hand a handler a body older than the operator's last status write (a watch event
-    processed late, a handler re-run): its childFingerprints would be missing or stale, and every
-    child would be patched again for nothing.
+    processed late, a handler re-run): its childFingerprints would be missing or stale (every child
+    patched again for nothing), and it may not show a deletion under way.
     """
     try:
         live = await kube.get(API_VERSION, KIND, svc.namespace, svc.name)
     except KubeError:
-        return status
+        return None
     if live is None or (live.get("metadata") or {}).get("uid") != uid:
-        return status
-    return live.get("status") or {}
+        return None
+    return live
 
 
 async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any, status: Any, patch: Any,
@@ -388,6 +403,10 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.timer(**on, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
     async def resync(name: str, namespace: str, uid: str, spec: Any, body: Any, meta: Any, status: Any,
                      patch: kopf.Patch, memo: Any, **_: Any) -> None:
+        if meta.get("deletionTimestamp"):
+            # NOTE: being deleted: recreating children the garbage collector removes, or writing a
+            # status over "Terminating", would only fight the finalizer.
+            return
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:

@@ -36,13 +36,13 @@ def epp_config_name(svc: InferenceService) -> str:
 
 def tokenizer_file(svc: InferenceService) -> str:
     """The tokenizer.json the picker reads, on the model PVC mounted at /models (CEL requires pvc)."""
-    directory = svc.model.tokenizer or R._model_arg(svc)
+    directory = svc.model.tokenizer or R.model_path(svc)
     return f"{directory.rstrip('/')}/tokenizer.json"
 
 
 def build_inference_pool(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
     return {"apiVersion": POOL_API_VERSION, "kind": "InferencePool",
-            "metadata": R._meta(svc, owner, svc.name, "engine"),
+            "metadata": R.object_meta(svc, owner, svc.name, "engine"),
             "spec": {"selector": {"matchLabels": R.selector(svc, "engine")},
                      "targetPorts": [{"number": R.ENGINE_PORT}],
                      "endpointPickerRef": {"group": "", "kind": "Service", "name": epp_name(svc),
@@ -81,7 +81,7 @@ def epp_config(svc: InferenceService) -> dict[str, Any]:
 
 
 def build_epp_config_map(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": R._meta(svc, owner, epp_config_name(svc), "epp"),
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": R.object_meta(svc, owner, epp_config_name(svc), "epp"),
             "data": {EPP_CONFIG_KEY: yaml.safe_dump(epp_config(svc), sort_keys=False)}}
 
 
@@ -101,7 +101,7 @@ def build_epp_deployment(svc: InferenceService, owner: R.Owner) -> dict[str, Any
     container = {
         "name": "epp", "image": pool.endpoint_picker_image, "imagePullPolicy": svc.image_pull_policy,
         "args": epp_args(svc),
-        "env": [R._field_env("NAMESPACE", "metadata.namespace"), R._field_env("POD_NAME", "metadata.name")],
+        "env": [R.field_env("NAMESPACE", "metadata.namespace"), R.field_env("POD_NAME", "metadata.name")],
         "ports": [{"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"}],
@@ -109,14 +109,14 @@ def build_epp_deployment(svc: InferenceService, owner: R.Owner) -> dict[str, Any
                           "initialDelaySeconds": 5, "periodSeconds": 10},
         "readinessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": health or "readiness"}, "periodSeconds": 2},
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
-        "securityContext": R._CONTAINER_SECURITY,
+        "securityContext": R.CONTAINER_SECURITY,
         "volumeMounts": [{"name": "config", "mountPath": EPP_CONFIG_DIR, "readOnly": True},
                          {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "model", "mountPath": R.MODELS_DIR, "readOnly": True}],
     }
     volumes = [{"name": "config", "configMap": {"name": epp_config_name(svc)}}, {"name": "tmp", "emptyDir": {}},
                {"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim, "readOnly": True}}]
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": R._meta(svc, owner, epp_name(svc), "epp"),
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": R.object_meta(svc, owner, epp_name(svc), "epp"),
             "spec": {"replicas": pool.replicas,
                      # NOTE: one active picker holds the prefix index; the old one goes before the new starts.
                      "strategy": {"type": "Recreate"},
@@ -124,13 +124,13 @@ def build_epp_deployment(svc: InferenceService, owner: R.Owner) -> dict[str, Any
                      "template": {"metadata": {"labels": R.labels(svc, "epp"), "annotations": {
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(EPP_METRICS_PORT),
                          "prometheus.io/path": "/metrics"}},
-                         "spec": {"serviceAccountName": epp_name(svc), "securityContext": R._POD_SECURITY,
+                         "spec": {"serviceAccountName": epp_name(svc), "securityContext": R.POD_SECURITY,
                                   "terminationGracePeriodSeconds": 130, "containers": [container],
                                   "volumes": volumes}}}}
 
 
 def build_epp_service(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": R._meta(svc, owner, epp_name(svc), "epp"),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": R.object_meta(svc, owner, epp_name(svc), "epp"),
             "spec": {"type": "ClusterIP", "selector": R.selector(svc, "epp"),
                      "ports": [{"name": "grpc-ext-proc", "port": EPP_GRPC_PORT, "targetPort": "grpc",
                                 "protocol": "TCP", "appProtocol": "http2"},
@@ -139,7 +139,7 @@ def build_epp_service(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
 
 
 def build_epp_service_account(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": R._meta(svc, owner, epp_name(svc), "epp")}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": R.object_meta(svc, owner, epp_name(svc), "epp")}
 
 
 # NOTE: what the picker reads, in its own namespace only: the engine pods (endpoints and KV-event
@@ -153,12 +153,12 @@ EPP_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list",
 
 def build_epp_role(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": R._meta(svc, owner, epp_name(svc), "epp"), "rules": [dict(r) for r in EPP_RULES]}
+            "metadata": R.object_meta(svc, owner, epp_name(svc), "epp"), "rules": [dict(r) for r in EPP_RULES]}
 
 
 def build_epp_role_binding(svc: InferenceService, owner: R.Owner) -> dict[str, Any]:
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": R._meta(svc, owner, epp_name(svc), "epp"),
+            "metadata": R.object_meta(svc, owner, epp_name(svc), "epp"),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": epp_name(svc)},
             "subjects": [{"kind": "ServiceAccount", "name": epp_name(svc), "namespace": svc.namespace}]}
 

@@ -116,7 +116,7 @@ def service_url(svc: InferenceService) -> str:
     return f"http://{svc.name}.{svc.namespace}.svc"
 
 
-def _meta(svc: InferenceService, owner: Owner, name: str, component: str,
+def object_meta(svc: InferenceService, owner: Owner, name: str, component: str,
           annotations: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name, "namespace": svc.namespace, "labels": labels(svc, component),
@@ -128,19 +128,19 @@ def _meta(svc: InferenceService, owner: Owner, name: str, component: str,
     return meta
 
 
-_POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                  "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}}
-_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                        "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def _field_env(name: str, path: str) -> dict[str, Any]:
+def field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
 def _pod_env() -> list[dict[str, Any]]:
-    return [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
-            _field_env("POD_IP", "status.podIP")]
+    return [field_env("POD_NAME", "metadata.name"), field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP")]
 
 
 def _common_env(svc: InferenceService) -> list[dict[str, Any]]:
@@ -201,7 +201,7 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
     """
     e = svc.engine
     config: dict[str, Any] = {
-        "model": _model_arg(svc) or None, "served_model_name": svc.model.served_name,
+        "model": model_path(svc) or None, "served_model_name": svc.model.served_name,
         "tokenizer": svc.model.tokenizer,
         "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
         "block_size": e.block_size, "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
@@ -221,7 +221,7 @@ def config_hash(svc: InferenceService) -> str:
     return hashlib.sha256(json.dumps(engine_config(svc), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _model_arg(svc: InferenceService) -> str:
+def model_path(svc: InferenceService) -> str:
     m = svc.model
     if m.source == "uri":
         return m.uri or ""
@@ -263,7 +263,7 @@ def _engine_container_run(svc: InferenceService) -> tuple[dict[str, Any], list[d
     """(command/args, runtime env, readiness path, probe path) of the engine container."""
     if svc.engine.runtime == "vllm":
         # NOTE: vLLM's /health answers once the engine runs and needs no API key (/v1/models does).
-        run = {"command": ["vllm", "serve"], "args": RT.vllm_args(svc, _model_arg(svc))}
+        run = {"command": ["vllm", "serve"], "args": RT.vllm_args(svc, model_path(svc))}
         return run, RT.vllm_env() + _api_key_env(svc, "VLLM_API_KEY"), "/health", "/health"
     # NOTE: the root filesystem is read-only; Triton would write its kernel cache to ~/.triton.
     env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
@@ -316,13 +316,13 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
                            "failureThreshold": 3, "timeoutSeconds": 5},
         "livenessProbe": {"httpGet": {"path": health_path, "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6, "timeoutSeconds": 5},
-        "securityContext": _CONTAINER_SECURITY, "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY, "volumeMounts": mounts,
     }
     resources = _engine_resources(svc)
     if resources:
         container["resources"] = resources
     pod_spec: dict[str, Any] = {
-        "automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
+        "automountServiceAccountToken": False, "securityContext": POD_SECURITY,
         "terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes,
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                        "whenUnsatisfiable": "ScheduleAnyway",
@@ -345,7 +345,7 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
     if replicas is not None:
         spec = {"replicas": replicas, **spec}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _meta(svc, owner, engine_name(svc), "engine"), "spec": spec}
+            "metadata": object_meta(svc, owner, engine_name(svc), "engine"), "spec": spec}
 
 
 def _engine_annotations(svc: InferenceService, redis_auth: str | None) -> dict[str, str]:
@@ -361,13 +361,13 @@ def build_engine_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     """Headless: the router discovers every ready engine pod from its DNS records (and their ZMQ ports)."""
     ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
              for p in _engine_ports(svc)]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(svc, owner, engine_name(svc), "engine"),
             "spec": {"clusterIP": "None", "selector": selector(svc, "engine"), "publishNotReadyAddresses": False,
                      "ports": ports}}
 
 
 def build_config_map(svc: InferenceService, owner: Owner) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(svc, owner, config_name(svc), "engine"),
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": object_meta(svc, owner, config_name(svc), "engine"),
             "data": {CONFIG_KEY: json.dumps(engine_config(svc), sort_keys=True, indent=2) + "\n"}}
 
 
@@ -379,8 +379,8 @@ def router_args(svc: InferenceService) -> list[str]:
     args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
             "--discover-headless-service", engine_name(svc), "--strategy", svc.router.strategy,
             "--served-model-name", svc.model.served_name, "--block-size", str(svc.engine.block_size)]
-    if _model_arg(svc):
-        args += ["--model", _model_arg(svc)]
+    if model_path(svc):
+        args += ["--model", model_path(svc)]
     if svc.model.tokenizer is not None:
         args += ["--tokenizer", svc.model.tokenizer]
     if svc.router.cache_salt_from != "none":
@@ -409,16 +409,16 @@ def build_router_deployment(svc: InferenceService, owner: Owner, redis_auth: str
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
-        "securityContext": _CONTAINER_SECURITY,
+        "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
     }
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, router_name(svc), "router"),
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": object_meta(svc, owner, router_name(svc), "router"),
             "spec": {"replicas": svc.router.replicas, "selector": {"matchLabels": selector(svc, "router")},
                      "template": {"metadata": {"labels": labels(svc, "router"), "annotations": {
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
                          "prometheus.io/path": "/metrics",
                          **({REDIS_AUTH_ANNOTATION: redis_auth} if redis_auth is not None else {})}},
-                         "spec": {"automountServiceAccountToken": False, "securityContext": _POD_SECURITY,
+                         "spec": {"automountServiceAccountToken": False, "securityContext": POD_SECURITY,
                                   "containers": [container], "volumes": volumes,
                                   "topologySpreadConstraints": [{
                                       "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -430,7 +430,7 @@ def build_front_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     """`<name>`: the stable entry point; kvmesh's router when it runs, else the engines themselves
     (with an InferencePool, clients come through a Gateway; this Service bypasses the picker)."""
     component, port = ("router", ROUTER_PORT) if svc.router.builtin else ("engine", ENGINE_PORT)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, svc.name, component),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(svc, owner, svc.name, component),
             "spec": {"type": "ClusterIP", "selector": selector(svc, component),
                      "ports": [{"name": "http", "port": 80, "targetPort": port, "protocol": "TCP"}]}}
 
@@ -449,13 +449,13 @@ def build_redis_deployment(svc: InferenceService, owner: Owner, redis_auth: str 
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        "securityContext": _CONTAINER_SECURITY,
+        "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "data", "mountPath": "/data"},
                          {"name": "auth", "mountPath": REDIS_CONF_DIR, "readOnly": True}],
     }
-    security = {**_POD_SECURITY, "runAsUser": REDIS_RUN_AS_USER, "runAsGroup": REDIS_RUN_AS_USER,
+    security = {**POD_SECURITY, "runAsUser": REDIS_RUN_AS_USER, "runAsGroup": REDIS_RUN_AS_USER,
                 "fsGroup": REDIS_RUN_AS_USER}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": object_meta(svc, owner, redis_name(svc), "redis"),
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": selector(svc, "redis")},
                      "template": {"metadata": {"labels": labels(svc, "redis"), **(
@@ -471,7 +471,7 @@ def build_redis_deployment(svc: InferenceService, owner: Owner, redis_auth: str 
 def build_redis_secret(svc: InferenceService, owner: Owner, password: str) -> dict[str, Any]:
     """The managed Redis' password (generated once by the caller, never rotated by a reconcile)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(svc, owner, redis_secret_name(svc), "redis"),
+            "metadata": object_meta(svc, owner, redis_secret_name(svc), "redis"),
             "stringData": {REDIS_PASSWORD_KEY: password, REDIS_CONF_KEY: f"requirepass {password}\n"}}
 
 
@@ -484,13 +484,13 @@ def build_redis_network_policy(svc: InferenceService, owner: Owner, operator_nam
         peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
                       "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+            "metadata": object_meta(svc, owner, redis_name(svc), "redis"),
             "spec": {"podSelector": {"matchLabels": selector(svc, "redis")}, "policyTypes": ["Ingress"],
                      "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}}
 
 
 def build_redis_service(svc: InferenceService, owner: Owner) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc, owner, redis_name(svc), "redis"),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(svc, owner, redis_name(svc), "redis"),
             "spec": {"type": "ClusterIP", "selector": selector(svc, "redis"),
                      "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
 
@@ -513,7 +513,7 @@ def build_ingress(svc: InferenceService, owner: Owner) -> dict[str, Any]:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret}]
     component = "router" if svc.router.builtin else "engine"
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
-            "metadata": _meta(svc, owner, svc.name, component, annotations), "spec": spec}
+            "metadata": object_meta(svc, owner, svc.name, component, annotations), "spec": spec}
 
 
 # ---- autoscaling objects ------------------------------------------------------------------------------
@@ -526,7 +526,7 @@ def _hpa_behavior(svc: InferenceService) -> dict[str, Any]:
 def build_hpa(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     a = svc.autoscaling
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+            "metadata": object_meta(svc, owner, engine_name(svc), "engine"),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
                      "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas,
                      # NOTE: served by a Prometheus adapter, which renames ':' to '_'.
@@ -541,7 +541,7 @@ def build_scaled_object(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     query = (f'sum(vllm:num_requests_waiting{{namespace="{svc.namespace}",'
              f'model_name="{svc.model.served_name}"}})')
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": _meta(svc, owner, engine_name(svc), "engine"),
+            "metadata": object_meta(svc, owner, engine_name(svc), "engine"),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
                      "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
                      # NOTE: KEDA's cooldownPeriod only applies when scaling to zero (never here:

@@ -269,6 +269,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
      "message": "spec.image is required with engine.runtime vllm (a vLLM image, e.g. vllm/vllm-openai:v0.11.0)"},
     {"rule": "self.engine.runtime != 'vllm' || self.model.source != 'builtin'",
      "message": "engine.runtime vllm needs model.source uri or pvc (the built-in model ships in kvmesh's image)"},
+    {"rule": "self.engine.runtime != 'vllm' || self.gpu.count > 0 || self.engine.blockSize % 32 == 0",
+     "message": "engine.blockSize must be 32 or 64 with runtime vllm on CPU (gpu.count 0): vLLM's CPU build takes "
+                "multiples of 32 only"},
     {"rule": "self.engine.runtime != 'vllm' || !has(self.adminApiKeySecret)",
      "message": "adminApiKeySecret is a kvmesh engine flag; runtime vllm has no admin key"},
     {"rule": "self.engine.runtime != 'vllm' || self.router.cacheSaltFrom == 'none'",

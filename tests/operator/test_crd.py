@@ -169,6 +169,10 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
       "engine": {"runtime": "vllm", "schedulingPolicy": "sjf", "preemptionMode": "swap"}},
      ["spec.engine.schedulingPolicy sjf is kvmesh-only: runtime vllm takes fcfs or priority",
       "spec.engine.preemptionMode swap is kvmesh-only: runtime vllm recomputes (use recompute)"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "gpu": {"count": 0},
+      "engine": {"runtime": "vllm", "blockSize": 16}},
+     ["spec.engine.blockSize 16 does not suit runtime vllm on CPU: vLLM's CPU build takes multiples of 32 only "
+      "(use 32 or 64, or GPUs)"]),
     ({"model": {}, "engine": {"runtime": "vllm"}},
      ["spec.image is required with spec.engine.runtime vllm: a vLLM image with `vllm serve`, e.g. "
       "vllm/vllm-openai:v0.11.0",

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 29
+    assert len(RULES) == 30
 
 
 @pytest.mark.parametrize("spec", [
@@ -61,12 +61,14 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
     load_example("inference-pool.yaml")["spec"],
     {"model": {}, "gpu": {"count": 4}, "engine": {"tensorParallelSize": 2}},
     {"model": {}, "gpu": {"count": 0}, "engine": {"tensorParallelSize": 1}},
+    {"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-cpu:v0.11.0", "gpu": {"count": 0},
+     "engine": {"runtime": "vllm", "blockSize": 32}},
     {"model": {"source": "pvc", "pvc": {"claimName": "w"}, "tokenizer": "/models/tok"},
      "router": {"mode": "inference-pool"}},
     {"model": {"source": "uri", "uri": "/opt/models/m.gguf", "tokenizer": "/opt/models/tok"}},
     {"model": {}, "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 64}},
     {"model": {}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
-], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "pool-tokenizer-on-pvc",
+], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
         "local-paths", "equal-seqs-and-tokens", "equal-min-max"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees

@@ -324,7 +324,7 @@ async def test_finalizer_cleans_external_redis(cluster: Any, monkeypatch: pytest
     async with server.request("DELETE", f"{CR_PATH}/ext") as resp:
         assert resp.status == 200
     await wait_for(lambda: _cr(server, "ext") is None, what="released")
-    # NOTE: kopf may run the (idempotent) deletion handler more than once against kmock
+    # NOTE: kopf may run the (idempotent) deletion handler a second time against kmock
     assert set(calls) == {("redis://redis.infra:6379/0", "s3cr3t", NAMESPACE, "ext", None)}
     assert ("RedisCleaned", "deleted 7 Redis keys") in await wait_for(
         lambda: [e for e in _events(server) if e[0] == "RedisCleaned"], what="event")

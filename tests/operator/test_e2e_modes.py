@@ -191,7 +191,7 @@ async def test_the_finalizer_cleans_a_tls_redis_with_the_ca_bundle(cluster: Any,
     async with server.request("DELETE", f"/apis/kvmesh.io/v1alpha1/namespaces/{NAMESPACE}/inferenceservices/tls") as r:
         assert r.status == 200
     await wait_for(lambda: _cr(server, "tls") is None, what="released")
-    # NOTE: kopf may run the (idempotent) deletion handler more than once against kmock
+    # NOTE: kopf may run the (idempotent) deletion handler a second time against kmock
     assert set(calls) == {("rediss://redis.infra:6380/0", None, NAMESPACE, "tls", CA_PEM)}
 
 
@@ -207,5 +207,5 @@ async def test_a_missing_ca_bundle_fails_the_cleanup_loudly(cluster: Any, monkey
     await wait_for(lambda: _cr(server, "tls2") is None, what="released despite the missing CA")
     assert calls == []  # never connected without the CA it was told to trust
     events = await wait_for(lambda: [e for e in _events(server) if e[0] == "RedisCleanupFailed"], what="event")
-    assert set(events) == {("RedisCleanupFailed", "gave up removing keys kvmesh:team-a/tls2:* after 2 attempts: "
-                                                  "redis.caBundle: ConfigMap redis-ca has no key 'ca.crt'")}
+    assert events == [("RedisCleanupFailed", "gave up removing keys kvmesh:team-a/tls2:* after 2 attempts: "
+                                             "redis.caBundle: ConfigMap redis-ca has no key 'ca.crt'")]
