@@ -13,6 +13,7 @@ Three levels:
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import os
@@ -442,4 +443,27 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(qwe
             engine.check_health()
     finally:
         engine.shutdown()
+    _assert_gone(pids)
+
+
+def test_a_worker_that_dies_while_the_server_idles_kills_the_async_engine(qwen2_gqa):
+    """No step runs, yet the engine thread notices (its idle wait checks the workers) and fails,
+    so the server's probes turn 503 and it exits instead of failing the next request."""
+    from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+    _, path = qwen2_gqa
+    engine = _engine(path, 2, "recompute")
+    pids = _worker_pids(engine)
+    died = threading.Event()
+    async_engine = AsyncLLMEngine(engine, on_dead=lambda e: died.set())
+    async_engine.start()
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        assert died.wait(30), "the idle engine did not notice its dead worker"
+        assert isinstance(async_engine.dead, WorkerDiedError)
+        assert "was killed by SIGKILL" in str(async_engine.dead)
+        with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+            asyncio.run(async_engine.add_request("late", [5, 6], SamplingParams(max_tokens=1)))
+    finally:
+        async_engine.shutdown()
     _assert_gone(pids)
