@@ -9,7 +9,7 @@ Three levels:
   and a Qwen3-MoE model with one KV head (replicated on both ranks) at TP=2, the built-in
   SmolLM2-135M at TP=3: first-step logits against transformers and TP=1, greedy sequences under
   chunked prefill, prefix caching and swap / recompute preemption, n > 1, a worker SIGKILLed
-  mid-run, and no process left after shutdown.
+  mid-run and one while the server idles, and no process left after shutdown.
 """
 from __future__ import annotations
 
