@@ -9,10 +9,12 @@ Three levels:
   and a Qwen3-MoE model with one KV head (replicated on both ranks) at TP=2, the built-in
   SmolLM2-135M at TP=3: first-step logits against transformers and TP=1, greedy sequences under
   chunked prefill, prefix caching and swap / recompute preemption, n > 1, a worker SIGKILLed
-  mid-run, and no process left after shutdown.
+  mid-run and one while the server idles, and no process left after shutdown.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import datetime
 import os
 import random
@@ -33,7 +35,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model, read_model_config
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.model_runner import kv_block_bytes
-from kvmesh.engine.parallel.executor import WorkerDiedError
+from kvmesh.engine.parallel.executor import TPExecutor, WorkerDiedError
 from kvmesh.engine.parallel.group import TPGroup
 from kvmesh.engine.parallel.plan import make_plan, validate_tensor_parallel
 from kvmesh.engine.sampling_params import SamplingParams
@@ -402,6 +404,26 @@ def test_two_ranks_for_smollm_is_refused_before_any_process_starts():
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
 
 
+def test_what_a_tensor_parallel_engine_refuses_before_starting_anything(qwen2_gqa):
+    _, path = qwen2_gqa
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    cfg = EngineConfig(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="a tensor-parallel engine loads its own shards"):
+        LLMEngine(cfg, loaded=load_model(str(path), dtype="float32", device="cpu"))
+    with pytest.raises(ValueError, match=r"--kv-share is not supported with --tensor-parallel-size > 1"):
+        LLMEngine(dataclasses.replace(cfg, kv_share_url="redis://127.0.0.1:1/0"))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig(tensor_parallel_size=0)
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
+
+
+def test_kv_memory_per_rank_is_the_least_free_on_cuda_and_a_share_of_the_host_on_cpu():
+    executor = TPExecutor(4, TPGroup(0, 4), [], [])
+    executor.worker_free_memory = [900, 700, 800]
+    assert executor.kv_free_memory(1000, torch.device("cuda")) == 700
+    assert executor.kv_free_memory(1000, torch.device("cpu")) == 175     # 700 / 4 ranks
+
+
 def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(qwen2_gqa):
     _, path = qwen2_gqa
     engine = _engine(path, 2, "recompute")
@@ -421,4 +443,27 @@ def test_a_killed_worker_fails_the_step_within_seconds_and_leaves_no_process(qwe
             engine.check_health()
     finally:
         engine.shutdown()
+    _assert_gone(pids)
+
+
+def test_a_worker_that_dies_while_the_server_idles_kills_the_async_engine(qwen2_gqa):
+    """No step runs, yet the engine thread notices (its idle wait checks the workers) and fails,
+    so the server's probes turn 503 and it exits instead of failing the next request."""
+    from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+    _, path = qwen2_gqa
+    engine = _engine(path, 2, "recompute")
+    pids = _worker_pids(engine)
+    died = threading.Event()
+    async_engine = AsyncLLMEngine(engine, on_dead=lambda e: died.set())
+    async_engine.start()
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        assert died.wait(30), "the idle engine did not notice its dead worker"
+        assert isinstance(async_engine.dead, WorkerDiedError)
+        assert "was killed by SIGKILL" in str(async_engine.dead)
+        with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+            asyncio.run(async_engine.add_request("late", [5, 6], SamplingParams(max_tokens=1)))
+    finally:
+        async_engine.shutdown()
     _assert_gone(pids)

@@ -53,6 +53,8 @@ class TPGroup:
         return self._pg is not None
 
     def _run(self, work, nbytes: int) -> None:
+        # NOTE: gloo's wait() blocks until the collective is done, so comm_seconds is its wall
+        # time; NCCL's only orders the stream (the time is then launch time, not transfer time).
         t0 = time.perf_counter()
         work.wait()
         self.comm_seconds += time.perf_counter() - t0

@@ -8,7 +8,8 @@ NOTE: a pipe per worker, not a broadcast on the gloo group: an idle engine sends
 worker blocked in a collective would hit the group's timeout after a quiet minute, while one
 blocked on its pipe waits as long as the server is idle, and sees EOF at once if rank 0's
 process dies. A step is one message (block operations plus the model input), encoded once and
-written to each pipe; msgspec encodes a 2,048-token step in microseconds.
+written to each pipe: a 2,048-token step of 128 sequences is 17 KB, encoded in 0.3 ms and
+decoded in 0.9 ms by msgspec on this 2-core CPU under load (small beside a forward pass).
 """
 from __future__ import annotations
 
