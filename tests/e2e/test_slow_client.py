@@ -136,7 +136,7 @@ async def test_a_non_streaming_answer_never_overflows_its_output_queue(smollm):
             await asyncio.sleep(0.01)
         (req,) = llm.scheduler.requests.values()
         while req.num_output_tokens < 20 and not req.is_finished:
-            time.sleep(0.01)                        # NOTE: blocks the loop, the engine goes on
+            time.sleep(0.01)  # noqa: ASYNC251 - NOTE: blocks the loop; the engine thread goes on
     try:
         status, body = await _call(app, "/v1/completions",
                                    {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True,

@@ -7,7 +7,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
 
-NEW = 48
+NEW = 24
 
 
 def test_step_outputs_stay_the_same_size_as_the_output_grows(smollm, monkeypatch):
