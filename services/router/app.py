@@ -84,13 +84,13 @@ class RouterState:
         self.salt_from = CacheSaltSource.parse(cfg.cache_salt_from)
         self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port,
                                 default_kind=cfg.backend_kind)
+        self.metrics = RouterMetrics()
         # vLLM backends' KV events -> the shared index (None: every backend is a kvmesh engine)
         self.vllm: VllmEventSources | None = None
         if cfg.redis_url and (cfg.backend_kind == "vllm"
                               or any(b.kind == "vllm" for b in self.pool.states())):
             self.vllm = VllmEventSources(cfg, self.model_name)
             self.metrics.registry.register(VllmEventsCollector(self.vllm))
-        self.metrics = RouterMetrics()
         self.rr = itertools.count()
         self.rng = random.Random()
         self.recent = RecentRoutes()

@@ -139,3 +139,14 @@ def test_subscribers_follow_the_vllm_backends_as_they_come_and_go(redis_server):
     finally:
         sources.stop()
         pub.close()
+
+
+def test_a_router_with_vllm_backends_exports_their_subscribers():
+    from prometheus_client import generate_latest
+
+    from kvmesh.router.app import RouterState
+    state = RouterState(RouterConfig(redis_url=REDIS, backends=("vllm=http://a:1", "http://b:2")),
+                        model_name="m")
+    assert state.vllm is not None and state.vllm.target.model == "m"
+    assert b"kvmesh_router_vllm_events_live" in generate_latest(state.metrics.registry)
+    assert RouterState(RouterConfig(redis_url=REDIS, backends=("http://b:2",))).vllm is None

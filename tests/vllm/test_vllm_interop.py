@@ -121,7 +121,11 @@ def cluster(tmp_path_factory):
                 "--served-model-name", BUILTIN_MODEL_NAME,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--block-size", str(BLOCK), "--enable-prefix-caching", "--max-model-len", "2048",
-                "--max-num-seqs", "4", "--kv-events-config", json.dumps(events)],
+                "--max-num-seqs", "4", "--kv-events-config", json.dumps(events),
+                # NOTE: eager mode: torch.compile of the model took over 10 minutes per engine
+                # on this loaded 2-core machine (and two engines compiling at once broke each
+                # other's compile cache); routing and greedy output do not depend on it
+                *(() if os.environ.get("KVMESH_VLLM_COMPILE") == "1" else ("--enforce-eager",))],
                 env, log_dir, f"http://127.0.0.1:{port}"))
             backends.append(f"vllm=http://127.0.0.1:{port}#kv-events={pub},{replay}")
         _wait_ready(engines, "/health", START_TIMEOUT_S)
