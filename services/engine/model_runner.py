@@ -118,6 +118,8 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if out.grammar is not None:
+            out.grammar.apply(logits)            # structured outputs: only grammar tokens
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()

@@ -72,7 +72,8 @@ class Scheduler(Preemption):
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        request.status = RequestStatus.WAITING
+        request.status = (RequestStatus.WAITING_FOR_GRAMMAR if request.grammar is not None
+                          else RequestStatus.WAITING)
         self.waiting.append(request)
         self._prefetch_remote(request)
 
@@ -105,7 +106,8 @@ class Scheduler(Preemption):
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.WAITING_FOR_GRAMMAR: self.waiting,
+                 RequestStatus.RUNNING: self.running,
                  RequestStatus.SWAPPED: self.swapped}.get(req.status)
         if queue is not None:
             queue.remove(req)
@@ -208,6 +210,11 @@ class Scheduler(Preemption):
             if self._awaiting_remote_kv(req):
                 idx += 1          # NOTE: vLLM's WAITING_FOR_REMOTE_KVS: skipped, not blocking
                 continue
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not req.grammar.ready or req.grammar.error is not None:
+                    idx += 1      # NOTE: vLLM's WAITING_FOR_FSM; the engine fails a broken one
+                    continue
+                req.status = RequestStatus.WAITING
             if not self._admit(req, st):
                 break
             self.waiting.pop(idx)

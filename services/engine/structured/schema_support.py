@@ -1,0 +1,73 @@
+"""JSON-schema keywords xgrammar enforces, and a check that refuses the rest.
+
+NOTE: xgrammar silently ignores what it cannot express (uniqueItems, not, if/then/else, a
+second allOf branch, oneOf's exclusivity, multipleOf on numbers, ...): the output would look
+constrained and not be. Each keyword below was checked on xgrammar 0.2.8 by matching a value that
+satisfies it and one that breaks it (tests/structured/test_schema_support.py holds both).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from kvmesh.engine.structured.spec import StructuredOutputError
+
+# annotations: no constraint to enforce
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "$anchor", "contentMediaType", "contentEncoding", "discriminator",
+})
+_ENFORCED = frozenset({
+    "type", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
+    "properties", "required", "additionalProperties", "minProperties", "maxProperties",
+    "items", "prefixItems", "minItems", "maxItems",
+    "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "allOf",
+})
+# string formats xgrammar turns into a pattern (others are ignored by it)
+FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
+                     "uri", "uuid"})
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties")
+
+
+def check_schema(schema: Any, param: str = "response_format") -> None:
+    """StructuredOutputError naming the first keyword xgrammar would not enforce (and where)."""
+    for path, message in _problems(schema, "#"):
+        raise StructuredOutputError(f"JSON schema {message} at {path}; structured outputs can "
+                                    "only enforce what the grammar expresses, so it is refused "
+                                    "rather than ignored", param=param)
+
+
+def _problems(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        yield path, f"has a {type(node).__name__} where a schema (an object) belongs"
+        return
+    for key, value in node.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key not in _ENFORCED:
+            yield path, f"keyword {key!r} is not supported"
+            return
+    if "multipleOf" in node and node.get("type") != "integer":
+        yield path, "keyword 'multipleOf' is only supported with \"type\": \"integer\""
+    if "allOf" in node and len(node["allOf"]) != 1:
+        yield path, "keyword 'allOf' is only supported with one subschema (merge them)"
+    fmt = node.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        yield path, f"string format {fmt!r} is not supported (supported: {sorted(FORMATS)})"
+    for key in _SUBSCHEMA_MAPS:
+        sub = node.get(key)
+        if isinstance(sub, dict):
+            for name, child in sub.items():
+                yield from _problems(child, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        sub = node.get(key)
+        if isinstance(sub, list):
+            for i, child in enumerate(sub):
+                yield from _problems(child, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        if key in node:
+            yield from _problems(node[key], f"{path}/{key}")
