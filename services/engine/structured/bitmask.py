@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
-
 from kvmesh.engine.sched_output import SchedulerOutput
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import xgrammar as xgr
-
 from kvmesh.engine.structured.grammar import parse
 from kvmesh.engine.structured.spec import StructuredOutputSpec
 

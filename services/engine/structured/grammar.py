@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import xgrammar as xgr
-
 from kvmesh.engine.structured.schema_support import check_schema
 from kvmesh.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 

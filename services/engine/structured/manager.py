@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvmesh.engine.request import Request
 from kvmesh.engine.sched_output import SchedulerOutput
@@ -26,8 +27,11 @@ class StructuredOutputManager:
     @property
     def pool(self):
         if self._pool is None:
-            from kvmesh.engine.structured.compiler import (  # noqa: PLC0415 - xgrammar on demand
-                DEFAULT_CACHE_SIZE, DEFAULT_THREADS, GrammarCompilerPool)
+            from kvmesh.engine.structured.compiler import (
+                DEFAULT_CACHE_SIZE,
+                DEFAULT_THREADS,
+                GrammarCompilerPool,
+            )
             self._pool = GrammarCompilerPool(self._hf, self.vocab_size, self.eos_token_ids,
                                              self._cache_size or DEFAULT_CACHE_SIZE,
                                              self._threads or DEFAULT_THREADS)
@@ -35,7 +39,7 @@ class StructuredOutputManager:
 
     def attach(self, request_id: str, samples: list[Request], spec: StructuredOutputSpec) -> None:
         """Give every sample its own matcher over one shared compile (started now)."""
-        from kvmesh.engine.structured.request_grammar import RequestGrammar  # noqa: PLC0415
+        from kvmesh.engine.structured.request_grammar import RequestGrammar
         compiled = self.pool.compile(spec)
         for req in samples:
             req.grammar = RequestGrammar(spec, compiled)
@@ -59,7 +63,7 @@ class StructuredOutputManager:
         """The step's GrammarBitmask, or None (unconstrained steps allocate nothing)."""
         if not any(sr.sample and sr.request.grammar is not None for sr in sched.scheduled):
             return None
-        from kvmesh.engine.structured.bitmask import build_bitmask  # noqa: PLC0415
+        from kvmesh.engine.structured.bitmask import build_bitmask
         return build_bitmask(sched, self.vocab_size)
 
     def accept(self, touched: list[Request]) -> list[Request]:

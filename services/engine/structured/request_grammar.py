@@ -6,7 +6,6 @@ from concurrent.futures import Future
 
 import torch
 import xgrammar as xgr
-
 from kvmesh.engine.structured.spec import StructuredOutputSpec
 
 

@@ -7,7 +7,8 @@ satisfies it and one that breaks it (tests/structured/test_schema_support.py hol
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from kvmesh.engine.structured.spec import StructuredOutputError
 
@@ -45,7 +46,7 @@ def _problems(node: Any, path: str) -> Iterator[tuple[str, str]]:
     if not isinstance(node, dict):
         yield path, f"has a {type(node).__name__} where a schema (an object) belongs"
         return
-    for key, value in node.items():
+    for key in node:
         if key in _ANNOTATIONS:
             continue
         if key not in _ENFORCED:

@@ -43,7 +43,7 @@ class StructuredOutputSpec:
 
     # ---- constructors: each canonicalises its input ---------------------------------------
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str | bool) -> "StructuredOutputSpec":
+    def json_schema(cls, schema: dict[str, Any] | str | bool) -> StructuredOutputSpec:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -54,30 +54,30 @@ class StructuredOutputSpec:
         return cls("json", canonical_json(schema))
 
     @classmethod
-    def json_object(cls) -> "StructuredOutputSpec":
+    def json_object(cls) -> StructuredOutputSpec:
         return cls("json_object", "")
 
     @classmethod
-    def regex(cls, pattern: str) -> "StructuredOutputSpec":
+    def regex(cls, pattern: str) -> StructuredOutputSpec:
         if not isinstance(pattern, str) or not pattern:
             raise StructuredOutputError("the regex must be a non-empty string")
         return cls("regex", pattern)
 
     @classmethod
-    def choice(cls, choices: list[str]) -> "StructuredOutputSpec":
+    def choice(cls, choices: list[str]) -> StructuredOutputSpec:
         if (not isinstance(choices, list) or not choices
                 or not all(isinstance(c, str) and c for c in choices)):
             raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
         return cls("choice", canonical_json(list(dict.fromkeys(choices))))
 
     @classmethod
-    def grammar(cls, ebnf: str) -> "StructuredOutputSpec":
+    def grammar(cls, ebnf: str) -> StructuredOutputSpec:
         if not isinstance(ebnf, str) or not ebnf.strip():
             raise StructuredOutputError("the grammar must be a non-empty EBNF string")
         return cls("grammar", ebnf)
 
     @classmethod
-    def tagged_json(cls, begin: str, schema: dict[str, Any], end: str) -> "StructuredOutputSpec":
+    def tagged_json(cls, begin: str, schema: dict[str, Any], end: str) -> StructuredOutputSpec:
         """`begin`, then JSON matching `schema`, then `end` (tool calls in a model's format)."""
         return cls("tagged_json", canonical_json({"begin": begin, "schema": schema, "end": end}))
 

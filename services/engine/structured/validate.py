@@ -20,5 +20,5 @@ def check_structured(params: SamplingParams, param: str | None = None) -> None:
     if params.min_tokens:
         raise StructuredOutputError("min_tokens cannot be combined with structured outputs: the "
                                     "grammar decides where the output ends", param="min_tokens")
-    from kvmesh.engine.structured.grammar import parse  # noqa: PLC0415 - xgrammar on demand
+    from kvmesh.engine.structured.grammar import parse
     parse(spec, param)
