@@ -12,8 +12,8 @@ from kvmesh.engine.structured.spec import StructuredOutputError, StructuredOutpu
 _JSON_OPTS = {"any_whitespace": False}
 
 
-def parse(spec: StructuredOutputSpec, param: str | None = None) -> xgr.Grammar:
-    """The spec's grammar, or StructuredOutputError saying what is wrong with it."""
+def parse(spec: StructuredOutputSpec, param: str = "structured_outputs") -> xgr.Grammar:
+    """The spec's grammar, or StructuredOutputError (naming `param`) saying what is wrong."""
     try:
         return _build(spec, param)
     except StructuredOutputError:
@@ -23,9 +23,9 @@ def parse(spec: StructuredOutputSpec, param: str | None = None) -> xgr.Grammar:
                                     param=param) from None
 
 
-def _build(spec: StructuredOutputSpec, param: str | None) -> xgr.Grammar:
+def _build(spec: StructuredOutputSpec, param: str) -> xgr.Grammar:
     if spec.kind == "json":
-        check_schema(json.loads(spec.value), param or "response_format")
+        check_schema(json.loads(spec.value), param)
         return xgr.Grammar.from_json_schema(spec.value, **_JSON_OPTS)
     if spec.kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTS)
@@ -37,7 +37,7 @@ def _build(spec: StructuredOutputSpec, param: str | None) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.value)
     assert spec.kind == "tagged_json", spec.kind
     parts = json.loads(spec.value)
-    check_schema(parts["schema"], param or "tools")
+    check_schema(parts["schema"], param)
     return xgr.Grammar.concat(xgr.Grammar.from_ebnf(literal_rule([parts["begin"]])),
                               xgr.Grammar.from_json_schema(json.dumps(parts["schema"]),
                                                            **_JSON_OPTS),

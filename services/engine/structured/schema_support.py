@@ -32,7 +32,7 @@ _SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties")
 
 
-def check_schema(schema: Any, param: str = "response_format") -> None:
+def check_schema(schema: Any, param: str = "structured_outputs") -> None:
     """StructuredOutputError naming the first keyword xgrammar would not enforce (and where)."""
     for path, message in _problems(schema, "#"):
         raise StructuredOutputError(f"JSON schema {message} at {path}; structured outputs can "

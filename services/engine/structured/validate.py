@@ -5,7 +5,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 
-def check_structured(params: SamplingParams, param: str | None = None) -> None:
+def check_structured(params: SamplingParams) -> None:
     """StructuredOutputError (a ValueError with `param`) if the spec cannot be served."""
     spec = params.structured_outputs
     if not isinstance(spec, StructuredOutputSpec):
@@ -21,4 +21,4 @@ def check_structured(params: SamplingParams, param: str | None = None) -> None:
         raise StructuredOutputError("min_tokens cannot be combined with structured outputs: the "
                                     "grammar decides where the output ends", param="min_tokens")
     from kvmesh.engine.structured.grammar import parse
-    parse(spec, param)
+    parse(spec, "structured_outputs")
