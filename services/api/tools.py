@@ -53,12 +53,14 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
             raise ValueError('tool_choice "required" needs tools')
         return None
     if isinstance(tool_choice, str):
-        raise ValueError(f'tool_choice must be "none", "auto", "required" or '
-                         f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}')
+        raise ValueError(  # noqa: TRY004 - a 400 about the request's value
+            f'tool_choice must be "none", "auto", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}')
     fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise ValueError('tool_choice must be {"type": "function", "function": {"name": ...}}')
+        raise ValueError(  # noqa: TRY004 - a 400 about the request's value
+            'tool_choice must be {"type": "function", "function": {"name": ...}}')
     if name not in names:
         raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
     return name
