@@ -1,12 +1,13 @@
 """JSON-schema keywords xgrammar enforces, and a check that refuses the rest.
 
 NOTE: xgrammar silently ignores what it cannot express (uniqueItems, not, if/then/else, a
-second allOf branch, oneOf's exclusivity, multipleOf on numbers, ...): the output would look
-constrained and not be. Each keyword below was checked on xgrammar 0.2.8 by matching a value that
+second allOf branch, oneOf's exclusivity, multipleOf on numbers or with a range, a length with a
+pattern or format, a lookahead in a pattern, ...): the output would look constrained and not be. Each keyword below was checked on xgrammar 0.2.8 by matching a value that
 satisfies it and one that breaks it (tests/structured/test_schema_support.py holds both).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,9 @@ _ENFORCED = frozenset({
 # string formats xgrammar turns into a pattern (others are ignored by it)
 FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
                      "uri", "uuid"})
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_LENGTHS = frozenset({"minLength", "maxLength"})
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties")
@@ -52,8 +56,19 @@ def _problems(node: Any, path: str) -> Iterator[tuple[str, str]]:
         if key not in _ENFORCED:
             yield path, f"keyword {key!r} is not supported"
             return
-    if "multipleOf" in node and node.get("type") != "integer":
-        yield path, "keyword 'multipleOf' is only supported with \"type\": \"integer\""
+    if "multipleOf" in node:
+        if node.get("type") != "integer":
+            yield path, "keyword 'multipleOf' is only supported with \"type\": \"integer\""
+        bounds = sorted(_BOUNDS & node.keys())
+        if bounds:
+            yield path, f"keyword 'multipleOf' cannot be combined with {bounds[0]!r}"
+    shaped = [k for k in ("pattern", "format") if k in node]
+    lengths = sorted(_LENGTHS & node.keys())
+    if shaped and lengths:
+        yield path, f"keyword {lengths[0]!r} cannot be combined with {shaped[0]!r}"
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
+        yield path, "a lookahead or lookbehind in 'pattern' is not supported"
     if "allOf" in node and len(node["allOf"]) != 1:
         yield path, "keyword 'allOf' is only supported with one subschema (merge them)"
     fmt = node.get("format")
