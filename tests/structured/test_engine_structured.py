@@ -10,7 +10,6 @@ import json
 import jsonschema
 import pytest
 import torch
-
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
