@@ -32,7 +32,7 @@ def test_a_compiling_request_is_skipped_until_its_grammar_is_ready(harness):
     h = harness()
     compiled: Future = Future()
     g = add_constrained(h, "g", compiled)
-    plain = h.add(8, rid="plain")
+    h.add(8, rid="plain")
     assert g.status == RequestStatus.WAITING_FOR_GRAMMAR
     assert scheduled_ids(h.step()) == ["plain"]      # not blocked behind the compile
     assert scheduled_ids(h.step()) == ["plain"]

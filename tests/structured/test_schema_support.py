@@ -53,14 +53,14 @@ REFUSED = [
     ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties' is not supported"),
     ({"type": "object", "propertyNames": {"pattern": "^a"}}, "'propertyNames' is not supported"),
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired' is not supported"),
-    ({"type": "number", "multipleOf": 0.5}, "'multipleOf' is only supported with \"type\": "
-                                            "\"integer\" at #"),
-    ({"type": "integer", "multipleOf": 5, "minimum": 0}, "'multipleOf' cannot be combined with "
-                                                         "'minimum'"),
-    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'maxLength' cannot be combined with "
-                                                            "'pattern'"),
-    ({"type": "string", "format": "email", "minLength": 3}, "'minLength' cannot be combined with "
-                                                            "'format'"),
+    ({"type": "number", "multipleOf": 0.5},
+     "'multipleOf' is only supported with \"type\": \"integer\" at #"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0},
+     "'multipleOf' cannot be combined with 'minimum'"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3},
+     "'maxLength' cannot be combined with 'pattern'"),
+    ({"type": "string", "format": "email", "minLength": 3},
+     "'minLength' cannot be combined with 'format'"),
     ({"type": "string", "pattern": "(?=a)b"}, "a lookahead or lookbehind in 'pattern'"),
     ({"type": "string", "format": "regex"}, "string format 'regex' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {

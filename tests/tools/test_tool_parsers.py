@@ -188,8 +188,8 @@ def test_constrained_specs_call_one_of_the_tools_with_valid_arguments(parser, ex
 def test_constrained_outputs_parse_back(matches):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
-    for parser, text in ((HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"a": 1}}'
-                                              '\n</tool_call>'),
+    hermes = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    for parser, text in ((HermesToolParser(), hermes),
                          (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": 1}}'),
                          (MistralToolParser(), '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')):
         assert matches(parser.constrained(tools, parallel=True), text)
