@@ -69,6 +69,11 @@ REFUSED = [
     ({"$defs": {"x": {"not": {}}}, "$ref": "#/$defs/x"}, "'not' is not supported at #/$defs/x"),
     ({"anyOf": [{"type": "string"}, {"type": "integer", "multipleOf": 2, "maximum": 9}]},
      "'multipleOf' cannot be combined with 'maximum' at #/anyOf/1"),
+    # not a valid schema at all (its metaschema), or one nothing can satisfy
+    ({"type": "foo"}, "invalid JSON schema at #/type: 'foo' is not valid under any"),
+    ({"anyOf": []}, "invalid JSON schema at #/anyOf: [] should be non-empty"),
+    ({"type": "string", "minLength": -1}, "invalid JSON schema at #/minLength: -1 is less than"),
+    ({"type": "object", "required": ["zz"]}, "requires 'zz', which is not in its properties"),
 ]
 
 

@@ -11,6 +11,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
+
 from kvmesh.engine.structured.spec import StructuredOutputError
 
 # annotations: no constraint to enforce
@@ -37,7 +40,14 @@ _SUBSCHEMAS = ("items", "additionalProperties")
 
 
 def check_schema(schema: Any, param: str = "structured_outputs") -> None:
-    """StructuredOutputError naming the first keyword xgrammar would not enforce (and where)."""
+    """StructuredOutputError if the schema is not a valid JSON schema (its draft's metaschema)
+    or uses a keyword xgrammar would not enforce (named, with where)."""
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as e:
+        where = "#/" + "/".join(str(p) for p in e.path) if e.path else "#"
+        raise StructuredOutputError(f"invalid JSON schema at {where}: {e.message}",
+                                    param=param) from None
     for path, message in _problems(schema, "#"):
         raise StructuredOutputError(f"JSON schema {message} at {path}; structured outputs can "
                                     "only enforce what the grammar expresses, so it is refused "
@@ -69,6 +79,12 @@ def _problems(node: Any, path: str) -> Iterator[tuple[str, str]]:
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
         yield path, "a lookahead or lookbehind in 'pattern' is not supported"
+    required = node.get("required") or []
+    if node.get("additionalProperties", False) is False and "patternProperties" not in node:
+        missing = [r for r in required if r not in (node.get("properties") or {})]
+        if missing:
+            yield path, (f"requires {missing[0]!r}, which is not in its properties (structured "
+                         "outputs allow no other properties)")
     if "allOf" in node and len(node["allOf"]) != 1:
         yield path, "keyword 'allOf' is only supported with one subschema (merge them)"
     fmt = node.get("format")
