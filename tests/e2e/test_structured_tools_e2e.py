@@ -219,3 +219,21 @@ def test_bad_constraints_are_400s_naming_the_problem(server, body, param, words)
     if param is not None:
         assert err["param"] == param, err
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_openapi_documents_the_new_fields(server):
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    schemas = doc["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        assert {"response_format", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar"} <= props.keys()
+        assert "at most one output constraint" in schemas[name]["description"]
+    assert schemas["ResponseFormat"]["properties"]["type"]["enum"] == \
+        ["text", "json_object", "json_schema"]
+    assert set(schemas["StructuredOutputsParams"]["properties"]) == \
+        {"json", "regex", "choice", "grammar", "json_object"}
+    assert chat["tool_choice"]["anyOf"][0]["enum"] == ["none", "auto", "required"]
+    assert chat["tools"]["anyOf"][0]["items"]["properties"]["function"]["required"] == ["name"]
+    assert {"tool_calls", "tool_call_id"} <= schemas["ChatMessage"]["properties"].keys()
