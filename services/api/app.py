@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvmesh.api.body_limit import BodySizeLimit
+from kvmesh.api.tool_parsers import ToolParser
 from kvmesh.api.errors import APIError, error_response
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.openapi import error_responses, finish_openapi
@@ -80,6 +81,7 @@ class ServerState:
     engine_error: str | None = None     # the engine thread failed: the process exits non-zero
     stop_server: Callable[[], None] | None = None   # asks uvicorn to shut down (set by serve)
     limits: RequestLimits = field(default_factory=RequestLimits)   # kvmesh serve's --max-* flags
+    tool_parser: ToolParser | None = None   # --tool-call-parser (None: chosen from the template)
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
@@ -88,7 +90,8 @@ class ServerState:
         if self.engine is None or not self.ready:
             raise APIError(503, "the model is still loading", code="not_ready",
                            headers={"Retry-After": "5"})
-        return ServingContext(self.engine, self.model_name or "", self.max_model_len)
+        return ServingContext(self.engine, self.model_name or "", self.max_model_len,
+                              self.tool_parser)
 
 
 class RequestContextMiddleware:

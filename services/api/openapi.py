@@ -46,11 +46,23 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _WHY[s]} for s in statuses}
 
 
+# Structured outputs (api/structured.py, engine/structured/): what JSON Schema cannot say simply.
+STRUCTURED_RULES = [
+    "at most one output constraint: response_format json_object / json_schema, "
+    "structured_outputs (one of json, regex, choice, grammar, json_object), guided_json, "
+    "guided_regex, guided_choice, guided_grammar",
+    "a JSON schema must be valid and use only keywords xgrammar enforces (no uniqueItems, not, "
+    "if/then/else, oneOf, patternProperties, ...; the 400 names the keyword); a regex or EBNF "
+    "grammar must parse",
+    "ignore_eos and min_tokens cannot be combined with an output constraint",
+]
+
 # Rules the request models check across fields; JSON Schema cannot say them simply, so they
 # are documented in the schema's description (and the fuzz test generates only bodies that
 # keep them: tests/e2e/test_openapi_fuzz.py).
 CROSS_FIELD_RULES = {
     "CompletionRequest": [
+        *STRUCTURED_RULES,
         "best_of must be omitted or equal n",
         "echo and logprobs cannot both be set",
         "stream_options only with stream: true",
@@ -58,12 +70,28 @@ CROSS_FIELD_RULES = {
         "prompt tokens + max_tokens <= max_model_len",
     ],
     "ChatCompletionRequest": [
+        *STRUCTURED_RULES,
+        "tool_choice \"required\" or a named function needs tools (the name among them) and no "
+        "other output constraint",
         "top_logprobs requires logprobs: true",
         "stream_options only with stream: true",
         "min_tokens <= max_tokens (or max_completion_tokens)",
         "prompt tokens (after the chat template) + max_tokens <= max_model_len",
     ],
     "TokenizeRequest": ["exactly one of prompt or messages"],
+}
+
+_TOOL = {
+    "type": "object", "required": ["type", "function"], "additionalProperties": False,
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "additionalProperties": False,
+                     "properties": {
+                         "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                         "description": {"type": "string"},
+                         "parameters": {"type": "object",
+                                        "description": "a JSON schema of the arguments"},
+                         "strict": {"type": "boolean"}}}},
 }
 
 _EXACT_INT_BOUNDS = {PRIORITY_MIN, PRIORITY_MAX, SEED_MIN, SEED_MAX, TOP_K_MAX}
@@ -184,10 +212,16 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
         props = chat["properties"]
         for v in _variants(props["tools"]):
             if v.get("type") == "array":
-                v["maxItems"] = 0
-                v["description"] = "function calling is not supported: only [] or null"
-        props["tool_choice"] = {"anyOf": [{"type": "string", "enum": ["none", "auto"]},
-                                          {"type": "null"}], "title": "Tool Choice"}
+                v["items"] = _TOOL
+                v["description"] = ("functions the model may call (rendered by the chat "
+                                    "template, or the default Hermes-style section)")
+        props["tool_choice"] = {"anyOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"],
+                                         "properties": {"name": {"type": "string"}}}}},
+            {"type": "null"}], "title": "Tool Choice"}
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest",
                  "DetokenizeRequest"):
         if model_name and name in schemas:
@@ -196,7 +230,8 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
                     v["enum"] = [model_name]
     fmt = schemas.get("ResponseFormat")
     if fmt is not None:
-        fmt["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}
+        fmt["properties"]["type"] = {"type": "string", "title": "Type",
+                                     "enum": ["text", "json_object", "json_schema"]}
     tok = schemas.get("TokenizeRequest")
     if tok is not None:
         for v in _variants(tok["properties"]["messages"]):

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from kvmesh.api.structured import StructuredFields
+from kvmesh.api.tools import check_tools
 
 from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, SEED_MAX, SEED_MIN, TOP_K_MAX
 from kvmesh.engine.sampling_params import SamplingParams
@@ -21,7 +24,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extensions). The bounds a
     deployment chooses (n, stop strings, stop_token_ids, logprobs, max_tokens: RequestLimits)
     are checked by the input processor, not here."""
@@ -128,11 +131,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+    tool_calls: list[dict[str, Any]] | None = None    # assistant: the calls it made (raw JSON)
+    tool_call_id: str | None = None                   # tool: the call this result answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -141,21 +141,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None          # raw JSON: see api/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    _named_tool: str | None = PrivateAttr(None)        # tool_choice's function, if it names one
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
         self._check_common()
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format type {self.response_format.type!r} is not supported")
+        self._named_tool = check_tools(self.tools, self.tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self

@@ -21,7 +21,7 @@ from typing import Callable
 
 import uvicorn
 
-from kvmesh.index import serve as kv_publishing
+from kvmesh.api import tool_parsers
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.gc_freeze import freeze_after_startup
@@ -33,6 +33,7 @@ from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.limits import RequestLimits
+from kvmesh.index import serve as kv_publishing
 
 logger = logging.getLogger("kvmesh.serve")
 
@@ -65,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.CHOICES,
+                   help="how tool calls are read from the model's output: hermes "
+                   "(<tool_call>...</tool_call>), llama3_json, mistral ([TOOL_CALLS]); auto: "
+                   "from the chat template (hermes for templates without tools)")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
                    "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
@@ -142,6 +147,8 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         async_engine.start()
         state.metrics, state.model_name = metrics, engine.model_name
         state.max_model_len = engine.max_model_len
+        state.tool_parser = tool_parsers.get_tool_parser(args.tool_call_parser,
+                                                         engine.tokenizer.chat_template)
         state.engine = async_engine
         asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
         frozen = freeze_after_startup()       # NOTE: no full-heap GC pauses while serving

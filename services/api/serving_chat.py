@@ -1,6 +1,7 @@
 """POST /v1/chat/completions (the model's chat template)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, AsyncIterator
 
 from starlette.background import BackgroundTask
@@ -13,24 +14,29 @@ from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, Usag
                                        cancel_on_disconnect, chat_logprobs, check_context,
                                        checked_params, close_all, final_outputs, message_chars,
                                        new_id, now_s, off_loop, running_usage, sse_chunk,
-                                       sse_usage_chunk, stream_body, usage)
+                                       sse_usage_chunk, stream_body, structured_spec, usage)
+from kvmesh.api.serving_tools import ChoiceDeltas, chat_message, output_constraint, tool_plan
+from kvmesh.api.tools import ToolPlan
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
 
 
-def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The chat template's token ids; any template error (jinja raise_exception, no template)
-    is about the client's messages: a 400. The tokenizer normalises the messages (prompt.messages)."""
+    is about the client's messages: a 400. The tokenizer normalises the messages (prompt.messages)
+    and renders the tools (its template's way, or the default one: prompt.tools)."""
     dicts = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None)
     except Exception as e:  # noqa: BLE001 - ValueError, jinja2 TemplateError, ...
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
 
 
 def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    return apply_template(ctx.tokenizer, req.messages, req.add_generation_prompt)
+    return apply_template(ctx.tokenizer, req.messages, req.add_generation_prompt, req.tools)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -40,18 +46,22 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
-    params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names)
+    plan = tool_plan(ctx, req)
+    params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names,
+                            output_constraint(plan, structured_spec(req)))
+    if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await off_loop(message_chars(req.messages), render_prompt, ctx, req)
     check_context(len(ids), ctx.max_model_len, req.requested_max_tokens, "messages")
     streams = await admit(ctx, req, [Admission(request_id, ids, ids, params)],
                           current_context("chat"))
     if req.stream:
         return StreamingResponse(stream_body(_stream_parts(ctx, req, request_id, streams[0],
-                                                           len(ids)), streams),
+                                                           len(ids), plan), streams),
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, streams))
     (out,) = await cancel_on_disconnect(http, final_outputs(streams))
-    return JSONResponse(_full_response(ctx, req, request_id, out))
+    return JSONResponse(_full_response(ctx, req, request_id, out, plan))
 
 
 def _logprobs(ctx, req, token_ids, steps):
@@ -61,14 +71,17 @@ def _logprobs(ctx, req, token_ids, steps):
 
 
 def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                   out: RequestOutput) -> dict[str, Any]:
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs or []),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    } for c in out.outputs]
+                   out: RequestOutput, plan: ToolPlan | None) -> dict[str, Any]:
+    choices = []
+    for c in out.outputs:
+        message, reason = chat_message(plan, c.text, c.finish_reason)
+        choices.append({
+            "index": c.index,
+            "message": message,
+            "logprobs": _logprobs(ctx, req, c.token_ids, c.logprobs or []),
+            "finish_reason": reason,
+            "stop_reason": c.stop_reason,
+        })
     completion = sum(len(c.token_ids) for c in out.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
@@ -76,10 +89,12 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
 
 
 async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                        gen: RequestStream, prompt_len: int) -> AsyncIterator[str]:
+                        gen: RequestStream, prompt_len: int,
+                        plan: ToolPlan | None) -> AsyncIterator[str]:
     created = now_s()
     usage_opts = UsageOptions.of(req)
     completion = [0] * req.n                # tokens so far, per choice
+    deltas = [ChoiceDeltas(plan) for _ in range(req.n)]   # content, or content and tool calls
 
     def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
         return sse_chunk(request_id, "chat.completion.chunk", created, ctx.model_name,
@@ -100,11 +115,14 @@ async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request
             if req.logprobs and c.delta_token_ids:
                 lps = chat_logprobs(ctx.tokenizer, c.delta_token_ids, c.delta_logprobs or [],
                                     req.top_logprobs or 0)
-            if c.delta_text or lps:
-                yield chunk(c.index, {"content": c.delta_text}, lps, None)
+            parts = deltas[c.index].feed(c.delta_text, c.finished)
+            if lps and not parts:
+                parts = [{"content": ""}]
+            for k, delta in enumerate(parts):
+                yield chunk(c.index, delta, lps if k == 0 else None, None)
             if c.finished:
                 finished.add(c.index)
-                yield chunk(c.index, {}, None, c.finish_reason)
+                yield chunk(c.index, {}, None, deltas[c.index].finish_reason(c.finish_reason))
         if out.finished:
             cached = out.num_cached_tokens
     if usage_opts.include:

@@ -13,6 +13,7 @@ from starlette.requests import Request as HTTPRequest
 
 from kvmesh.api.errors import APIError, bad_request
 from kvmesh.api.protocol import ChatMessage, _SamplingFields
+from kvmesh.api.tool_parsers import ToolParser
 from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
 from kvmesh.common.openai_errors import error_body
 from kvmesh.engine.async_engine import (AsyncLLMEngine, ClientTooSlowError, EngineDeadError,
@@ -22,6 +23,7 @@ from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 T = TypeVar("T")
 logger = logging.getLogger("kvmesh.api")
@@ -32,6 +34,7 @@ class ServingContext:
     engine: AsyncLLMEngine
     model_name: str
     max_model_len: int
+    tool_parser: ToolParser | None = None   # --tool-call-parser (None: chosen from the template)
 
     @property
     def tokenizer(self):
@@ -95,13 +98,27 @@ def context_error(limit: int, prompt_len: int, max_tokens: int | None,
                     param=prompt_param if max_tokens is None else "max_tokens")
 
 
+def structured_spec(req: _SamplingFields) -> tuple[StructuredOutputSpec, str] | None:
+    """The request's structured-output constraint and the field it came from (api/structured.py)."""
+    try:
+        return req.structured_spec()
+    except StructuredOutputError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
 def checked_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int | None,
-                   logprobs: int | None, names: dict[str, str] | None = None) -> SamplingParams:
+                   logprobs: int | None, names: dict[str, str] | None = None,
+                   structured: tuple[StructuredOutputSpec, str] | None = None) -> SamplingParams:
     """The request's SamplingParams, checked by the input processor against this deployment's
     limits before any prompt is tokenized; a 400 whose param (and message) use the client's
-    field name: `names` maps SamplingParams fields to it (chat's `top_logprobs`)."""
+    field name: `names` maps SamplingParams fields to it (chat's `top_logprobs`). `structured`:
+    the output constraint (structured_spec, or the tools') and the field it came from."""
+    params = req.sampling_params(max_tokens, logprobs)
+    if structured is not None:
+        params.structured_outputs = structured[0]
+        names = {**(names or {}), "structured_outputs": structured[1]}
     try:
-        return ctx.input_processor.check_params(req.sampling_params(max_tokens, logprobs))
+        return ctx.input_processor.check_params(params)
     except ValueError as e:
         param = getattr(e, "param", None)
         message = str(e)

@@ -13,7 +13,8 @@ from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, Usag
                                        cancel_on_disconnect, check_context, checked_params,
                                        close_all, completion_logprobs, final_outputs,
                                        merge_streams, new_id, now_s, off_loop, running_usage,
-                                       sse_chunk, sse_usage_chunk, stream_body, usage)
+                                       sse_chunk, sse_usage_chunk, stream_body, structured_spec,
+                                       usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -30,7 +31,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and ctx.limits.max_tokens:
         max_tokens = min(max_tokens, ctx.limits.max_tokens)   # OpenAI's default 16, capped
-    params = checked_params(ctx, req, max_tokens, req.logprobs)
+    params = checked_params(ctx, req, max_tokens, req.logprobs, structured=structured_spec(req))
     prepared = await off_loop(sum(map(len, prompts)), _tokenize, ctx, prompts, max_tokens)
     admissions = [Admission(f"{request_id}-{i}", prompt, ids, params)
                   for i, (prompt, (_, ids)) in enumerate(zip(prompts, prepared))]

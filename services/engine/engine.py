@@ -20,10 +20,11 @@ from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
 from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
 from kvmesh.engine.outputs import RequestOutput
-from kvmesh.engine.request import Request
+from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.index.events import KVEventBatch
 
 if TYPE_CHECKING:
@@ -118,6 +119,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.vocab_size = mc.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, max_len)
+        self.structured = StructuredOutputManager(self.tokenizer.hf, mc.vocab_size,
+                                                  self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self.output = OutputProcessor(self.scheduler, self._groups)
         self.last_stats = SchedulerStats()
@@ -192,6 +195,8 @@ class LLMEngine:
                                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                                    max_model_len=self.max_model_len, sample_index=i,
                                    parent_id=request_id, generator=gen))
+        if params.structured_outputs is not None:
+            self.structured.attach(request_id, samples, params.structured_outputs)
         self.scheduler.add_request(samples[0])
         for child in samples[1:]:
             self.scheduler.add_fork(samples[0], child)
@@ -221,14 +226,18 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t_start = time.monotonic()
+        failed = self._fail_broken_grammars()
         sched = self.scheduler.schedule()
+        sched.grammar = self.structured.bitmask(sched)
         t_scheduled = time.monotonic()
         result = self.runner.execute(sched)
         t_executed = time.monotonic()
         if self.kv_share is not None:
             self._share_prompt_blocks(sched)
         touched = self.scheduler.update_from_output(sched, result)
-        outputs = self.output.process(touched)
+        for req in self.structured.accept(touched):
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        outputs = failed + self.output.process(touched)
         self.scheduler.end_step(sched)
         self.last_stats = sched.stats
         self.num_steps += 1
@@ -239,6 +248,25 @@ class LLMEngine:
                                 self.kv_manager.take_event_batch(), self.load())
             for obs in self.observers:
                 obs.on_step(report)
+        return outputs
+
+    def _fail_broken_grammars(self) -> list[RequestOutput]:
+        """Finish (as aborted) the requests whose grammar failed to compile: their final output.
+
+        NOTE: the input processor parsed every spec, so a compile failing after that is xgrammar's
+        internal error; the request ends with finish_reason "abort" instead of waiting forever."""
+        outputs = []
+        for request_id, error in self.structured.take_failed():
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+            self.scheduler.abort_requests([r.request_id for r in group.samples])
+            for req in group.samples:
+                req.stop_reason = f"grammar compile failed: {error}"
+            outputs.append(self.output.final_output(group))
+            for obs in self.observers:
+                obs.on_request_aborted(request_id)
         return outputs
 
     # ---- observers -----------------------------------------------------------------------

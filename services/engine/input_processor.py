@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, RequestLimits
 from kvmesh.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvmesh.engine.structured.validate import check_structured
 
 if TYPE_CHECKING:
     from kvmesh.prompt.tokenizer import Tokenizer
@@ -54,6 +55,8 @@ class InputProcessor:
         for param, ok, message in self._limit_checks(params):
             if not ok:
                 raise SamplingParamsError(param, message)
+        if params.structured_outputs is not None:
+            check_structured(params)
         if params.max_tokens is None and self.limits.max_tokens:
             # "up to the context length", within this deployment's cap
             params = dataclasses.replace(params, max_tokens=self.limits.max_tokens)

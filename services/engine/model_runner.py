@@ -116,6 +116,8 @@ class ModelRunner:
                                            sample_rows))
         if not rows:
             return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
+        if out.grammar is not None:
+            out.grammar.apply(logits)            # structured outputs: only grammar tokens
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()

@@ -111,6 +111,10 @@ class OutputProcessor:
                 del self.groups[gid]
         return outputs
 
+    def final_output(self, group: RequestGroup) -> RequestOutput:
+        """The output of a group the engine finished outside a step's tokens (already popped)."""
+        return self._make_output(group)
+
     @staticmethod
     def _make_output(group: RequestGroup) -> RequestOutput:
         """The group's delta since its previous output: O(new tokens), whatever the length so

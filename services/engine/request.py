@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmesh.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmesh.engine.structured.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -18,10 +22,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4  # EOS, a stop token or a stop string
     FINISHED_LENGTH = 5   # max_tokens or max_model_len
     FINISHED_ABORTED = 6
+    WAITING_FOR_GRAMMAR = 7  # structured outputs: its grammar compiles; the scheduler skips it
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
 
 _FINISH_REASONS = {
@@ -53,6 +58,8 @@ class Request:
     generator: torch.Generator | None = None  # per-sample RNG when seeded
     # NOTE: set by the scheduler (its BlockHasher); keeps block_hashes in step with the tokens
     block_hasher: Callable[[Request], None] | None = None
+    # structured outputs: this sample's matcher; on the request, not its KV, so it survives preemption
+    grammar: RequestGrammar | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.engine.limits import SEED_MAX, SEED_MIN, TOP_K_MAX
+from kvmesh.engine.structured.spec import StructuredOutputSpec
 
 _GREEDY_EPS = 1e-5
 
@@ -38,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None       # top-k logprobs per generated token (0: chosen only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputSpec | None = None   # constrain the output (xgrammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

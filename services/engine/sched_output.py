@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.engine.request import Logprob, Request
+
+if TYPE_CHECKING:
+    from kvmesh.engine.structured.bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -69,6 +73,8 @@ class SchedulerOutput:
     preempted_ids: list[str]
     stats: SchedulerStats
     kv_loads: list[bytes] = field(default_factory=list)   # data of the "load" block ops
+    # structured outputs: allowed tokens of the constrained sampling rows (engine fills it)
+    grammar: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

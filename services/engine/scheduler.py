@@ -88,7 +88,8 @@ class Scheduler(Preemption):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.set_block_hasher(self.block_hasher)
-        request.status = RequestStatus.WAITING
+        request.status = (RequestStatus.WAITING_FOR_GRAMMAR if request.grammar is not None
+                          else RequestStatus.WAITING)
         self._join(self.waiting, request)
         self._prefetch_remote(request)
 
@@ -122,7 +123,8 @@ class Scheduler(Preemption):
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.RUNNING: self.running,
+        queue = {RequestStatus.WAITING: self.waiting, RequestStatus.WAITING_FOR_GRAMMAR: self.waiting,
+                 RequestStatus.RUNNING: self.running,
                  RequestStatus.SWAPPED: self.swapped}.get(req.status)
         if queue is not None:
             queue.remove(req)
@@ -231,6 +233,11 @@ class Scheduler(Preemption):
             if self._awaiting_remote_kv(req, st.stats):
                 idx += 1          # NOTE: vLLM's WAITING_FOR_REMOTE_KVS: skipped, not blocking
                 continue
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not req.grammar.ready or req.grammar.error is not None:
+                    idx += 1      # NOTE: vLLM's WAITING_FOR_FSM; the engine fails a broken one
+                    continue
+                req.status = RequestStatus.WAITING
             if not self._admit(req, st):
                 break
             self.waiting.pop(idx)

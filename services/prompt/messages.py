@@ -5,6 +5,7 @@ rendered a message differently, the router's block hashes would never match an e
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Mapping
 
 Message = dict[str, Any]
@@ -13,7 +14,9 @@ Message = dict[str, Any]
 def normalise_message(message: Mapping[str, Any]) -> Message:
     """`developer` becomes `system` (templates know only system), text content parts are joined
     by newlines, no content is "" and an empty name is dropped; other keys (tool calls, tool call
-    ids, ...) pass through to the template. Idempotent. ValueError for a non-text content part."""
+    ids, ...) pass through to the template, except those set to null; a tool call's `arguments`
+    JSON string becomes the object templates expect. Idempotent. ValueError for a non-text
+    content part."""
     if not isinstance(message, Mapping):
         raise ValueError(f"a chat message must be an object, got {type(message).__name__}")
     role = message.get("role")
@@ -22,9 +25,26 @@ def normalise_message(message: Mapping[str, Any]) -> Message:
     if message.get("name"):
         out["name"] = message["name"]
     for key, value in message.items():
-        if key not in ("role", "content", "name"):
+        if key not in ("role", "content", "name") and value is not None:
             out[key] = value
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_call_with_object_arguments(c) for c in out["tool_calls"]]
     return out
+
+
+def _call_with_object_arguments(call: Any) -> Any:
+    """NOTE: OpenAI sends a call's arguments as JSON text; chat templates (Qwen, Llama, Hermes)
+    write `arguments | tojson`, which would quote the text again."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    args = call["function"].get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**call["function"], "arguments": parsed}}
 
 
 def normalise_messages(messages: Iterable[Mapping[str, Any]]) -> list[Message]:

@@ -13,6 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from kvmesh.common.model_files import ModelFileNotFoundError
 from kvmesh.prompt.messages import normalise_messages
+from kvmesh.prompt.tools import (template_renders_tool_calls, template_renders_tools,
+                                 with_default_tools)
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -80,12 +82,23 @@ class Tokenizer:
                     tools: list[dict[str, Any]] | None = None,
                     documents: list[dict[str, Any]] | None = None) -> str:
         """The chat template applied to `messages` (normalised: see prompt.messages), as text.
-        `tools` and `documents` reach the template as its `tools` / `documents` variables."""
+        `tools` and `documents` reach the template as its `tools` / `documents` variables; a
+        template that does not know tools (or tool calls) gets the default rendering instead
+        (prompt.tools: a system-prompt section, <tool_call> / <tool_response> blocks)."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template (no 'chat_template' in "
                              "tokenizer_config.json, no chat_template.jinja); use a plain completion prompt")
+        messages = normalise_messages(messages)
+        template = self.hf.chat_template
+        inline_tools = bool(tools) and not template_renders_tools(template)
+        inline_calls = not template_renders_tool_calls(template)
+        if inline_tools or (inline_calls and _has_tool_turns(messages)):
+            # NOTE: the template cannot render them: the default rendering (prompt.tools)
+            messages = with_default_tools(messages, tools, inline_tools, inline_calls)
+            if inline_tools:
+                tools = None
         text = self.hf.apply_chat_template(
-            normalise_messages(messages), tools=tools, documents=documents,
+            messages, tools=tools or None, documents=documents,
             add_generation_prompt=add_generation_prompt, tokenize=False)
         return text if isinstance(text, str) else text[0]
 
@@ -115,6 +128,10 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         return list(self.hf.all_special_ids)
+
+
+def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
 def _token_text(token: Any) -> str:

@@ -35,10 +35,13 @@ def prompt_token_ids(tokenizer, endpoint: str, body: dict[str, Any]) -> list[int
             if not isinstance(messages, list) or not messages:
                 return None
             # NOTE: the body is raw JSON: normalise it here, as the API server's pydantic models
-            # are absent (the engines' Tokenizer normalises again, idempotently).
+            # are absent (the engines' Tokenizer normalises again, idempotently). The tools are
+            # rendered as the engine renders them (its template's way or prompt.tools').
+            tools = body.get("tools")
             return tokenizer.apply_chat_template(
                 normalise_messages(messages),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                tools=tools if isinstance(tools, list) and tools else None)
         prompt = _first_prompt(body.get("prompt"))
         if isinstance(prompt, str):
             return tokenizer.encode(prompt) if prompt else None

@@ -107,6 +107,11 @@ def _keep_cross_field_rules(path: str, body: dict) -> dict:
             body["echo"] = False
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True
+    # NOTE: schemas, regexes, grammars and tool parameter schemas carry rules JSON Schema cannot
+    # state (STRUCTURED_RULES: what xgrammar enforces, what parses); tests/structured covers them
+    for key in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "tools", "tool_choice"):
+        body.pop(key, None)
     if path == "/tokenize" and (body.get("prompt") is None) == (body.get("messages") is None):
         body.pop("messages", None)
         body["prompt"] = body.get("prompt") or "hello"

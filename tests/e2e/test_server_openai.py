@@ -186,8 +186,8 @@ def test_chat_errors(server):
     assert r.status_code == 400
     r = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
                    json={"messages": [{"role": "user", "content": "hi"}],
-                         "tools": [{"type": "function", "function": {"name": "f"}}]})
-    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+                         "tools": [{"type": "function", "function": {"nam": "f"}}]})
+    assert r.status_code == 400 and "tools[0] is not a function tool" in r.json()["error"]["message"]
 
 
 def test_api_key_is_enforced_except_on_health_ready_and_metrics(server):

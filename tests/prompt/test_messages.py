@@ -19,10 +19,18 @@ def test_normalise_message_exact():
     assert normalise_message({"role": "assistant", "content": None, "name": "bot"}) \
         == {"role": "assistant", "content": "", "name": "bot"}
     assert normalise_message({"role": "user", "name": ""}) == {"role": "user", "content": ""}
-    # keys a template may use (tool calls) pass through, after role / content / name
-    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    assert list(normalise_message({"tool_calls": call, "role": "assistant"}).items()) \
-        == [("role", "assistant"), ("content", ""), ("tool_calls", call)]
+    # keys a template may use (tool calls) pass through, after role / content / name; a call's
+    # arguments JSON text becomes the object templates write with `tojson`; null keys are dropped
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": [1]}'}}]
+    assert list(normalise_message({"tool_calls": call, "role": "assistant",
+                                   "tool_call_id": None}).items()) \
+        == [("role", "assistant"), ("content", ""),
+            ("tool_calls", [{"id": "c1", "type": "function",
+                             "function": {"name": "f", "arguments": {"a": [1]}}}])]
+    assert call[0]["function"]["arguments"] == '{"a": [1]}'          # the input is not changed
+    # arguments that are not JSON are left to the template as they are
+    bad = [{"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]
+    assert normalise_message({"role": "assistant", "tool_calls": bad})["tool_calls"] == bad
 
 
 def test_normalise_is_idempotent_and_does_not_mutate():

@@ -42,8 +42,8 @@ def test_prompt_token_ids_shapes():
         def encode(self, text):
             return [len(text)]
 
-        def apply_chat_template(self, messages, add_generation_prompt=True):
-            self.seen = messages
+        def apply_chat_template(self, messages, add_generation_prompt=True, tools=None):
+            self.seen, self.tools = messages, tools
             return [len(messages), int(add_generation_prompt)]
 
     t = Tok()
@@ -56,6 +56,12 @@ def test_prompt_token_ids_shapes():
     assert prompt_token_ids(t, "chat", {"messages": [{"role": "user", "content": "x"}],
                                         "add_generation_prompt": False}) == [1, 0]
     assert prompt_token_ids(t, "chat", {"messages": "nope"}) is None
+    # the tools are rendered as the engine renders them (an empty list: none)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    prompt_token_ids(t, "chat", {"messages": [{"role": "user", "content": "x"}], "tools": tools})
+    assert t.tools == tools
+    prompt_token_ids(t, "chat", {"messages": [{"role": "user", "content": "x"}], "tools": []})
+    assert t.tools is None
     # rendered like the API server's ChatMessage.as_template_dict
     prompt_token_ids(t, "chat", {"messages": [
         {"role": "developer", "content": [{"type": "text", "text": "a"},

@@ -1,0 +1,51 @@
+"""GrammarBitmask: which tokens each constrained row of one step may sample.
+
+Rows follow the step's sampling rows (the scheduled requests with `sample`, in order), the same
+order the runner projects to logits, so applying it needs no lookup by request id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+from kvmesh.engine.sched_output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class GrammarBitmask:
+    bitmask: torch.Tensor      # [num_sampling_rows, ceil(V / 32)] int32, bit set = allowed
+    rows: list[int]            # the constrained sampling rows (others stay unmasked)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens of the constrained rows -> -inf, in place ([rows, V] logits).
+
+        NOTE: applied before the sampler, so penalties, top-k / top-p / min-p, the sampled token
+        and its logprobs all see the same masked distribution."""
+        assert logits.shape[0] == self.bitmask.shape[0], (logits.shape, self.bitmask.shape)
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
+                                        indices=self.rows)
+
+
+def build_bitmask(sched: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
+    """The step's bitmask, or None when no sampling row is constrained (nothing is allocated)."""
+    rows: list[int] = []
+    grammars = []
+    num_rows = 0
+    for sr in sched.scheduled:
+        if not sr.sample:
+            continue
+        grammar = sr.request.grammar
+        # NOTE: a fork's children (n > 1) draw from this row at their first token; every sample's
+        # matcher is still at the start then, so sample 0's mask is theirs too.
+        if grammar is not None and not grammar.terminated:
+            rows.append(num_rows)
+            grammars.append(grammar)
+        num_rows += 1
+    if not rows:
+        return None
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
+    for row, grammar in zip(rows, grammars):
+        grammar.fill_bitmask(bitmask, row)
+    return GrammarBitmask(bitmask, rows)

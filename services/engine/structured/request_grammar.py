@@ -1,0 +1,49 @@
+"""RequestGrammar: one sample's grammar state. It lives on the Request (not on any KV block), so
+preemption by recompute or swap keeps it: the tokens it has accepted are still the request's."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+import xgrammar as xgr
+from kvmesh.engine.structured.spec import StructuredOutputSpec
+
+
+class RequestGrammar:
+    def __init__(self, spec: StructuredOutputSpec, compiled: Future) -> None:
+        self.spec = spec
+        self._compiled = compiled              # from GrammarCompilerPool.compile
+        self._matcher: xgr.GrammarMatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        """The compile has finished (maybe with an error: see `error`)."""
+        return self._compiled.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        if not self._compiled.done():
+            return None
+        if self._compiled.cancelled():
+            return RuntimeError("the grammar compile was cancelled")
+        return self._compiled.exception()
+
+    @property
+    def matcher(self) -> xgr.GrammarMatcher:
+        if self._matcher is None:
+            assert self.ready and self.error is None, "a grammar is used only once compiled"
+            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+        return self._matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` ([rows, ceil(V / 32)] int32) := the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its end (a stop token) has been accepted."""
+        return self._matcher is not None and self._matcher.is_terminated()
