@@ -9,6 +9,10 @@ import time
 
 import torch
 
+from kvmesh.engine.logit_bias import apply_logit_bias
+from kvmesh.engine.pooling import PoolSpan, pool
+from kvmesh.engine.prompt_logprobs import (PromptLogprobSpan, compute_prompt_logprobs,
+                                           prompt_logprob_span)
 from kvmesh.engine.sampler import Sampler, SamplingRow
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvmesh.kernels.metadata import AttentionMetadata
@@ -91,15 +95,23 @@ class ModelRunner:
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
         rows: list[SamplingRow] = []
         row_ids: list[str] = []
+        lp_spans: list[PromptLogprobSpan] = []
+        pool_spans: list[PoolSpan] = []
         for sr in out.scheduled:
             req = sr.request
             end = sr.start + sr.num_tokens
+            if req.sampling_params.prompt_logprobs is not None:
+                span = prompt_logprob_span(sr, len(input_ids))
+                if span is not None:
+                    lp_spans.append(span)
+            if req.pooling is not None:
+                pool_spans.append(PoolSpan(sr, len(input_ids)))
             input_ids.extend(req.all_token_ids[sr.start:end])
             positions.extend(range(sr.start, end))
             query_lens.append(sr.num_tokens)
             seq_lens.append(end)
             tables.append(sr.block_ids)
-            if sr.sample:
+            if sr.sample and req.pooling is None:
                 sample_rows.append(len(input_ids) - 1)
                 samples = [req, *sr.fork_children]
                 rows.append(SamplingRow(
@@ -115,9 +127,14 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta)
+        prompt_lps = (compute_prompt_logprobs(self.model.compute_logits, hidden, lp_spans)
+                      if lp_spans else {})
+        pooled = pool(hidden, pool_spans) if pool_spans else {}
         if not rows:
-            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
+            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0,
+                                     prompt_logprobs=prompt_lps, pooled=pooled)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        apply_logit_bias(logits, [r.params for r in rows])
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()
@@ -126,4 +143,6 @@ class ModelRunner:
             logprobs=dict(zip(row_ids, result.logprobs)),
             model_time_s=time.perf_counter() - t0,
             sample_window=(s0, s1),
+            prompt_logprobs=prompt_lps,
+            pooled=pooled,
         )

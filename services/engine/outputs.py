@@ -37,3 +37,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish times
+    # prompt_logprobs: entry j for prompt token j (None for j = 0); the request's own list,
+    # complete once its prefill is (shared, not copied, by every output)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None   # an embeddings request's pooled vector

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class Request:
     sample_index: int = 0                    # i-th of n samples; > 0 are forks of sample 0
     parent_id: str | None = None             # the user-visible request id of an n > 1 group
     generator: torch.Generator | None = None  # per-sample RNG when seeded
+    pooling: PoolingParams | None = None     # an embeddings request: pooled, never sampled
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -63,10 +65,26 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_preempted_step: int = -1            # NOTE: guards against thrashing a freshly preempted request
+    # prompt_logprobs: entry j is token j's (None for j = 0), filled chunk by chunk at prefill
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pool_state: object = None                # pooling.PoolState while a pooled prefill runs
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """True when every prompt position must be computed here: prompt logprobs and mean
+        pooling read each position's hidden state, which a cached (or remote) block skips.
+
+        NOTE: such requests skip reading the prefix cache (and remote KV) altogether rather
+        than recompute the positions they need (vLLM does the same for prompt logprobs); their
+        blocks are still cached when they finish, for the requests that come after."""
+        return (self.sampling_params.prompt_logprobs is not None
+                or (self.pooling is not None and self.pooling.pooling == "mean"))
 
     @property
     def num_prompt_tokens(self) -> int:
