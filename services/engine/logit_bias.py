@@ -7,10 +7,9 @@ what is generated, not what the prompt was.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from kvmesh.engine.sampling_params import SamplingParams
 
 

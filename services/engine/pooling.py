@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kvmesh.engine.sched_output import ScheduledRequest
 
 

@@ -12,11 +12,10 @@ entries again). Requests that ask for prompt log-probs skip the prefix cache
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
 from kvmesh.engine.request import Logprob, Request
 from kvmesh.engine.sched_output import ScheduledRequest
 
