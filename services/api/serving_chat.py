@@ -8,6 +8,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kvmesh.api.errors import bad_request
+from kvmesh.api.prompt_logprobs import vllm_prompt_logprobs
 from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, chat_logprobs, check_context,
@@ -40,7 +41,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     names = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
-    params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names)
+    params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names,
+                            prompt_logprobs=req.prompt_logprobs)
     ids = await off_loop(message_chars(req.messages), render_prompt, ctx, req)
     check_context(len(ids), ctx.max_model_len, req.requested_max_tokens, "messages")
     streams = await admit(ctx, req, [Admission(request_id, ids, ids, params)],
@@ -69,6 +71,11 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
     } for c in out.outputs]
+    if req.prompt_logprobs is not None:
+        field = vllm_prompt_logprobs(ctx.tokenizer, out.prompt_token_ids,
+                                     out.prompt_logprobs or [], req.prompt_logprobs)
+        for choice in choices:
+            choice["prompt_logprobs"] = field
     completion = sum(len(c.token_ids) for c in out.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,

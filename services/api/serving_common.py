@@ -94,12 +94,14 @@ def context_error(limit: int, prompt_len: int, max_tokens: int | None,
 
 
 def checked_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int | None,
-                   logprobs: int | None, names: dict[str, str] | None = None) -> SamplingParams:
+                   logprobs: int | None, names: dict[str, str] | None = None,
+                   prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, checked by the input processor against this deployment's
     limits before any prompt is tokenized; a 400 whose param (and message) use the client's
     field name: `names` maps SamplingParams fields to it (chat's `top_logprobs`)."""
     try:
-        return ctx.input_processor.check_params(req.sampling_params(max_tokens, logprobs))
+        return ctx.input_processor.check_params(req.sampling_params(max_tokens, logprobs,
+                                                                    prompt_logprobs))
     except ValueError as e:
         param = getattr(e, "param", None)
         message = str(e)
