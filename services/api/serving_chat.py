@@ -53,7 +53,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, streams))
     (out,) = await cancel_on_disconnect(http, final_outputs(streams))
-    return JSONResponse(_full_response(ctx, req, request_id, out))
+    # NOTE: prompt logprobs decode (1 + k) tokens per prompt token (see completions)
+    size = len(ids) * (1 + req.prompt_logprobs) if req.prompt_logprobs is not None else 0
+    return JSONResponse(await off_loop(size, _full_response, ctx, req, request_id, out))
 
 
 def _logprobs(ctx, req, token_ids, steps):

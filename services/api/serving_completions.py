@@ -49,7 +49,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, gens))
     outs = await cancel_on_disconnect(http, final_outputs(gens))
-    return JSONResponse(_full_response(ctx, req, request_id, outs, prompt_texts))
+    # NOTE: prompt logprobs decode (1 + k) tokens per prompt token: a long prompt's answer is
+    # built on a worker thread, as its tokenization was
+    size = sum(prompt_lens) * (1 + req.engine_prompt_logprobs) if req.engine_prompt_logprobs else 0
+    body = await off_loop(size, _full_response, ctx, req, request_id, outs, prompt_texts)
+    return JSONResponse(body)
 
 
 def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
