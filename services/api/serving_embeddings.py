@@ -4,20 +4,24 @@ their KV blocks are freed in the step that pools them."""
 from __future__ import annotations
 
 import base64
-from typing import Any
 
 import numpy as np
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse
-
 from kvmesh.api.errors import APIError, bad_request
 from kvmesh.api.protocol import EmbeddingRequest
-from kvmesh.api.serving_common import (ServingContext, cancel_on_disconnect, close_all,
-                                       final_outputs, new_id, off_loop)
+from kvmesh.api.serving_common import (
+    ServingContext,
+    cancel_on_disconnect,
+    close_all,
+    final_outputs,
+    new_id,
+    off_loop,
+)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse
 
 # NOTE: nothing is sampled for a pooled request; these settings only satisfy the engine's
 # request shape (one sample, one token's worth of limits).

@@ -67,11 +67,10 @@ def hf_loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple
 
 def test_lm_eval_local_completions_loglikelihoods_equal_transformers(
         server, task_dir, hf_smollm, monkeypatch):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     from kvmesh.common.model_files import builtin_model_path
     from kvmesh.prompt.sources import gguf_tokenizer_dir, load_tokenizer
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("OPENAI_API_KEY", API_KEY)         # lm-eval's Bearer token
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+
 from .conftest import API_KEY
 
 MODEL = "SmolLM2-135M-Instruct"
