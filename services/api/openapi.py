@@ -53,6 +53,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 CROSS_FIELD_RULES = {
     "CompletionRequest": [
         "best_of must be omitted or equal n",
+        "a text prompt has at least one token (a few control characters tokenize to none)",
         "max_tokens 0 only with echo: true",
         "prompt_logprobs not with stream: true",
         "logit_bias keys are token ids in the vocabulary",
@@ -69,7 +70,9 @@ CROSS_FIELD_RULES = {
         "prompt tokens (after the chat template) + max_tokens <= max_model_len",
     ],
     "TokenizeRequest": ["exactly one of prompt or messages"],
-    "EmbeddingRequest": ["every input within max_model_len tokens"],
+    "EmbeddingRequest": ["every input within max_model_len tokens",
+                         "a text input has at least one token (a few control characters "
+                         "tokenize to none)"],
 }
 
 _EXACT_INT_BOUNDS = {PRIORITY_MIN, PRIORITY_MAX, SEED_MIN, SEED_MAX, TOP_K_MAX}

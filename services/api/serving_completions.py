@@ -66,6 +66,9 @@ def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
             text, ids = ctx.input_processor.tokenize(prompt)
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
+        if not ids:
+            raise bad_request(f"prompt {prompt!r} has no tokens (the tokenizer drops every "
+                              "character of it)", param="prompt")
         check_context(len(ids), ctx.max_model_len, max_tokens, "prompt")
         prepared.append((text if text is not None else ctx.tokenizer.decode(ids), ids))
     return prepared

@@ -69,6 +69,9 @@ def _tokenize(ctx: ServingContext, inputs: list[str | list[int]]) -> list[tuple[
             text, ids = ctx.input_processor.tokenize(x)
         except ValueError as e:
             raise bad_request(str(e), param="input") from None
+        if not ids:
+            raise bad_request(f"input {x!r} has no tokens (the tokenizer drops every character "
+                              "of it)", param="input")
         if len(ids) > ctx.max_model_len:
             raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} "
                            f"tokens. However, an input has {len(ids)} tokens. Please reduce "

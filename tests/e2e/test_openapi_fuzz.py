@@ -112,6 +112,12 @@ def _keep_cross_field_rules(path: str, body: dict) -> dict:
             body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if int(k) < VOCAB}
         if body.get("top_logprobs") is not None:
             body["logprobs"] = True
+    for key in ("prompt", "input"):
+        # a text prompt needs a token: a few control characters tokenize to none
+        if path in ("/v1/completions", "/v1/embeddings") and isinstance(body.get(key), str):
+            body[key] += "x"
+        elif path in ("/v1/completions", "/v1/embeddings") and isinstance(body.get(key), list):
+            body[key] = [p + "x" if isinstance(p, str) else p for p in body[key]]
     if path == "/tokenize" and (body.get("prompt") is None) == (body.get("messages") is None):
         body.pop("messages", None)
         body["prompt"] = body.get("prompt") or "hello"

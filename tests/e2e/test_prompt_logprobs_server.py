@@ -149,6 +149,7 @@ def test_embeddings_with_the_openai_client_equal_transformers(client, server, hf
     ({"input": "word " * 2100}, "maximum context length is 2048 tokens"),
     ({"input": ["a"] * 129}, "at most 128 inputs"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "\x1d"}, "has no tokens"),
 ])
 def test_bad_embeddings_requests_are_400_and_leak_no_blocks(server, body, message):
     r = httpx.post(f"{server.url}/v1/embeddings", headers=AUTH, json=body, timeout=60)
