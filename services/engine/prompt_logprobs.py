@@ -6,8 +6,8 @@ positions [start, end) scores prompt tokens start + 1 ... min(end, P - 1) (P: pr
 the last position's logits are the first sample's, not a prompt log-prob). Only requests that
 asked pay: the LM head runs on their prompt rows alone, a bounded number of rows at a time.
 Chunked prefill works as is: each chunk scores its own positions, and the engine writes them
-into `Request.prompt_logprobs` by token index (a recompute after preemption writes the same
-entries again). Requests that ask for prompt log-probs skip the prefix cache
+into `Request.prompt_logprobs` by token index (a recompute after preemption skips the entries
+it already has). Requests that ask for prompt log-probs skip the prefix cache
 (`Request.skip_prefix_cache`), so every position they need is computed.
 """
 from __future__ import annotations
@@ -43,10 +43,16 @@ def prompt_logprob_span(sr: ScheduledRequest, row_start: int) -> PromptLogprobSp
     if k is None:
         return None
     end = min(sr.start + sr.num_tokens, req.num_prompt_tokens - 1)
-    if end <= sr.start:
+    start = sr.start
+    # NOTE: a recompute after preemption computes the prompt again; the entries it already has
+    # (a filled prefix: chunks come in order) are not scored twice
+    done = req.prompt_logprobs
+    while start < end and done is not None and done[start + 1] is not None:
+        start += 1
+    if end <= start:
         return None
-    return PromptLogprobSpan(req.request_id, row_start, sr.start + 1,
-                             req.prompt_token_ids[sr.start + 1:end + 1], k)
+    return PromptLogprobSpan(req.request_id, row_start + start - sr.start, start + 1,
+                             req.prompt_token_ids[start + 1:end + 1], k)
 
 
 def compute_prompt_logprobs(

@@ -41,6 +41,17 @@ def test_a_chunk_scores_the_prompt_tokens_after_its_positions():
     assert prompt_logprob_span(ScheduledRequest(_request([1, 2]), 0, 2, [0], True), 0) is None
 
 
+def test_a_recompute_scores_only_the_prompt_tokens_not_yet_scored():
+    req = _request([10, 11, 12, 13, 14], prompt_logprobs=0)
+    req.prompt_logprobs[1:3] = [{11: Logprob(11, -1.0, 1)}, {12: Logprob(12, -1.0, 1)}]
+    # preempted by recompute after tokens 1..2 were scored: the chunk over positions 0..4 scores
+    # tokens 3..4 only, from rows 2..3 of the chunk
+    span = prompt_logprob_span(ScheduledRequest(req, 0, 5, [0], True), row_start=10)
+    assert (span.row_start, span.first_token, span.target_ids) == (12, 3, [13, 14])
+    req.prompt_logprobs[3:5] = [{13: Logprob(13, -1.0, 1)}, {14: Logprob(14, -1.0, 1)}]
+    assert prompt_logprob_span(ScheduledRequest(req, 0, 6, [0], True), row_start=0) is None
+
+
 def test_logprob_entries_rank_ties_and_top_k():
     lp = torch.log_softmax(torch.tensor([[0.0, 2.0, 2.0, 1.0]]), dim=-1)
     (entry,) = logprob_entries(lp, [3], 2)
