@@ -118,6 +118,30 @@ def test_chunked_prefill_and_a_prefix_hit_still_give_every_prompt_logprob(smollm
     assert again["hit"].num_cached_tokens == (len(ids) - 1) // 16 * 16
 
 
+def test_prompt_logprobs_survive_preemption_by_recompute(smollm, hf_logprobs):
+    """Six 16-token blocks cannot hold both 40-token prompts and their 12 outputs: one is
+    preempted and recomputed; its prompt logprobs are still every token's, once each."""
+    engine = make_engine(smollm, num_kv_blocks=6, max_model_len=96, preemption_mode="recompute")
+    ids = smollm.tokenizer.encode(LONG)
+    other = ids[::-1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    for_each = [("a", ids, params), ("b", other, params)]
+    for rid, p, sp in for_each:
+        engine.add_request(rid, p, sp)
+    final, preempted, steps = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        preempted += engine.last_stats.num_preempted_recompute
+        steps += 1
+        assert steps < 500
+    assert preempted >= 1
+    assert engine.kv_manager.num_free_blocks == 6
+    for rid, p, _ in for_each:
+        assert_prompt_logprobs(final[rid], p, hf_logprobs(p), 1)
+
+
 def test_logit_bias_forces_and_forbids_a_token(smollm):
     engine = make_engine(smollm)
     ids = smollm.tokenizer.encode("The capital of France is")
