@@ -19,16 +19,18 @@ from kvmesh.api.errors import APIError, error_response
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.openapi import error_responses, finish_openapi
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest)
+                                 EmbeddingRequest, TokenizeRequest)
 from kvmesh.api.serving_chat import apply_template, create_chat_completion
 from kvmesh.api.serving_common import ServingContext, message_chars, now_s, off_loop
 from kvmesh.api.serving_completions import create_completion
+from kvmesh.api.serving_embeddings import create_embedding
 from kvmesh.common.auth import check_bearer
 from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from kvmesh.engine.limits import RequestLimits
+from kvmesh.engine.pooling_params import PoolingParams
 
 logger = logging.getLogger("kvmesh.api")
 
@@ -82,6 +84,7 @@ class ServerState:
     stop_server: Callable[[], None] | None = None   # asks uvicorn to shut down (set by serve)
     limits: RequestLimits = field(default_factory=RequestLimits)   # kvmesh serve's --max-* flags
     tool_parser: ToolParser | None = None   # --tool-call-parser (None: chosen from the template)
+    pooling: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings (--pooling)
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
@@ -244,6 +247,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_chat_completion(state.context(), body, request)
 
+    @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 429, 503))
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        check_model(body.model)
+        body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
+        ctx = state.context()
+        return await create_embedding(ctx, body, request, state.pooling,
+                                      ctx.engine.engine.loaded.config.hidden_size)
+
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
@@ -293,7 +304,8 @@ def _serve_openapi(app: FastAPI, state: ServerState) -> None:
         loaded = state.engine is not None and state.ready
         doc = finish_openapi(fastapi_openapi(), state.model_name if loaded else None,
                              state.engine.engine.vocab_size if loaded else None,
-                             state.max_model_len if loaded else None, state.limits)
+                             state.max_model_len if loaded else None, state.limits,
+                             state.engine.engine.loaded.config.hidden_size if loaded else None)
         if not loaded:
             app.openapi_schema = None     # NOTE: rebuilt with the model's limits once ready
         return doc

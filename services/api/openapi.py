@@ -31,7 +31,8 @@ class ErrorResponse(BaseModel):
 
 _WHY = {
     400: "Invalid request: a field out of range, an unsupported option, a prompt or "
-         "prompt + max_tokens longer than the context (code context_length_exceeded)",
+         "prompt + max_tokens (an embeddings input) longer than the context (code "
+         "context_length_exceeded)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
     404: "Unknown model (code model_not_found)",
     409: "The prefix cache is in use (code prefix_cache_in_use)",
@@ -64,7 +65,10 @@ CROSS_FIELD_RULES = {
     "CompletionRequest": [
         *STRUCTURED_RULES,
         "best_of must be omitted or equal n",
-        "echo and logprobs cannot both be set",
+        "a text prompt has at least one token (a few control characters tokenize to none)",
+        "max_tokens 0 only with echo: true",
+        "prompt_logprobs not with stream: true",
+        "logit_bias keys are token ids in the vocabulary",
         "stream_options only with stream: true",
         "min_tokens <= max_tokens",
         "prompt tokens + max_tokens <= max_model_len",
@@ -74,11 +78,16 @@ CROSS_FIELD_RULES = {
         "tool_choice \"required\" or a named function needs tools (the name among them) and no "
         "other output constraint",
         "top_logprobs requires logprobs: true",
+        "prompt_logprobs not with stream: true",
+        "logit_bias keys are token ids in the vocabulary",
         "stream_options only with stream: true",
         "min_tokens <= max_tokens (or max_completion_tokens)",
         "prompt tokens (after the chat template) + max_tokens <= max_model_len",
     ],
     "TokenizeRequest": ["exactly one of prompt or messages"],
+    "EmbeddingRequest": ["every input within max_model_len tokens",
+                         "a text input has at least one token (a few control characters "
+                         "tokenize to none)"],
 }
 
 _TOOL = {
@@ -99,7 +108,8 @@ _EXACT_INT_BOUNDS = {PRIORITY_MIN, PRIORITY_MAX, SEED_MIN, SEED_MAX, TOP_K_MAX}
 
 def finish_openapi(doc: dict[str, Any], model_name: str | None, vocab_size: int | None,
                    max_model_len: int | None,
-                   limits: RequestLimits = RequestLimits()) -> dict[str, Any]:
+                   limits: RequestLimits = RequestLimits(),
+                   hidden_size: int | None = None) -> dict[str, Any]:
     """Fix up FastAPI's document in place (see the module docstring); returns it."""
     for path, ops in doc.get("paths", {}).items():
         for op in ops.values():
@@ -118,7 +128,45 @@ def finish_openapi(doc: dict[str, Any], model_name: str | None, vocab_size: int 
     _exact_bounds(schemas)
     _declare_validator_rules(schemas, model_name, vocab_size, max_model_len)
     _declare_limits(schemas, limits)
+    _declare_embeddings(schemas, model_name, vocab_size, hidden_size, limits)
     return doc
+
+
+def _declare_embeddings(schemas: dict[str, Any], model_name: str | None, vocab_size: int | None,
+                        hidden_size: int | None, limits: RequestLimits) -> None:
+    """EmbeddingRequest's rules: non-empty inputs, token ids in the vocabulary, at most
+    --max-prompts-per-request inputs, `dimensions` only the model's own."""
+    s = schemas.get("EmbeddingRequest")
+    if s is None:
+        return
+    props = s["properties"]
+    token = {"type": "integer", "minimum": 0}
+    if vocab_size:
+        token["maximum"] = vocab_size - 1
+    for v in _variants(props["input"]):
+        if v.get("type") == "string":
+            v["minLength"] = 1
+        elif v.get("type") == "array":
+            v["minItems"] = 1
+            v["maxItems"] = limits.max_prompts_per_request
+            if v["items"].get("type") == "string":
+                v["items"]["minLength"] = 1
+            elif v["items"].get("type") == "integer":
+                v["items"] = dict(token)
+                v.pop("maxItems")            # one input's token ids: max_model_len bounds them
+            else:
+                v["items"] = {"type": "array", "items": dict(token), "minItems": 1}
+    if hidden_size:
+        for v in _variants(props["dimensions"]):
+            if v.get("type") == "integer":
+                v["minimum"] = v["maximum"] = hidden_size
+                v["description"] = "only the model's own size (no shortened embeddings)"
+    if model_name:
+        for v in _variants(props["model"]):
+            if v.get("type") == "string":
+                v["enum"] = [model_name]
+    s["description"] = ("Cross-field rules: " + "; ".join(CROSS_FIELD_RULES["EmbeddingRequest"])
+                        + ".")
 
 
 def _declare_limits(schemas: dict[str, Any], limits: RequestLimits) -> None:
@@ -135,7 +183,8 @@ def _declare_limits(schemas: dict[str, Any], limits: RequestLimits) -> None:
                 v["maxItems"] = limits.max_stop_strings
                 v["items"]["maxLength"] = limits.max_stop_string_length
         for key, bound in (("n", limits.max_n), ("logprobs", limits.max_logprobs),
-                           ("top_logprobs", limits.max_logprobs)):
+                           ("top_logprobs", limits.max_logprobs),
+                           ("prompt_logprobs", limits.max_logprobs)):
             for v in _variants(props.get(key, {})):
                 if v.get("type") == "integer":
                     v["maximum"] = bound
@@ -180,8 +229,9 @@ def _declare_validator_rules(schemas: dict[str, Any], model_name: str | None,
                 v["items"]["minLength"] = 1
         for v in _variants(props["logit_bias"]):
             if v.get("type") == "object":
-                v["maxProperties"] = 0
-                v["description"] = "not supported: only {} or null"
+                v["propertyNames"] = {"pattern": "^[0-9]+$"}
+                v["description"] = ("token id -> bias, clamped to [-100, 100]; ids must be in "
+                                    "the vocabulary")
         if max_model_len:
             for key in ("max_tokens", "max_completion_tokens"):
                 for v in _variants(props.get(key, {})):

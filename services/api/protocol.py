@@ -50,7 +50,10 @@ class _SamplingFields(StructuredFields):
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id (a JSON object key: a string of digits) -> bias in [-100, 100] (clamped)
     logit_bias: dict[str, float] | None = None
+    # vLLM's extension: top-k logprobs of every prompt token (0: the prompt token's only)
+    prompt_logprobs: int | None = Field(None, ge=0)
     # accepted and ignored, as OpenAI ignores them for generation
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -63,11 +66,18 @@ class _SamplingFields(StructuredFields):
         if self.cache_salt == "":
             self.cache_salt = None     # NOTE: the router treats an empty salt as none, too
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
+            if bad:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {bad[0]!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """`prompt_logprobs`: what the engine computes (the endpoint may need more than the
+        field asks for: completions' echo with logprobs)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -85,6 +95,8 @@ class _SamplingFields(StructuredFields):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
@@ -92,7 +104,8 @@ class _SamplingFields(StructuredFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # NOTE: 0 only with echo: the prompt's logprobs and nothing generated (lm-eval's loglikelihood)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None
@@ -105,11 +118,24 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("best_of is not supported (it must equal n or be omitted)")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo: true")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt (and its logprobs) is the whole answer."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Top-k the engine computes for the prompt: echo with logprobs and prompt_logprobs
+        share one computation (each view keeps its own k)."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -162,6 +188,38 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings (OpenAI's fields, plus vLLM's priority and cache_salt)."""
+    model_config = ConfigDict(extra="forbid")
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "EmbeddingRequest":
+        if self.cache_salt == "":
+            self.cache_salt = None
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        if any(isinstance(x, str) and not x for x in self.inputs()):
+            raise ValueError("input must not contain empty strings")
+        if any(isinstance(x, list) and not x for x in self.inputs()):
+            raise ValueError("input must not contain empty token lists")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]
+        return list(x)
 
 
 class TokenizeRequest(BaseModel):

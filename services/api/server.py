@@ -34,6 +34,7 @@ from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.limits import RequestLimits
 from kvmesh.index import serve as kv_publishing
+from kvmesh.engine.pooling_params import POOLING_TYPES, PoolingParams
 
 logger = logging.getLogger("kvmesh.serve")
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
                    "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
+    p.add_argument("--pooling", default="last", choices=POOLING_TYPES,
+                   help="/v1/embeddings: pool the hidden states after the final norm by the last "
+                   "token or the mean of all tokens (L2-normalised)")
     _add_limit_args(p)
     kv_publishing.add_args(p)
     add_engine_args(p)
@@ -210,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvmesh serve: error: {e}", file=sys.stderr)
             return 2
     state = ServerState(api_key=_api_key(args), limits=limits, cache_salt_from=cache_salt_from,
+                        pooling=PoolingParams(args.pooling),
                         admin_api_key=resolve_api_key(args.admin_api_key, args.admin_api_key_file,
                                                       "KVMESH_ADMIN_API_KEY"))
     warning = open_bind_warning(args.host, state.api_key)

@@ -9,6 +9,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kvmesh.api.errors import bad_request
+from kvmesh.api.prompt_logprobs import vllm_prompt_logprobs
 from kvmesh.api.protocol import ChatCompletionRequest, ChatMessage
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, chat_logprobs, check_context,
@@ -48,7 +49,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         names["max_tokens"] = "max_completion_tokens"
     plan = tool_plan(ctx, req)
     params = checked_params(ctx, req, req.requested_max_tokens, req.num_logprobs, names,
-                            output_constraint(plan, structured_spec(req)))
+                            output_constraint(plan, structured_spec(req)),
+                            prompt_logprobs=req.prompt_logprobs)
     if plan is not None and plan.parser is not None and plan.parser.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await off_loop(message_chars(req.messages), render_prompt, ctx, req)
@@ -61,7 +63,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, streams))
     (out,) = await cancel_on_disconnect(http, final_outputs(streams))
-    return JSONResponse(_full_response(ctx, req, request_id, out, plan))
+    # NOTE: prompt logprobs decode (1 + k) tokens per prompt token (see completions)
+    size = len(ids) * (1 + req.prompt_logprobs) if req.prompt_logprobs is not None else 0
+    return JSONResponse(await off_loop(size, _full_response, ctx, req, request_id, out, plan))
 
 
 def _logprobs(ctx, req, token_ids, steps):
@@ -82,6 +86,11 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
             "finish_reason": reason,
             "stop_reason": c.stop_reason,
         })
+    if req.prompt_logprobs is not None:
+        field = vllm_prompt_logprobs(ctx.tokenizer, out.prompt_token_ids,
+                                     out.prompt_logprobs or [], req.prompt_logprobs)
+        for choice in choices:
+            choice["prompt_logprobs"] = field
     completion = sum(len(c.token_ids) for c in out.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,

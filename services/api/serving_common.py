@@ -108,12 +108,13 @@ def structured_spec(req: _SamplingFields) -> tuple[StructuredOutputSpec, str] | 
 
 def checked_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int | None,
                    logprobs: int | None, names: dict[str, str] | None = None,
-                   structured: tuple[StructuredOutputSpec, str] | None = None) -> SamplingParams:
+                   structured: tuple[StructuredOutputSpec, str] | None = None,
+                   prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, checked by the input processor against this deployment's
     limits before any prompt is tokenized; a 400 whose param (and message) use the client's
     field name: `names` maps SamplingParams fields to it (chat's `top_logprobs`). `structured`:
     the output constraint (structured_spec, or the tools') and the field it came from."""
-    params = req.sampling_params(max_tokens, logprobs)
+    params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     if structured is not None:
         params.structured_outputs = structured[0]
         names = {**(names or {}), "structured_outputs": structured[1]}

@@ -8,6 +8,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from kvmesh.api.errors import bad_request
+from kvmesh.api.prompt_logprobs import echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from kvmesh.api.protocol import CompletionRequest
 from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, UsageOptions, admit,
                                        cancel_on_disconnect, check_context, checked_params,
@@ -31,8 +32,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and ctx.limits.max_tokens:
         max_tokens = min(max_tokens, ctx.limits.max_tokens)   # OpenAI's default 16, capped
-    params = checked_params(ctx, req, max_tokens, req.logprobs, structured=structured_spec(req))
-    prepared = await off_loop(sum(map(len, prompts)), _tokenize, ctx, prompts, max_tokens)
+    # NOTE: echo with max_tokens 0 (lm-eval's loglikelihood requests): the engine computes the
+    # prompt and samples one token, which the answer leaves out; the prompt needs room for it.
+    engine_max_tokens = 1 if req.echo_only else max_tokens
+    params = checked_params(ctx, req, engine_max_tokens, req.logprobs, structured=structured_spec(req),
+                            prompt_logprobs=req.engine_prompt_logprobs)
+    prepared = await off_loop(sum(map(len, prompts)), _tokenize, ctx, prompts,
+                              None if req.echo_only else max_tokens)
     admissions = [Admission(f"{request_id}-{i}", prompt, ids, params)
                   for i, (prompt, (_, ids)) in enumerate(zip(prompts, prepared))]
     prompt_texts = [text for text, _ in prepared]
@@ -44,7 +50,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
                                  media_type="text/event-stream",
                                  background=BackgroundTask(close_all, gens))
     outs = await cancel_on_disconnect(http, final_outputs(gens))
-    return JSONResponse(_full_response(ctx, req, request_id, outs, prompt_texts))
+    # NOTE: prompt logprobs decode (1 + k) tokens per prompt token: a long prompt's answer is
+    # built on a worker thread, as its tokenization was
+    size = sum(prompt_lens) * (1 + req.engine_prompt_logprobs) if req.engine_prompt_logprobs else 0
+    body = await off_loop(size, _full_response, ctx, req, request_id, outs, prompt_texts)
+    return JSONResponse(body)
 
 
 def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
@@ -57,15 +67,31 @@ def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
             text, ids = ctx.input_processor.tokenize(prompt)
         except ValueError as e:
             raise bad_request(str(e), param="prompt") from None
+        if not ids:
+            raise bad_request(f"prompt {prompt!r} has no tokens (the tokenizer drops every "
+                              "character of it)", param="prompt")
         check_context(len(ids), ctx.max_model_len, max_tokens, "prompt")
         prepared.append((text if text is not None else ctx.tokenizer.decode(ids), ids))
     return prepared
 
 
-def _choice_logprobs(ctx, req, token_ids, steps, offset):
+def _choice_logprobs(ctx: ServingContext, req: CompletionRequest, out: RequestOutput,
+                     token_ids: list[int], steps, offset: int) -> dict[str, Any] | None:
+    """The choice's legacy logprobs: the echoed prompt's (from its prefill) when echo is on,
+    then the generated tokens' (`token_ids`, their text offsets from `offset`)."""
     if req.logprobs is None:
         return None
-    return completion_logprobs(ctx.tokenizer, token_ids, steps, offset)
+    generated = completion_logprobs(ctx.tokenizer, token_ids, steps, offset) if token_ids else None
+    if not req.echo:
+        return generated or completion_logprobs(ctx.tokenizer, [], [], offset)
+    prompt = echo_logprobs(ctx.tokenizer, out.prompt_token_ids, out.prompt_logprobs or [],
+                           req.logprobs)
+    return join_logprobs(prompt, generated)
+
+
+def _prompt_logprobs_field(ctx: ServingContext, req: CompletionRequest, out: RequestOutput):
+    return vllm_prompt_logprobs(ctx.tokenizer, out.prompt_token_ids, out.prompt_logprobs or [],
+                                req.prompt_logprobs)
 
 
 def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
@@ -76,14 +102,19 @@ def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
         cached += out.num_cached_tokens
         prefix = prompt_texts[p] if req.echo else ""
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            choices.append({
+            token_ids = [] if req.echo_only else c.token_ids
+            completion_tokens += len(token_ids)
+            choice = {
                 "index": p * req.n + c.index,
-                "text": prefix + c.text,
-                "logprobs": _choice_logprobs(ctx, req, c.token_ids, c.logprobs or [], len(prefix)),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+                "text": prefix + ("" if req.echo_only else c.text),
+                "logprobs": _choice_logprobs(ctx, req, out, token_ids, c.logprobs or [],
+                                             len(prefix)),
+                "finish_reason": "length" if req.echo_only else c.finish_reason,
+                "stop_reason": None if req.echo_only else c.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_field(ctx, req, out)
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached)}
@@ -96,7 +127,7 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
     usage_opts = UsageOptions.of(req)
     started: set[int] = set()
     finished: set[int] = set()
-    offsets: dict[int, int] = {}
+    offsets: dict[int, int] = {}               # text offset of the next token, per choice index
     completion: dict[int, int] = {}            # tokens so far, per choice index
     cached = 0
 
@@ -111,20 +142,28 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
             index = p * req.n + c.index
             if index in finished:
                 continue
-            text = c.delta_text
-            if req.echo and index not in started:
-                text = prompt_texts[p] + text
+            first = index not in started
             started.add(index)
-            completion[index] = completion.get(index, 0) + len(c.delta_token_ids)
+            # NOTE: echo with max_tokens 0: the one token the engine sampled is not shown
+            delta_ids = [] if req.echo_only else c.delta_token_ids
+            text = "" if req.echo_only else c.delta_text
+            if req.echo and first:
+                text = prompt_texts[p] + text
+                offsets[index] = len(prompt_texts[p])
+            completion[index] = completion.get(index, 0) + len(delta_ids)
             lps = None
-            if req.logprobs is not None and c.delta_token_ids:
-                lps = completion_logprobs(ctx.tokenizer, c.delta_token_ids,
-                                          c.delta_logprobs or [], offsets.get(index, 0))
+            if req.logprobs is not None and delta_ids:
+                lps = completion_logprobs(ctx.tokenizer, delta_ids, c.delta_logprobs or [],
+                                          offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lps["tokens"])
+            if req.logprobs is not None and req.echo and first:
+                lps = join_logprobs(echo_logprobs(ctx.tokenizer, out.prompt_token_ids,
+                                                  out.prompt_logprobs or [], req.logprobs), lps)
             if c.finished:
                 finished.add(index)
             if text or lps or c.finished:
-                yield chunk(p, index, text, lps, c.finish_reason)
+                yield chunk(p, index, text, lps,
+                            ("length" if req.echo_only else c.finish_reason) if c.finished else None)
         if out.finished:
             cached += out.num_cached_tokens
     if usage_opts.include:

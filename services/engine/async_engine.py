@@ -19,6 +19,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest, PromptInput
 from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvmesh.async_engine")
@@ -146,15 +147,17 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                           priority: int = 0, cache_salt: str | None = None,
                           prompt_ids: list[int] | None = None,
-                          trace_context=None, final_only: bool = False) -> "RequestStream":
+                          trace_context=None, final_only: bool = False,
+                          pooling: PoolingParams | None = None) -> "RequestStream":
         """Admit a request and return its output stream. Every refusal (EngineDeadError,
         QueueFullError, ValueError) is raised here, before any output, so a server can still
         answer with a proper status code; iterate the stream to its end or close it (aclose).
 
         `final_only` (a non-streaming reader): the stream yields the finished output alone,
-        which holds the whole result; nothing queues behind a reader that waits for it."""
+        which holds the whole result; nothing queues behind a reader that waits for it.
+        With `pooling` it is an embeddings request: one output, carrying the embedding."""
         stream = self._submit(request_id, prompt, params, priority, cache_salt, prompt_ids,
-                              trace_context, final_only)
+                              trace_context, final_only, pooling)
         try:
             await stream.accepted
         except BaseException:
@@ -179,7 +182,8 @@ class AsyncLLMEngine:
 
     def _submit(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                 priority: int, cache_salt: str | None, prompt_ids: list[int] | None,
-                trace_context, final_only: bool = False) -> _Stream:
+                trace_context, final_only: bool = False,
+                pooling: PoolingParams | None = None) -> _Stream:
         """Build the validated request on the caller's thread and queue it for the engine thread."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
@@ -187,7 +191,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine is shut down")
         request = self.engine.input_processor.process(
             request_id, prompt, params, prompt_ids=prompt_ids, priority=priority,
-            cache_salt=cache_salt, trace_context=trace_context)
+            cache_salt=cache_salt, trace_context=trace_context, pooling=pooling)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_capacity(1)

@@ -19,7 +19,8 @@ from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
 from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
-from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.prompt_logprobs import record_prompt_logprobs
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
@@ -181,7 +182,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = list(request.prompt_token_ids)
-        assert len(prompt_ids) < self.max_model_len, "the input processor bounds prompts"
+        assert len(prompt_ids) < self.max_model_len or (
+            request.pooling is not None and len(prompt_ids) == self.max_model_len), \
+            "the input processor bounds prompts"
         samples: list[Request] = []
         for i in range(params.n):
             gen = None
@@ -194,7 +197,8 @@ class LLMEngine:
                                    request.cache_salt,
                                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                                    max_model_len=self.max_model_len, sample_index=i,
-                                   parent_id=request_id, generator=gen))
+                                   parent_id=request_id, generator=gen,
+                                   pooling=request.pooling))
         if params.structured_outputs is not None:
             self.structured.attach(request_id, samples, params.structured_outputs)
         self.scheduler.add_request(samples[0])
@@ -234,10 +238,15 @@ class LLMEngine:
         t_executed = time.monotonic()
         if self.kv_share is not None:
             self._share_prompt_blocks(sched)
+        for rid, (first, entries) in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                record_prompt_logprobs(req, first, entries)
+        pooled = self._finish_pooled(result.pooled)
         touched = self.scheduler.update_from_output(sched, result)
         for req in self.structured.accept(touched):
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        outputs = failed + self.output.process(touched)
+        outputs = failed + pooled + self.output.process(touched)
         self.scheduler.end_step(sched)
         self.last_stats = sched.stats
         self.num_steps += 1
@@ -267,6 +276,25 @@ class LLMEngine:
             outputs.append(self.output.final_output(group))
             for obs in self.observers:
                 obs.on_request_aborted(request_id)
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
+        """Finish the embeddings requests whose prefill completed this step (their blocks are
+        freed now; nothing is sampled for them) and build their outputs."""
+        outputs = []
+        for rid, vector in pooled.items():
+            group = self._groups.pop(rid, None)     # NOTE: pooled requests are n == 1
+            if group is None:
+                continue
+            req = group.samples[0]
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            metrics = {"arrival_time": req.arrival_time}
+            if req.first_scheduled_time is not None:
+                metrics["first_scheduled_time"] = req.first_scheduled_time
+            outputs.append(RequestOutput(
+                rid, group.prompt, req.prompt_token_ids,
+                [CompletionOutput(0, "", [], None, req.finish_reason)], True,
+                max(req.num_cached_tokens, 0), metrics, embedding=vector))
         return outputs
 
     # ---- observers -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, RequestLimits
+from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams, SamplingParamsError
 from kvmesh.engine.structured.validate import check_structured
 
@@ -34,6 +35,7 @@ class EngineRequest:
     cache_salt: str | None              # isolates prefix-cache sharing between tenants
     arrival_time: float                 # monotonic seconds at processing: FCFS order and aging
     trace_context: object = None        # OpenTelemetry context parenting the request's spans
+    pooling: PoolingParams | None = None   # an embeddings request (n == 1): pooled, not sampled
 
 
 class InputProcessor:
@@ -84,6 +86,13 @@ class InputProcessor:
                f"{max(p.stop_token_ids, default=0)}")
         yield ("logprobs", p.logprobs is None or p.logprobs <= lim.max_logprobs,
                f"logprobs must be <= {lim.max_logprobs}, got {p.logprobs}")
+        yield ("prompt_logprobs", p.prompt_logprobs is None or p.prompt_logprobs <= lim.max_logprobs,
+               f"prompt_logprobs must be <= {lim.max_logprobs}, got {p.prompt_logprobs}")
+        # NOTE: the runner indexes the logits with them
+        outside = [t for t in (p.logit_bias or ()) if t >= self.vocab_size]
+        yield ("logit_bias", not outside,
+               f"logit_bias token ids must be in the vocabulary [0, {self.vocab_size}), got "
+               f"{min(outside, default=0)}")
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text or token-id prompt; ValueError if it is empty or
@@ -104,12 +113,15 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                 *, prompt_ids: Sequence[int] | None = None, prompt_text: str | None = None,
                 priority: int = 0, cache_salt: str | None = None,
-                arrival_time: float | None = None, trace_context=None) -> EngineRequest:
+                arrival_time: float | None = None, trace_context=None,
+                pooling: PoolingParams | None = None) -> EngineRequest:
         """The validated request, or ValueError saying what is wrong (nothing else changes).
 
         `prompt` is text or token ids. `prompt_ids` are its token ids when the caller has them
         already, from `tokenize` or the chat template: they are not tokenized or looked up in
-        the vocabulary again. `prompt_text` names the text token ids came from (for outputs)."""
+        the vocabulary again. `prompt_text` names the text token ids came from (for outputs).
+        `pooling` makes it an embeddings request: its prompt may fill the whole context (no
+        token is generated) and it has one sample."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}")
         params = self.check_params(SamplingParams() if params is None else params)
@@ -119,7 +131,15 @@ class InputProcessor:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_ids)
         if not ids:
             raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
+        if pooling is not None:
+            if not isinstance(pooling, PoolingParams):
+                raise ValueError("pooling must be a PoolingParams")
+            if params.n != 1:
+                raise SamplingParamsError("n", f"an embeddings request has one sample, got n={params.n}")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input is {len(ids)} tokens long but max_model_len is "
+                                 f"{self.max_model_len}")
+        elif len(ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens long but max_model_len is "
                              f"{self.max_model_len}: at least one token must be left to generate")
         _check_priority(priority)
@@ -127,7 +147,8 @@ class InputProcessor:
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         return EngineRequest(
             request_id, tuple(ids), text if text is not None else prompt_text, params, priority,
-            cache_salt, time.monotonic() if arrival_time is None else arrival_time, trace_context)
+            cache_salt, time.monotonic() if arrival_time is None else arrival_time, trace_context,
+            pooling)
 
 
 def _checked_copy(params: SamplingParams) -> SamplingParams:

@@ -88,7 +88,7 @@ class KVCacheManager:
         NOTE: call allocate_slots for the same request before any other allocation: the hit
         blocks may be free, and another allocation could evict them (allocate_slots checks).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         bs = self.block_size
         hashes = request.block_hashes

@@ -8,6 +8,7 @@ from kvmesh.common.config import engine_config_from_kwargs
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -78,6 +79,23 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
                    for conv in conversations]
         return self.generate(prompts, sampling_params)
+
+    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+              pooling: PoolingParams | str = "last") -> list[RequestOutput]:
+        """One pooled embedding per prompt (`RequestOutput.embedding`), in prompt order: the
+        hidden states after the final norm, last-token or mean pooled, L2-normalised."""
+        if isinstance(pooling, str):
+            pooling = PoolingParams(pooling)
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        requests = [self.engine.input_processor.process(f"llm-{next(self._ids)}", prompt, params,
+                                                        pooling=pooling)
+                    for prompt in prompts]
+        return self._run(requests)
 
     def _params_list(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:

@@ -15,3 +15,6 @@ class ModelInput(msgspec.Struct, array_like=True):
     seq_lens: list[int]             # per sequence: its context including them
     block_tables: list[list[int]]   # per sequence: its KV blocks
     sample_rows: list[int]          # rows of the packed batch whose logits are sampled
+    # row ranges whose logits rank 0 computes after the sampled rows' (prompt logprobs,
+    # kvmesh.engine.prompt_logprobs.span_passes), in order: every rank runs the same LM-head passes
+    logit_passes: list[tuple[int, int]] = []

@@ -10,6 +10,10 @@ import time
 import torch
 
 from kvmesh.engine.model_input import ModelInput
+from kvmesh.engine.logit_bias import apply_logit_bias
+from kvmesh.engine.pooling import PoolSpan, pool
+from kvmesh.engine.prompt_logprobs import (PromptLogprobSpan, compute_prompt_logprobs,
+                                           prompt_logprob_span, span_passes)
 from kvmesh.engine.sampler import Sampler, SamplingRow
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvmesh.kernels.metadata import AttentionMetadata
@@ -92,15 +96,23 @@ class ModelRunner:
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
         rows: list[SamplingRow] = []
         row_ids: list[str] = []
+        lp_spans: list[PromptLogprobSpan] = []
+        pool_spans: list[PoolSpan] = []
         for sr in out.scheduled:
             req = sr.request
             end = sr.start + sr.num_tokens
+            if req.sampling_params.prompt_logprobs is not None:
+                span = prompt_logprob_span(sr, len(input_ids))
+                if span is not None:
+                    lp_spans.append(span)
+            if req.pooling is not None:
+                pool_spans.append(PoolSpan(sr, len(input_ids)))
             input_ids.extend(req.all_token_ids[sr.start:end])
             positions.extend(range(sr.start, end))
             query_lens.append(sr.num_tokens)
             seq_lens.append(end)
             tables.append(sr.block_ids)
-            if sr.sample:
+            if sr.sample and req.pooling is None:
                 sample_rows.append(len(input_ids) - 1)
                 samples = [req, *sr.fork_children]
                 rows.append(SamplingRow(
@@ -112,10 +124,16 @@ class ModelRunner:
                     eos_token_ids=req.eos_token_ids,
                 ))
                 row_ids.append(req.request_id)
-        logits = self.run_model(ModelInput(input_ids, positions, query_lens, seq_lens, tables,
-                                           sample_rows))
+        passes = [rng for span in lp_spans for rng in span_passes(span)]
+        hidden, logits = self.run_model(ModelInput(input_ids, positions, query_lens, seq_lens,
+                                                   tables, sample_rows, passes))
+        prompt_lps = (compute_prompt_logprobs(self.model.compute_logits, hidden, lp_spans)
+                      if lp_spans else {})
+        pooled = pool(hidden, pool_spans) if pool_spans else {}
         if not rows:
-            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0)
+            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0,
+                                     prompt_logprobs=prompt_lps, pooled=pooled)
+        apply_logit_bias(logits, [r.params for r in rows])
         if out.grammar is not None:
             out.grammar.apply(logits)            # structured outputs: only grammar tokens
         s0 = time.monotonic()
@@ -126,16 +144,19 @@ class ModelRunner:
             logprobs=dict(zip(row_ids, result.logprobs)),
             model_time_s=time.perf_counter() - t0,
             sample_window=(s0, s1),
+            prompt_logprobs=prompt_lps,
+            pooled=pooled,
         )
 
-    def run_model(self, step: ModelInput) -> torch.Tensor | None:
-        """The forward pass; the float32 logits of `step.sample_rows` (None when there are none,
-        and on a tensor-parallel rank other than 0)."""
+    def run_model(self, step: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass: the hidden states [T, hidden] and the float32 logits of
+        `step.sample_rows` (None when there are none, and on a tensor-parallel rank other than 0)."""
         meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables,
                                        self.block_size, self.device)
         ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if not step.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+            return hidden, None
+        return hidden, self.model.compute_logits(
+            hidden[torch.tensor(step.sample_rows, device=self.device)])

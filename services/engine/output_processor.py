@@ -145,4 +145,5 @@ class OutputProcessor:
             if first.first_token_time is not None:
                 metrics["first_token_time"] = first.first_token_time
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
-                             group.finished, max(first.num_cached_tokens, 0), metrics)
+                             group.finished, max(first.num_cached_tokens, 0), metrics,
+                             prompt_logprobs=first.prompt_logprobs)

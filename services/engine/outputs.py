@@ -46,3 +46,7 @@ class RequestOutput:
     # arrival, first scheduled and first token times; NOTE: one dict shared by all of a request's
     # outputs, filled in as the times become known (never changed once set)
     metrics: dict[str, float] = field(default_factory=dict)
+    # prompt_logprobs: entry j for prompt token j (None for j = 0); the request's own list,
+    # complete once its prefill is (shared, not copied, by every output)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None   # an embeddings request's pooled vector

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Request:
     block_hasher: Callable[[Request], None] | None = None
     # structured outputs: this sample's matcher; on the request, not its KV, so it survives preemption
     grammar: RequestGrammar | None = None
+    pooling: PoolingParams | None = None     # an embeddings request: pooled, never sampled
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -73,10 +75,15 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_preempted_step: int = -1            # NOTE: guards against thrashing a freshly preempted request
+    # prompt_logprobs: entry j is token j's (None for j = 0), filled chunk by chunk at prefill
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pool_state: object = None                # pooling.PoolState while a pooled prefill runs
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         if self.block_hasher is not None:
             self.block_hasher(self)
 
@@ -85,6 +92,17 @@ class Request:
         self.block_hasher = hasher
         if hasher is not None:
             hasher(self)
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """True when every prompt position must be computed here: prompt logprobs and mean
+        pooling read each position's hidden state, which a cached (or remote) block skips.
+
+        NOTE: such requests skip reading the prefix cache (and remote KV) altogether rather
+        than recompute the positions they need (vLLM does the same for prompt logprobs); their
+        blocks are still cached when they finish, for the requests that come after."""
+        return (self.sampling_params.prompt_logprobs is not None
+                or (self.pooling is not None and self.pooling.pooling == "mean"))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,12 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False          # keep generating past EOS (benchmarks)
     logprobs: int | None = None       # top-k logprobs per generated token (0: chosen only)
+    # top-k logprobs of every prompt token (vLLM's prompt_logprobs; 0: the prompt token only);
+    # computed from the prefill's own forward pass (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
+    # token id -> bias added to its logit before sampling and before logprobs (OpenAI's
+    # logit_bias); values are clamped to [-100, 100] (engine/logit_bias.py applies them)
+    logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputSpec | None = None   # constrain the output (xgrammar)
@@ -53,6 +59,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+        if self.logit_bias is not None:
+            self.logit_bias = clamp_logit_bias(self.logit_bias)
 
     def validate(self) -> None:
         """Raise SamplingParamsError (a ValueError) naming the field and the allowed range."""
@@ -86,6 +94,11 @@ class SamplingParams:
                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         yield ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
                f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        yield ("prompt_logprobs", self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        yield ("logit_bias", self.logit_bias is None or _valid_bias(self.logit_bias),
+               "logit_bias must map token ids (integers >= 0) to numbers")
         yield ("stop", all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
         yield ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -97,6 +110,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+# OpenAI's range for a logit bias: -100 bans a token, +100 all but forces it.
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
+
+
+def clamp_logit_bias(bias: dict[int, float]) -> dict[int, float]:
+    """Each bias clamped to [-100, 100] (as OpenAI does); zero biases are dropped."""
+    out = {int(t): min(max(float(b), LOGIT_BIAS_MIN), LOGIT_BIAS_MAX) for t, b in bias.items()}
+    return {t: b for t, b in out.items() if b != 0.0}
+
+
+def _valid_bias(bias: object) -> bool:
+    if not isinstance(bias, dict):
+        return False
+    return all(_is_int(t) and t >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool)
+               and b == b for t, b in bias.items())      # NOTE: b == b refuses NaN
 
 
 def _is_int(value: object) -> bool:

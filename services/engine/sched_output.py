@@ -87,3 +87,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, Logprob]] | None]   # request id -> per-sample logprobs
     model_time_s: float = 0.0                              # forward + sampling wall time
     sample_window: tuple[float, float] | None = None       # monotonic s: sampler start, end
+    # request id -> (index of the first prompt token scored, entries): this step's chunk of
+    # prompt logprobs (engine/prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)   # request id -> embedding

@@ -315,7 +315,7 @@ class Scheduler(Preemption):
 
         NOTE: the step never waits for the network: admission takes whatever has arrived by
         then (_remote_blocks) and computes the rest locally."""
-        if self.kv_connector is None:
+        if self.kv_connector is None or req.skip_prefix_cache:
             return
         limit = (req.num_tokens - 1) // self.kv.block_size   # one token is always computed
         if limit <= 0:
@@ -348,7 +348,7 @@ class Scheduler(Preemption):
     def _remote_blocks(self, req: Request, num_hit: int) -> list[bytes]:
         """KV bytes of the full blocks after the local prefix hits that another pod stored
         and the prefetch already brought in (never waits)."""
-        if self.kv_connector is None:
+        if self.kv_connector is None or req.skip_prefix_cache:
             return []
         bs = self.kv.block_size
         limit = (req.num_tokens - 1) // bs          # at least one token is left to compute

@@ -163,7 +163,11 @@ def test_64_concurrent_streams_with_disconnects_leave_nothing_behind(server, asy
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "The model `gpt-4` does not exist."),
     (b'{"prompt": ""}', 400, "prompt must not be empty"),
     (b'{"prompt": [1, 2, 99999999]}', 400, "outside the vocabulary"),
-    (b'{"prompt": "x", "logit_bias": {"1": 5}}', 400, "logit_bias is not supported"),
+    (b'{"prompt": "x", "logit_bias": {"a": 5}}', 400, "logit_bias keys must be token ids"),
+    (b'{"prompt": "x", "logit_bias": {"99999999": 5}}', 400, "logit_bias token ids must be in"),
+    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens 0 is only allowed with echo"),
+    (b'{"prompt": "x", "prompt_logprobs": 1, "stream": true}', 400,
+     "prompt_logprobs is not available with stream"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server, body, status, message):
     r = httpx.post(f"{server.url}/v1/completions", content=body,

@@ -84,4 +84,6 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
         with torch.inference_mode():
             runner.apply_block_ops(msg.block_ops)
             if msg.model_input is not None:
-                runner.run_model(msg.model_input)
+                hidden, _ = runner.run_model(msg.model_input)
+                for a, b in msg.model_input.logit_passes:   # rank 0's prompt-logprob LM-head passes
+                    runner.model.compute_logits(hidden[a:b])
