@@ -13,6 +13,7 @@ from typing import Any
 
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
+
 from kvmesh.engine.structured.spec import StructuredOutputError
 
 # annotations: no constraint to enforce
