@@ -71,12 +71,15 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them; `tools`
+        (OpenAI tool objects) are rendered as the server renders them (kvmesh.prompt)."""
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools)
                    for conv in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -5,6 +5,7 @@ only its request; unconstrained steps never touch xgrammar."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import jsonschema
@@ -169,3 +170,23 @@ def test_unconstrained_steps_never_touch_xgrammar(smollm, monkeypatch):
     final, _ = run(engine, {"plain": ("Hello", SamplingParams(max_tokens=3, temperature=0))})
     assert len(final["plain"].outputs[0].token_ids) == 3
     assert engine.structured._pool is None            # no tokenizer tables, no threads
+
+
+def test_offline_chat_with_tools_and_a_forced_call(smollm):
+    from kvmesh.api.tool_parsers import HermesToolParser
+    from kvmesh.engine.llm import LLM
+    llm = LLM.__new__(LLM)               # NOTE: the shared loaded model, not a second load
+    llm.engine = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=48,
+                                        max_model_len=512), loaded=smollm)
+    llm._ids = itertools.count()
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string", "maxLength": 8}},
+        "required": ["word"]}}}]
+    parser = HermesToolParser()
+    (out,) = llm.chat([{"role": "user", "content": "Look up 'tea'."}],
+                      SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                                     structured_outputs=parser.constrained(tools, False)),
+                      tools=tools)
+    (call,) = parser.extract(out.outputs[0].text).calls
+    assert call.name == "lookup" and isinstance(json.loads(call.arguments)["word"], str)
+    assert out.outputs[0].finish_reason == "stop"

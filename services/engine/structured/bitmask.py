@@ -28,13 +28,19 @@ class GrammarBitmask:
                                         indices=self.rows)
 
 
+def is_sampling_row(sr) -> bool:
+    """The runner projects this scheduled request to a logits row. NOTE: a pooling (embeddings)
+    request reaches its last token without sampling; the runner skips it, so must the mask."""
+    return sr.sample and getattr(sr.request, "pooling", None) is None
+
+
 def build_bitmask(sched: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
     """The step's bitmask, or None when no sampling row is constrained (nothing is allocated)."""
     rows: list[int] = []
     grammars = []
     num_rows = 0
     for sr in sched.scheduled:
-        if not sr.sample:
+        if not is_sampling_row(sr):
             continue
         grammar = sr.request.grammar
         # NOTE: a fork's children (n > 1) draw from this row at their first token; every sample's
