@@ -9,9 +9,10 @@ that is what the router computes for a prompt; vLLM's hashes depend on its versi
 function and seed. The events carry their blocks' token ids: vllm_chain.py re-hashes them.
 
 The chain in memory is the pod's whole state, so after a Redis error the subscriber rewrites the
-pod's entries from it. Sequence numbers: a gap asks the replay
-socket for the missing range; what the replay cannot supply is counted as lost. A live sequence
-number at or below one already seen means the engine restarted: its old blocks are forgotten.
+pod's entries from it. Sequence numbers: a gap asks the replay socket for the missing range;
+what the replay cannot supply is counted as lost. A number on the PUB socket at or below one
+already read there means the engine restarted: its old blocks are forgotten. (A restart slower
+than a health check is caught anyway: the pod is unhealthy meanwhile, a lapse, see below.)
 
 Liveness: the pod counts as live while `set_healthy(True)` (the router's health checks) and,
 when a replay endpoint is known, while the publisher answers a probe (a replay request from the

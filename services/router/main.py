@@ -17,7 +17,7 @@ logger = logging.getLogger("kvmesh.router")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh router",
-                                description="KV-aware OpenAI-compatible router over kvmesh engines")
+                                description="KV-aware OpenAI-compatible router over kvmesh or vLLM engines")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--redis-url", required=True, help="the shared prefix index, redis://host:port/db "
