@@ -31,7 +31,7 @@ class GrammarBitmask:
 def is_sampling_row(sr) -> bool:
     """The runner projects this scheduled request to a logits row. NOTE: a pooling (embeddings)
     request reaches its last token without sampling; the runner skips it, so must the mask."""
-    return sr.sample and getattr(sr.request, "pooling", None) is None
+    return sr.sample and sr.request.pooling is None
 
 
 def build_bitmask(sched: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
