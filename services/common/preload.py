@@ -62,3 +62,58 @@ def is_preloaded(lib: Path, env: dict[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     names = env.get("LD_PRELOAD", "").replace(":", " ").split()
     return str(lib) in names or any(Path(n).name == lib.name for n in names)
+
+
+# set in the environment of a process re-executed with an allocator: never re-execute twice
+REEXEC_MARK = "KVMESH_ALLOCATOR_PRELOAD"
+
+
+def resolve_allocator(choice: str) -> Path | None:
+    """`--allocator`: auto (the best found, or None), none, or the path of a shared library."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return find_allocator()
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--allocator {choice}: no such file (use auto, none or a library path)")
+    return path.resolve()
+
+
+def reexec_env(choice: str, env: dict[str, str]) -> tuple[Path | None, dict[str, str] | None]:
+    """(allocator, environment to re-execute with, or None when this process should just go on).
+
+    No re-exec when no allocator is wanted or found, when it is already preloaded, or when this
+    process is itself the re-executed one (the mark is set: a library that failed to preload
+    must not loop)."""
+    lib = resolve_allocator(choice)
+    if lib is None or is_preloaded(lib, env) or env.get(REEXEC_MARK):
+        return lib, None
+    out = with_preload(env, [lib])
+    out[REEXEC_MARK] = str(lib)
+    return lib, out
+
+
+def loaded_allocator() -> str | None:
+    """The file name of the ALLOCATORS library mapped into this process, or None (Linux only)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for name in ALLOCATORS:
+        if name in maps:
+            return name
+    return None
+
+
+def reexec_with_allocator(choice: str, argv: list[str]) -> None:
+    """Replace this process by `python argv...` with the allocator preloaded, when one is wanted,
+    found and not loaded yet; otherwise return. Call before threads start (exec keeps only the
+    calling thread)."""
+    lib, env = reexec_env(choice, dict(os.environ))
+    if env is None:
+        return
+    import sys
+    print(f"kvmesh: restarting with {lib} preloaded (--allocator none to keep glibc malloc)",
+          file=sys.stderr, flush=True)
+    os.execve(sys.executable, [sys.executable, *argv], env)

@@ -44,7 +44,7 @@ class LoadedModel:
     path: Path                  # what was loaded: the directory or the .gguf file
     dtype: torch.dtype
     device: torch.device
-    attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "triton")
+    attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "cpu" / "triton")
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
