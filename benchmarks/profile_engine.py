@@ -22,8 +22,7 @@ and output stage), and prints one table: seconds and share of the run for
     step_other      the engine step's remaining Python
 
 `--torch-profile N` also records N steps (after 10 warm ones) with torch.profiler and prints its
-top ops by self CPU time. A compiled forward (`--compile`, see kvmesh.engine.compiled) runs as
-one graph, so its parts are reported together as `forward (compiled)`.
+top ops by self CPU time.
 
 py-spy gives the same picture from outside, Python frames included:
 
@@ -74,7 +73,7 @@ class Timers:
         return timed
 
 
-def instrument(engine, timers: Timers, compiled: bool) -> None:
+def instrument(engine, timers: Timers) -> None:
     """Replace the engine's parts by timed wrappers (the model's modules keep their weights)."""
     import kvmesh.engine.layers.attention as attention_mod
     import kvmesh.engine.layers.causal_lm as causal_lm_mod
@@ -85,18 +84,17 @@ def instrument(engine, timers: Timers, compiled: bool) -> None:
     model = runner.model
     forward_wrapped = runner.model.forward
 
-    if not compiled:
-        for mod in (attention_mod, mlp_mod):
-            mod.linear = timers.wrap("gemm", mod.linear)
-        causal_lm_mod.linear = timers.wrap("lm_head", causal_lm_mod.linear)
-        ops = model.model.layers[0].self_attn.ops
-        for name, cat in (("paged_attention", "attention"), ("write_kv_cache", "kv_write"),
-                          ("rms_norm", "norm"), ("rotary_embedding", "rope")):
-            setattr(ops, name, timers.wrap(cat, getattr(ops, name)))
-        for m in model.modules():
-            if isinstance(m, GatedMLP):
-                act = m.act
-                m.act = timers.wrap("activation", lambda x, _a=act: _a(x))
+    for mod in (attention_mod, mlp_mod):
+        mod.linear = timers.wrap("gemm", mod.linear)
+    causal_lm_mod.linear = timers.wrap("lm_head", causal_lm_mod.linear)
+    ops = model.model.layers[0].self_attn.ops
+    for name, cat in (("paged_attention", "attention"), ("write_kv_cache", "kv_write"),
+                      ("rms_norm", "norm"), ("rotary_embedding", "rope")):
+        setattr(ops, name, timers.wrap(cat, getattr(ops, name)))
+    for m in model.modules():
+        if isinstance(m, GatedMLP):
+            act = m.act
+            m.act = timers.wrap("activation", lambda x, _a=act: _a(x))
 
     # forward = everything inside the model call; its named parts are subtracted afterwards
     fwd = defaultdict(float)
@@ -138,20 +136,15 @@ class _TimedCallable:
         return getattr(self._inner, item)
 
 
-def breakdown(timers: Timers, wall: float, compiled: bool) -> list[tuple[str, float]]:
+def breakdown(timers: Timers, wall: float) -> list[tuple[str, float]]:
     t = dict(timers.total)
     forward = timers.forward["t"]
     named_fwd = sum(t.get(k, 0.0) for k in ("gemm", "lm_head", "attention", "kv_write", "norm", "rope",
                                             "activation"))
     lm_head = t.get("lm_head", 0.0)
     # NOTE: compute_logits runs outside model.forward: lm_head is not part of `forward`.
-    rows = []
-    if compiled:
-        rows.append(("forward (compiled)", forward))
-    else:
-        for k in ("gemm", "attention", "kv_write", "norm", "rope", "activation"):
-            rows.append((k, t.get(k, 0.0)))
-        rows.append(("forward_other", forward - (named_fwd - lm_head)))
+    rows = [(k, t.get(k, 0.0)) for k in ("gemm", "attention", "kv_write", "norm", "rope", "activation")]
+    rows.append(("forward_other", forward - (named_fwd - lm_head)))
     rows.append(("lm_head", lm_head))
     rows.append(("sampling", t.get("sampling", 0.0)))
     execute = t.get("_execute", 0.0)
@@ -166,11 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", default="decode-heavy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=0, help="first N requests only (0: all)")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "reference"))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--torch-profile", type=int, default=0, metavar="N")
-    p.add_argument("--compile", action="store_true", help="profile the compiled forward")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -180,16 +174,18 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = load_model(None, dtype="float32", device="cpu")
+    loaded = load_model(None, dtype="float32", device="cpu", attention_backend=args.attention_backend)
     ns = argparse.Namespace(workload=args.workload, seed=args.seed, scale=10.0, max_total_len=1024,
                             prompt_fraction=0.5, num_requests=64)
     reqs, summary = ot.build_requests(loaded.tokenizer, ns)
+    if args.num_requests:
+        reqs = reqs[:args.num_requests]
+        summary = {"requests": len(reqs), "prompt_tokens": sum(len(r.prompt_ids) for r in reqs)}
     block = 16
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
-    extra = {"compile": True} if args.compile else {}
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype="float32", device="cpu", **extra)
+                       swap_space=0.0, dtype="float32", device="cpu")
     engine = LLMEngine(cfg, loaded=loaded)
 
     def add(batch, tag):
@@ -201,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     timers = Timers()
-    instrument(engine, timers, args.compile)
+    instrument(engine, timers)
     add(reqs, "r")
     prof = None
     steps = 0
@@ -216,13 +212,13 @@ def main(argv: list[str] | None = None) -> None:
             prof.__exit__(None, None, None)
     wall = time.perf_counter() - t0
     out_tokens = sum(r.output_len for r in reqs)
-    print(f"# {args.workload}: {summary['requests']} requests, {summary['prompt_tokens']} prompt / "
+    print(f"# {args.workload} ({loaded.attention_backend} backend): {summary['requests']} requests, {summary['prompt_tokens']} prompt / "
           f"{out_tokens} output tokens, {steps} steps, {wall:.1f} s ({out_tokens / wall:.1f} output "
           f"tok/s, instrumented), load average {os.getloadavg()[0]:.2f}")
     print()
     print("| part | seconds | share | ms per step |")
     print("|---|---:|---:|---:|")
-    for name, sec in breakdown(timers, wall, args.compile):
+    for name, sec in breakdown(timers, wall):
         print(f"| {name} | {sec:.2f} | {100 * sec / wall:.1f}% | {1000 * sec / steps:.2f} |")
     print(f"| **step total** | {wall:.2f} | 100% | {1000 * wall / steps:.2f} |")
     if prof is not None:
