@@ -1,12 +1,14 @@
-"""The CPU backend: the reference ops, with decode attention on the C++ kernel.
+"""The CPU backend: the reference ops, with paged attention on the C++ kernel.
 
 `get_ops("cpu")` returns this module (the default on CPU when the kernels build here, see
-`kvmesh.kernels.cpu_kernels`). Every decode row (query length 1) of a step, alone or mixed with
-prefill chunks, goes to `paged_attention_rows`, which reads K/V where they lie in the paged
-cache: no gather into padded copies, no masks, one pass over each sequence's keys and values
-per KV head. Prefill chunks keep the reference path (a gather of their context, then SDPA, whose
-blocked GEMMs beat a per-row kernel once a chunk has many queries). Anything the kernel does not
-cover (other dtypes, devices) runs the reference as is.
+`kvmesh.kernels.cpu_kernels`). Every query token of a step, decode or prefill chunk, is one row
+of `paged_attention_rows`, which reads K/V where they lie in the paged cache: no gather into
+padded copies, no masks (a row's causal limit is its own context length), and each key is
+loaded once for the whole GQA group of query heads. Anything the kernel does not cover (other
+dtypes, devices) runs the reference as is.
+
+Rows are ordered so that the thread pool's contiguous split gives each thread about the same
+number of keys: a prefill chunk's last query sees the whole context, its first almost none.
 """
 from __future__ import annotations
 
@@ -28,8 +30,7 @@ from kvmesh.kernels.reference import (  # noqa: F401 - the backend's other ops, 
 
 @dataclass(slots=True)
 class _RowPlan:
-    rows: torch.Tensor                          # [R, 3] int64: (token, sequence, context length)
-    prefills: list[tuple[int, int, int, int]]   # (seq, first token, last token + 1, seq_len)
+    rows: torch.Tensor                          # [T, 3] int64: (token, sequence, context length)
 
 
 # NOTE: as the reference's plan cache: built for the first layer of a step, reused by the
@@ -42,19 +43,31 @@ def _plan(meta: AttentionMetadata) -> _RowPlan:
     for m, plan in _plans:
         if m is meta:
             return plan
-    rows: list[tuple[int, int, int]] = []
-    prefills: list[tuple[int, int, int, int]] = []
-    start = 0
-    for s, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len == 1:
-            rows.append((start, s, s_len))
-        elif q_len > 0:
-            prefills.append((s, start, start + q_len, s_len))
-        start += q_len
-    plan = _RowPlan(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 3), prefills)
+    plan = _RowPlan(attention_rows(meta.query_lens_cpu, meta.seq_lens_cpu))
     _plans.append((meta, plan))
     del _plans[:-_PLANS]
     return plan
+
+
+def attention_rows(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """[T, 3] int64 (token, sequence, context length), in a thread-balanced order.
+
+    Query token i of a sequence with q new tokens and s tokens in all sees s - q + i + 1 keys.
+    The order pairs the longest rows with the shortest ([longest, shortest, 2nd longest, ...]),
+    so any contiguous half holds about half of the keys."""
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    s = torch.tensor(seq_lens, dtype=torch.int64)
+    total = int(q.sum())
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int64), q)
+    tok = torch.arange(total, dtype=torch.int64)
+    first = torch.cumsum(q, 0) - q                       # each sequence's first token
+    ctx = (s - q)[seq] + (tok - first[seq]) + 1
+    order = torch.argsort(ctx, descending=True, stable=True)
+    zig = torch.empty_like(order)
+    half = (total + 1) // 2
+    zig[0::2] = order[:half]
+    zig[1::2] = order[half:].flip(0)
+    return torch.stack([tok, seq, ctx], dim=1)[zig].contiguous()
 
 
 def kernel_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -76,12 +89,6 @@ def paged_attention(
         return reference.paged_attention(query, k_cache, v_cache, meta, scale, softcap)
     plan = _plan(meta.with_window(0))
     out = torch.empty(query.shape, dtype=query.dtype)
-    if plan.rows.shape[0]:
-        load().paged_attention_rows(query, k_cache, v_cache, meta.block_tables, plan.rows, out,
-                                    float(scale), int(meta.sliding_window), float(softcap))
-    for s, lo, hi, s_len in plan.prefills:
-        table = meta.block_tables[s]
-        k = reference._gather_context(k_cache, table, s_len)
-        v = reference._gather_context(v_cache, table, s_len)
-        out[lo:hi] = reference._extend_one(query[lo:hi], k, v, scale, meta.sliding_window, softcap)
+    load().paged_attention_rows(query, k_cache, v_cache, meta.block_tables, plan.rows, out,
+                                float(scale), int(meta.sliding_window), float(softcap))
     return out

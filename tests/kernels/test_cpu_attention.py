@@ -39,7 +39,8 @@ def _batch(query_lens, seq_lens, heads=6, kv_heads=2, dim=16, num_blocks=64, see
 @pytest.mark.parametrize("query_lens, seq_lens", [
     ([1, 1, 1], [5, 17, 1]),                  # all decode, uneven contexts
     ([1, 7, 1, 3], [9, 7, 30, 11]),           # decodes mixed with a prompt and a chunk
-    ([4], [13]),                              # a prefill chunk alone (reference path)
+    ([4], [13]),                              # a prefill chunk after a cached prefix
+    ([9], [9]),                               # a whole prompt
 ])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (6, 0.0), (0, 5.0)])
 def test_matches_the_reference(ext, query_lens, seq_lens, window, softcap):
@@ -48,6 +49,16 @@ def test_matches_the_reference(ext, query_lens, seq_lens, window, softcap):
     want = reference.paged_attention(query, k, v, meta, 0.25, softcap)
     got = cpu_ops.paged_attention(query, k, v, meta, 0.25, softcap)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_rows_are_every_token_with_its_causal_context_in_a_balanced_order():
+    rows = cpu_ops.attention_rows([1, 4, 1], [7, 13, 3])
+    # tokens 1..4 are the last 4 of a 13-token context: they see 10, 11, 12, 13 keys
+    assert sorted(map(tuple, rows.tolist())) == [(0, 0, 7), (1, 1, 10), (2, 1, 11), (3, 1, 12),
+                                                 (4, 1, 13), (5, 2, 3)]
+    assert rows[:, 2].tolist() == [13, 3, 12, 7, 11, 10]      # longest, shortest, 2nd longest, ...
+    half = rows.shape[0] // 2
+    assert abs(int(rows[:half, 2].sum()) - int(rows[half:, 2].sum())) <= 13
 
 
 def test_reads_a_strided_query_view(ext):
