@@ -1,4 +1,4 @@
-"""The CPU backend: the reference ops, with paged attention on the C++ kernel.
+"""The CPU backend: the reference ops, with attention, RMSNorm and RoPE on C++ kernels.
 
 `get_ops("cpu")` returns this module (the default on CPU when the kernels build here, see
 `kvmesh.kernels.cpu_kernels`). Every query token of a step, decode or prefill chunk, is one row
@@ -9,6 +9,11 @@ dtypes, devices) runs the reference as is.
 
 Rows are ordered so that the thread pool's contiguous split gives each thread about the same
 number of keys: a prefill chunk's last query sees the whole context, its first almost none.
+
+RMSNorm (with the residual add) and RoPE are one pass each over their tensors, where the torch
+reference runs five to eight elementwise ops with temporaries; a decode step's small tensors run
+on the calling thread (no parallel region per op). RoPE rounds exactly as the reference; RMSNorm
+sums the squares in another order (within an ulp or two of it).
 """
 from __future__ import annotations
 
@@ -21,8 +26,6 @@ from kvmesh.kernels.cpu_kernels import load
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.reference import (  # noqa: F401 - the backend's other ops, unchanged
     fused_moe,
-    rms_norm,
-    rotary_embedding,
     select_experts,
     write_kv_cache,
 )
@@ -92,3 +95,33 @@ def paged_attention(
     load().paged_attention_rows(query, k_cache, v_cache, meta.block_tables, plan.rows, out,
                                 float(scale), int(meta.sliding_window), float(softcap))
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference's contract: norm(x) or (norm(x + residual), x + residual), float32 math."""
+    ext = load()
+    if (ext is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or weight.dtype != torch.float32
+            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape))):
+        return reference.rms_norm(x, weight, eps, residual)
+    res = None if residual is None else residual.contiguous()
+    out, new_residual = ext.rms_norm(x.contiguous(), weight.contiguous(), float(eps), res)
+    return out, (None if residual is None else new_residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,    # [num_tokens] int64
+    query: torch.Tensor,        # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos in [:, :d/2], sin in [:, d/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract (NeoX rotate-half), bit for bit in float32."""
+    ext = load()
+    if (ext is None or query.dtype != torch.float32 or key.dtype != torch.float32
+            or query.device.type != "cpu" or query.dim() != 3 or key.dim() != 3
+            or query.stride(2) != 1 or key.stride(2) != 1 or positions.dtype != torch.int64
+            or cos_sin_cache.dtype != torch.float32):
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+    q, k = ext.rotary_embedding(positions.contiguous(), query, key, cos_sin_cache.contiguous())
+    return q, k

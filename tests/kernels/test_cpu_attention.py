@@ -1,5 +1,6 @@
-"""The C++ CPU paged attention against the torch reference: decodes in place, mixed batches,
-GQA, sliding windows, soft-capping, and its argument checks."""
+"""The C++ CPU kernels against the torch reference: paged attention (decodes in place, mixed
+batches, GQA, sliding windows, soft-capping), RMSNorm with the residual add, RoPE; and their
+argument checks."""
 from __future__ import annotations
 
 import pytest
@@ -123,3 +124,48 @@ def test_auto_picks_the_cpu_backend_here(ext):
         resolve_backend("cpu", torch.device("cuda"))
     with pytest.raises(ValueError, match="auto, triton, cpu or reference"):
         resolve_backend("fast", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tokens", [3, 200])       # inline (a decode step) and split across threads
+def test_rms_norm_matches_the_reference(ext, tokens):
+    g = torch.Generator().manual_seed(1)
+    x, r, w = (torch.randn(tokens, 96, generator=g) for _ in range(2)), None, None
+    x, r = x
+    w = torch.randn(96, generator=g)
+    out, none = cpu_ops.rms_norm(x, w, 1e-5)
+    want, _ = reference.rms_norm(x, w, 1e-5)
+    assert none is None
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    out, summed = cpu_ops.rms_norm(x, w, 1e-5, r)
+    want, want_sum = reference.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(summed, want_sum)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [2, 300])
+def test_rope_is_bit_exact_with_the_reference_on_strided_views(ext, tokens):
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 16, generator=g)
+    q = qkv[:, :96].view(tokens, 6, 16)                       # views of a fused projection
+    k = qkv[:, 96:128].view(tokens, 2, 16)
+    table = torch.randn(512, 16, generator=g)
+    pos = torch.randint(0, 512, (tokens,), generator=g)
+    got_q, got_k = cpu_ops.rotary_embedding(pos, q, k, table)
+    want_q, want_k = reference.rotary_embedding(pos, q, k, table)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_norm_and_rope_refuse_bad_arguments(ext):
+    with pytest.raises(RuntimeError, match="weight must be contiguous float32 \\[H\\]"):
+        ext.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5, None)
+    with pytest.raises(RuntimeError, match="residual must be contiguous float32 shaped like x"):
+        ext.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5, torch.ones(3, 8))
+    q, k = torch.ones(2, 3, 8), torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="position out of the table's range"):
+        ext.rotary_embedding(torch.tensor([0, 16]), q, k, torch.ones(16, 8))
+    with pytest.raises(RuntimeError, match="head_dim does not match the table"):
+        ext.rotary_embedding(torch.tensor([0, 1]), q, k, torch.ones(16, 6))
+    # other dtypes run the reference
+    q16, k16 = q.bfloat16(), k.bfloat16()
+    got = cpu_ops.rotary_embedding(torch.tensor([0, 1]), q16, k16, torch.ones(16, 8))
+    assert got[0].dtype == torch.bfloat16
