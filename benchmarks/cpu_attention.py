@@ -1,6 +1,7 @@
 """Decode attention on the CPU: the C++ in-place kernel (`cpu` backend) against the torch reference.
 
     python benchmarks/cpu_attention.py --seqs 64 --min-ctx 32 --max-ctx 512
+    python benchmarks/cpu_attention.py --norm-rope --tokens 64,512
 
 One decode step's attention for every layer of the built-in model's shape (9 query / 3 KV heads
 of 64, 30 layers with their own caches), both backends interleaved in one process, best of
@@ -28,9 +29,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--norm-rope", action="store_true",
+                   help="time one step's RMSNorms (2 per layer + final, residual fused) and RoPEs instead")
+    p.add_argument("--tokens", default="64,512", help="--norm-rope: token counts")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.norm_rope:
+        return norm_rope(args)
     from kvmesh.kernels import cpu_ops, reference
     from kvmesh.kernels.metadata import AttentionMetadata
 
@@ -64,6 +70,36 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.layers} layers, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     print(f"reference {1000 * best['reference']:.1f} ms, cpu kernel {1000 * best['cpu']:.1f} ms per step: "
           f"{best['reference'] / best['cpu']:.2f}x; max abs difference {err:.2e}")
+
+
+def norm_rope(args) -> None:
+    from kvmesh.kernels import cpu_ops, reference
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(8192, 64, generator=g)
+    print(f"# {args.layers} layers, hidden 576, 9 / 3 heads of 64, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x, r = torch.randn(tokens, 576, generator=g), torch.randn(tokens, 576, generator=g)
+        w = torch.randn(576, generator=g)
+        qkv = torch.randn(tokens, 960, generator=g)
+        q, k = qkv[:, :576].view(tokens, 9, 64), qkv[:, 576:768].view(tokens, 3, 64)
+        pos = torch.randint(0, 8192, (tokens,), generator=g)
+
+        def step(ops):
+            for _ in range(args.layers):
+                ops.rms_norm(x, w, 1e-5, r)
+                ops.rms_norm(x, w, 1e-5, r)
+                ops.rotary_embedding(pos, q, k, table)
+
+        best = {"reference": float("inf"), "cpu": float("inf")}
+        for _ in range(args.repeats):
+            for name, ops in (("reference", reference), ("cpu", cpu_ops)):
+                t0 = time.perf_counter()
+                step(ops)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"{tokens} tokens: reference {1000 * best['reference']:.2f} ms, cpu kernels "
+              f"{1000 * best['cpu']:.2f} ms per step: {best['reference'] / best['cpu']:.2f}x")
 
 
 if __name__ == "__main__":
