@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-vllm install install-test redis bench clean
+.PHONY: run test test-vllm install install-test redis tcmalloc bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,13 +27,20 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 
 install: $(VENV)/.installed
 
-install-test: $(VENV)/.installed-test redis
+install-test: $(VENV)/.installed-test redis tcmalloc
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server via apt"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null \
 	  || { echo "could not install redis-server (need root and apt)"; exit 1; }; }
+
+# NOTE: `kvmesh serve` preloads tcmalloc when present (--allocator); its test expects it here.
+tcmalloc:
+	@ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { \
+	  echo "installing libtcmalloc-minimal4 via apt"; \
+	  (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null \
+	  || { echo "could not install libtcmalloc-minimal4 (need root and apt)"; exit 1; }; }
 
 run: install
 	$(BIN)/kvmesh serve --host $(HOST) --port $(PORT)

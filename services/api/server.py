@@ -30,6 +30,7 @@ from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
+from kvmesh.common.preload import loaded_allocator, reexec_with_allocator
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.limits import RequestLimits
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="FILE",
                    help="JSON (or *.yaml) file of flag defaults: keys are the long flag names without "
                    "dashes ('max-num-seqs' or 'max_num_seqs'); flags on the command line override it")
+    p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
+                   help="malloc to preload by restarting once with LD_PRELOAD: auto (tcmalloc, else "
+                   "jemalloc, when installed), none, or a library path (also KVMESH_ALLOCATOR)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
@@ -181,10 +185,19 @@ def make_lifespan(state: ServerState, config: EngineConfig, args: argparse.Names
     return lifespan
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
+    """`kvmesh serve`. reexec: this process is the command's own (not a test calling main), so it
+    may restart itself once with the allocator preloaded (see kvmesh.common.preload)."""
     args = parse_args(argv)
+    if reexec:
+        try:
+            reexec_with_allocator(args.allocator, ["-m", "kvmesh.cli", "serve", *(argv or [])])
+        except ValueError as e:
+            print(f"kvmesh serve: error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("malloc: %s", loaded_allocator() or "the C library's (no tcmalloc / jemalloc loaded)")
     try:
         if args.kv_share and not args.redis_url:
             raise ValueError("--kv-share redis needs --redis-url")

@@ -26,7 +26,7 @@ class EngineConfig:
     tokenizer: str | None = None           # tokenizer directory overriding the model's own
     dtype: str = "auto"                    # float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
-    attention_backend: str = "auto"        # auto | triton | reference
+    attention_backend: str = "auto"        # auto | triton | cpu | reference
     max_model_len: int | None = None       # default: the model's context length
     block_size: int = 16
     num_kv_blocks: int | None = None       # explicit GPU KV block count; default from memory
@@ -60,8 +60,8 @@ class EngineConfig:
                 raise ValueError(msg)
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(self.attention_backend in ("auto", "triton", "reference"),
-             f"attention_backend must be auto, triton or reference, got {self.attention_backend!r}")
+        need(self.attention_backend in ("auto", "triton", "cpu", "reference"),
+             f"attention_backend must be auto, triton, cpu or reference, got {self.attention_backend!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
              f"block_size must be a power of two from 1 to 128, got {self.block_size}")
         need(self.max_model_len is None or self.max_model_len >= 2,
@@ -122,7 +122,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
     g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "reference"))
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "cpu", "reference"))
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)

@@ -50,7 +50,7 @@ class LoadedModel:
     path: Path                  # what was loaded: the directory or the .gguf file
     dtype: torch.dtype
     device: torch.device
-    attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "triton")
+    attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "cpu" / "triton")
     plan: TPPlan | None = None  # tensor-parallel: this rank's share (config stays the full model's)
 
 

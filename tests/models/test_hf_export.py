@@ -1,28 +1,41 @@
-"""kvmesh.common.hf_export: the GGUF model as an HF directory, converted once and cached. The real
-conversion of the built-in model runs in `make test-vllm` (vLLM loads it and must answer like
-kvmesh's engine); here: the cache key, a warm cache and the errors."""
+"""The built-in GGUF as an HF directory (what vLLM loads): the same weights transformers reads
+from the GGUF, a config that names the architecture without the GGUF quantization, cached."""
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
-from kvmesh.common.hf_export import hf_model_dir
-from kvmesh.prompt.sources import cache_key
-
-
-def test_a_warm_cache_is_returned_without_converting(tmp_path, monkeypatch):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(100))
-    target = tmp_path / "cache" / f"{cache_key(gguf)}-hf-bfloat16"
-    target.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        (target / name).write_text("{}")
-    import kvmesh.common.hf_export as hf_export
-    monkeypatch.setattr(hf_export, "_convert_weights", lambda *a: pytest.fail("converted"))
-    assert hf_model_dir(gguf, "bfloat16", tmp_path / "cache") == target
+from kvmesh.common.hf_export import builtin_hf_dir, gguf_to_hf_dir
 
 
-def test_errors_name_the_problem(tmp_path):
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
-        hf_model_dir(tmp_path / "m.gguf", "int8")
-    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
-        hf_model_dir(tmp_path / "missing.gguf")
+@pytest.fixture(scope="module")
+def hf_dir():
+    return builtin_hf_dir()
+
+
+def test_directory_has_config_weights_and_tokenizer(hf_dir):
+    names = {p.name for p in hf_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    assert (config["dtype"], config["num_hidden_layers"], config["tie_word_embeddings"]) == ("float32", 30, True)
+    assert builtin_hf_dir() == hf_dir           # cached: the same directory, not converted again
+
+
+def test_weights_equal_transformers_gguf_load(hf_dir, hf_smollm):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ours, theirs = model.state_dict(), hf_smollm.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        builtin_hf_dir("int8")
+    with pytest.raises(FileNotFoundError, match="GGUF file .*missing.gguf does not exist"):
+        gguf_to_hf_dir(tmp_path / "missing.gguf", cache_root=tmp_path)

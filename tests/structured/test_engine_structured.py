@@ -190,3 +190,30 @@ def test_offline_chat_with_tools_and_a_forced_call(smollm):
     (call,) = parser.extract(out.outputs[0].text).calls
     assert call.name == "lookup" and isinstance(json.loads(call.arguments)["word"], str)
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_a_constrained_request_batched_with_embeddings_keeps_its_mask_rows(engine):
+    # NOTE: an embeddings request reaches its last prompt token in the same step as the
+    # constrained request's sampling; the runner gives it no logits row, so neither may the mask
+    from kvmesh.engine.pooling_params import PoolingParams
+    proc = engine.input_processor
+    spec = Spec.choice(["yes", "no"])
+    engine.add_request(proc.process("c0", chat(engine, "Yes or no?"),
+                                    SamplingParams(temperature=1.0, max_tokens=5, seed=1,
+                                                   structured_outputs=spec)))
+    for i in range(2):
+        engine.add_request(proc.process(f"e{i}", f"embed this text number {i}",
+                                        SamplingParams(max_tokens=1, temperature=0.0),
+                                        pooling=PoolingParams("last")))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["c0"].outputs[0].text in ("yes", "no")
+    assert final["c0"].outputs[0].finish_reason == "stop"
+    for i in range(2):
+        emb = final[f"e{i}"].embedding
+        assert emb is not None and len(emb) == engine.loaded.config.hidden_size
+        assert abs(sum(x * x for x in emb) - 1.0) < 1e-4
+    assert engine.kv_manager.usage == 0.0

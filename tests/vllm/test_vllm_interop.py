@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from kvmesh.common.hf_export import hf_model_dir
+from kvmesh.common.hf_export import builtin_hf_dir
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 
 from processes import RedisServer, free_port
@@ -93,7 +93,7 @@ def _wait_ready(procs: list[Proc], path: str, timeout: float) -> None:
 def cluster(tmp_path_factory):
     python = VENV / "bin" / "python"
     assert (VENV / "bin" / "vllm").exists(), f"no vLLM at {VENV} (make test-vllm installs it)"
-    model_dir = hf_model_dir(dtype="float32")
+    model_dir = builtin_hf_dir("float32")
     # NOTE: the engines' logs outlive pytest's temporary directories (a first start compiles
     # for many minutes; a failure's cause is in these logs)
     log_dir = Path(os.environ.get("KVMESH_VLLM_LOG_DIR") or tmp_path_factory.mktemp("vllm"))

@@ -1,0 +1,89 @@
+"""vLLM as a benchmark peer: run in vLLM's own venv, speak JSON with `offline_throughput.py`.
+
+    <vllm-venv>/bin/python benchmarks/vllm_peer.py REQUEST.json RESULT.json
+
+REQUEST.json (written by `benchmarks/peer.py`):
+
+    {"model": "/path/to/hf-dir", "dtype": "float32", "seed": 0,
+     "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048,
+     "warmup": [{"prompt_ids": [...], "max_tokens": 4}, ...],
+     "requests": [{"prompt_ids": [...], "max_tokens": 37}, ...]}
+
+RESULT.json:
+
+    {"system": "vllm 0.32.0", "outputs": [[token ids], ...], "wall_s": 12.3, "cpu_s": 24.1,
+     "load_s": 95.0, "note": "..."}
+
+Every request runs greedily (temperature 0), ignoring EOS, with its own max_tokens, prefix
+caching off, all queued at once through `LLM.generate` on `TokensPrompt`s. `cpu_s` is the CPU
+time of this process and its children (vLLM's engine core runs in a child process).
+
+This file imports only vLLM and the standard library (plus psutil, a vLLM dependency): nothing of
+kvmesh is installed in vLLM's venv. vLLM's engine spawns processes, hence the `__main__` guard.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and all its live descendants."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:       # a child that exited meanwhile
+            continue
+        total += t.user + t.system
+    return total
+
+
+def run(spec: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t_load = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
+              enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
+              max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
+              max_model_len=int(spec["max_model_len"]))
+    load_s = time.perf_counter() - t_load
+
+    def go(reqs: list[dict]) -> list[list[int]]:
+        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in reqs]
+        params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]),
+                                 min_tokens=int(r["max_tokens"]), ignore_eos=True) for r in reqs]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    go(spec.get("warmup") or [])
+    c0, t0 = _tree_cpu_s(), time.perf_counter()
+    outputs = go(spec["requests"])
+    wall = time.perf_counter() - t0
+    cpu = _tree_cpu_s() - c0
+    return {"system": f"vllm {vllm.__version__}", "outputs": outputs, "wall_s": wall, "cpu_s": cpu,
+            "load_s": load_s,
+            "note": (f"vllm {vllm.__version__}, max_num_seqs={spec['max_num_seqs']}, "
+                     f"budget={spec['max_num_batched_tokens']} tok/step, prefix caching off")}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: vllm_peer.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

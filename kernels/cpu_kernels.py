@@ -1,0 +1,96 @@
+"""The C++ CPU kernels (`kernels/csrc/*.cpp`), built once per machine and cached.
+
+    from kvmesh.kernels.cpu_kernels import load
+    ext = load()          # the extension module, or None when it cannot be built here
+
+The sources are compiled by torch's own extension builder (g++, `-O3 -march=native -fopenmp`)
+into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/cpu-kernels/<key>/`, where the key hashes the source,
+the flags, the torch version and this CPU's model and flags, so a cache copied to another
+machine is rebuilt rather than run with instructions it may lack. A first build takes ~30-60 s;
+later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off
+(the engine then runs the pure-torch reference kernels).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from kvmesh.common.model_files import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+NAME = "kvmesh_cpu_kernels"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get("KVMESH_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def load():
+    """The built extension, or None (disabled, no compiler, build error: logged once)."""
+    with _lock:
+        if "ext" in _state:
+            return _state["ext"]
+        ext = None
+        if not enabled():
+            _state["why"] = "KVMESH_CPU_KERNELS=0"
+        elif shutil.which(os.environ.get("CXX", "c++")) is None:
+            _state["why"] = "no C++ compiler (c++) on PATH"
+        else:
+            try:
+                ext = _build()
+            except Exception as e:   # noqa: BLE001 - any build failure means: run without them
+                _state["why"] = f"build failed: {e}"
+        if ext is None:
+            log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels",
+                        _state["why"])
+        _state["ext"] = ext
+        return ext
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / "cpu-kernels" / build_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: torch's builder takes a file lock in build_dir, so concurrent processes (a test
+    # run's workers, several servers) build once and the others wait and load the result.
+    return cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                              verbose=False)

@@ -1,0 +1,127 @@
+"""The CPU backend: the reference ops, with attention, RMSNorm and RoPE on C++ kernels.
+
+`get_ops("cpu")` returns this module (the default on CPU when the kernels build here, see
+`kvmesh.kernels.cpu_kernels`). Every query token of a step, decode or prefill chunk, is one row
+of `paged_attention_rows`, which reads K/V where they lie in the paged cache: no gather into
+padded copies, no masks (a row's causal limit is its own context length), and each key is
+loaded once for the whole GQA group of query heads. Anything the kernel does not cover (other
+dtypes, devices) runs the reference as is.
+
+Rows are ordered so that the thread pool's contiguous split gives each thread about the same
+number of keys: a prefill chunk's last query sees the whole context, its first almost none.
+
+RMSNorm (with the residual add) and RoPE are one pass each over their tensors, where the torch
+reference runs five to eight elementwise ops with temporaries; a decode step's small tensors run
+on the calling thread (no parallel region per op). RoPE rounds exactly as the reference; RMSNorm
+sums the squares in another order (within an ulp or two of it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.kernels import reference
+from kvmesh.kernels.cpu_kernels import load
+from kvmesh.kernels.metadata import AttentionMetadata
+from kvmesh.kernels.reference import (  # noqa: F401 - the backend's other ops, unchanged
+    fused_moe,
+    select_experts,
+    write_kv_cache,
+)
+
+
+@dataclass(slots=True)
+class _RowPlan:
+    rows: torch.Tensor                          # [T, 3] int64: (token, sequence, context length)
+
+
+# NOTE: as the reference's plan cache: built for the first layer of a step, reused by the
+# others; keyed by metadata identity (strong references, so an id is never reused).
+_plans: list[tuple[AttentionMetadata, _RowPlan]] = []
+_PLANS = 4
+
+
+def _plan(meta: AttentionMetadata) -> _RowPlan:
+    for m, plan in _plans:
+        if m is meta:
+            return plan
+    plan = _RowPlan(attention_rows(meta.query_lens_cpu, meta.seq_lens_cpu))
+    _plans.append((meta, plan))
+    del _plans[:-_PLANS]
+    return plan
+
+
+def attention_rows(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """[T, 3] int64 (token, sequence, context length), in a thread-balanced order.
+
+    Query token i of a sequence with q new tokens and s tokens in all sees s - q + i + 1 keys.
+    The order pairs the longest rows with the shortest ([longest, shortest, 2nd longest, ...]),
+    so any contiguous half holds about half of the keys."""
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    s = torch.tensor(seq_lens, dtype=torch.int64)
+    total = int(q.sum())
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int64), q)
+    tok = torch.arange(total, dtype=torch.int64)
+    first = torch.cumsum(q, 0) - q                       # each sequence's first token
+    ctx = (s - q)[seq] + (tok - first[seq]) + 1
+    order = torch.argsort(ctx, descending=True, stable=True)
+    zig = torch.empty_like(order)
+    half = (total + 1) // 2
+    zig[0::2] = order[:half]
+    zig[1::2] = order[half:].flip(0)
+    return torch.stack([tok, seq, ctx], dim=1)[zig].contiguous()
+
+
+def kernel_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and query.dim() == 3
+            and query.stride(2) == 1 and k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and load() is not None)
+
+
+def paged_attention(
+    query: torch.Tensor,        # [num_tokens, num_heads, head_dim], packed by meta.query_start_loc
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:              # [num_tokens, num_heads, head_dim]
+    """The reference's contract (see `kvmesh.kernels.reference.paged_attention`)."""
+    if meta.num_seqs == 0 or not kernel_applies(query, k_cache, v_cache):
+        return reference.paged_attention(query, k_cache, v_cache, meta, scale, softcap)
+    plan = _plan(meta.with_window(0))
+    out = torch.empty(query.shape, dtype=query.dtype)
+    load().paged_attention_rows(query, k_cache, v_cache, meta.block_tables, plan.rows, out,
+                                float(scale), int(meta.sliding_window), float(softcap))
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference's contract: norm(x) or (norm(x + residual), x + residual), float32 math."""
+    ext = load()
+    if (ext is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or weight.dtype != torch.float32
+            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape))):
+        return reference.rms_norm(x, weight, eps, residual)
+    res = None if residual is None else residual.contiguous()
+    out, new_residual = ext.rms_norm(x.contiguous(), weight.contiguous(), float(eps), res)
+    return out, (None if residual is None else new_residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,    # [num_tokens] int64
+    query: torch.Tensor,        # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos in [:, :d/2], sin in [:, d/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract (NeoX rotate-half), bit for bit in float32."""
+    ext = load()
+    if (ext is None or query.dtype != torch.float32 or key.dtype != torch.float32
+            or query.device.type != "cpu" or query.dim() != 3 or key.dim() != 3
+            or query.stride(2) != 1 or key.stride(2) != 1 or positions.dtype != torch.int64
+            or cos_sin_cache.dtype != torch.float32):
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache)
+    q, k = ext.rotary_embedding(positions.contiguous(), query, key, cos_sin_cache.contiguous())
+    return q, k
