@@ -15,6 +15,7 @@ from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.fingerprint import model_fingerprint
 from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
 from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.memory import free_memory
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
@@ -36,17 +37,6 @@ logger = logging.getLogger("kvmesh.engine")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class LLMEngine:
@@ -148,10 +138,7 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         device = self.loaded.device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            free = _available_host_memory()
+        free = free_memory(device)
         if self.executor is not None:
             free = self.executor.kv_free_memory(free, device)
         blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes

@@ -7,7 +7,6 @@ sees on the process sentinel.
 """
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -15,26 +14,13 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.engine.memory import free_memory
 from kvmesh.engine.parallel.messages import InitCache, Ready, Shutdown, Started, Step, decode, encode
 
 
 def device_for_rank(device: torch.device, rank: int) -> torch.device:
     """One device per rank: cuda:<rank> on CUDA (rank 0: the engine's device), the CPU otherwise."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free on `device` (host memory available, on CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def run_worker(rank: int, size: int, port: int, config: EngineConfig, threads: int,
