@@ -240,8 +240,10 @@ def _first_step_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     position; on a fresh engine, whose blocks 0.. are free."""
     blocks = list(range(-(-len(prompt) // BLOCK)))
     with torch.inference_mode():
-        return engine.runner.run_model(ModelInput(prompt, list(range(len(prompt))), [len(prompt)],
-                                                  [len(prompt)], [blocks], list(range(len(prompt)))))
+        _, logits = engine.runner.run_model(ModelInput(prompt, list(range(len(prompt))),
+                                                       [len(prompt)], [len(prompt)], [blocks],
+                                                       list(range(len(prompt)))))
+    return logits
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
