@@ -161,12 +161,12 @@ class EngineMetrics(EngineObserver):
 
     def _cache_config_info(self, prefix: str) -> GaugeMetricFamily | None:
         """vLLM's info gauge (value 1) whose labels describe the KV cache: endpoint pickers read
-        block_size and num_gpu_blocks from it."""
+        block_size and num_gpu_blocks from it; model_name as on every other kvmesh series."""
         e = self.engine
         if e is None:
             return None
         kv = e.kv_manager
-        labels = {"block_size": str(e.block_size), "num_gpu_blocks": str(kv.pool.num_blocks),
+        labels = {"model_name": self.model_name, "block_size": str(e.block_size), "num_gpu_blocks": str(kv.pool.num_blocks),
                   "num_cpu_blocks": str(kv.num_cpu_blocks),
                   "enable_prefix_caching": str(bool(kv.enable_caching)),
                   "cache_dtype": str(e.loaded.dtype).removeprefix("torch.")}

@@ -358,7 +358,7 @@ def test_metrics_show_vllm_cache_config_info(tiny):
     engine = _engine(tiny, num_kv_blocks=21)
     text = EngineMetrics("m", engine).render().decode()
     line = ('vllm:cache_config_info{block_size="4",cache_dtype="float32",enable_prefix_caching='
-            '"True",num_cpu_blocks="0",num_gpu_blocks="21"} 1.0')
+            '"True",model_name="m",num_cpu_blocks="0",num_gpu_blocks="21"} 1.0')
     assert line in text
     assert line.replace("vllm:", "kvmesh:") in text
 
