@@ -30,8 +30,9 @@ def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt
     and renders the tools (its template's way, or the default one: prompt.tools)."""
     dicts = [m.model_dump(exclude_none=True) for m in messages]
     try:
+        extra = {"tools": tools} if tools else {}     # NOTE: no tools, the call of old
         return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
-                                             tools=tools or None)
+                                             **extra)
     except Exception as e:  # noqa: BLE001 - ValueError, jinja2 TemplateError, ...
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
 
