@@ -4,9 +4,10 @@
     PATH             a Hugging Face model directory
     random-1b        a 1B-class Llama (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192,
                      tied 49,152-token vocabulary: 1.07 B parameters), random weights, seed 0
-    random-300m      the same architecture at 1/4 of the width (hidden 1024, 16 layers, 16 heads / 8 KV
-                     heads, MLP 4096: ~0.27 B parameters), for tensor-parallel runs on CPU
     random-tiny      the same architecture at toy size (tests and smoke runs)
+    random-300m      random-1b's architecture at 1/4 of the width (hidden 1024, 16 layers,
+                     16 heads / 8 KV heads, MLP 4096: ~0.27 B parameters), for tensor-parallel
+                     runs on CPU
     random-moe       a small Qwen3-MoE (hidden 512, 4 layers, 8 query / 2 KV heads of 64, 32
                      experts of width 256, top-4 renormalised, tied 49,152-token vocabulary:
                      ~81 M parameters, ~31 M active per token), random weights, seed 0
@@ -27,11 +28,11 @@ import torch
 RANDOM_MODELS: dict[str, dict] = {
     "random-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                       num_attention_heads=32, num_key_value_heads=8),
+    "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2),
     # NOTE: splits over 2, 4 or 8 ranks (tensor-parallel benchmarks on CPU)
     "random-300m": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=8),
-    "random-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2),
     "random-moe": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
