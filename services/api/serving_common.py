@@ -130,6 +130,19 @@ def checked_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int | 
         raise bad_request(message, param=param) from None
 
 
+def tokenize_input(ctx: ServingContext, value: str | list[int], param: str) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of one prompt or input, as the input processor tokenizes it; a 400
+    on `param` (the client's field) for a bad value or one without a single token."""
+    try:
+        text, ids = ctx.input_processor.tokenize(value)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+    if not ids:
+        raise bad_request(f"{param} {value!r} has no tokens (the tokenizer drops every character "
+                          "of it)", param=param)
+    return text, ids
+
+
 def check_context(prompt_len: int, max_model_len: int, max_tokens: int | None,
                   prompt_param: str) -> None:
     """OpenAI's context-length errors for one prompt (`max_tokens` as the client sent it;

@@ -15,7 +15,7 @@ from kvmesh.api.serving_common import (SSE_DONE, Admission, ServingContext, Usag
                                        close_all, completion_logprobs, final_outputs,
                                        merge_streams, new_id, now_s, off_loop, running_usage,
                                        sse_chunk, sse_usage_chunk, stream_body, structured_spec,
-                                       usage)
+                                       tokenize_input, usage)
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
 from kvmesh.engine.outputs import RequestOutput
@@ -63,13 +63,7 @@ def _tokenize(ctx: ServingContext, prompts: list[str | list[int]],
     thread: see off_loop)."""
     prepared = []
     for prompt in prompts:
-        try:
-            text, ids = ctx.input_processor.tokenize(prompt)
-        except ValueError as e:
-            raise bad_request(str(e), param="prompt") from None
-        if not ids:
-            raise bad_request(f"prompt {prompt!r} has no tokens (the tokenizer drops every "
-                              "character of it)", param="prompt")
+        text, ids = tokenize_input(ctx, prompt, "prompt")
         check_context(len(ids), ctx.max_model_len, max_tokens, "prompt")
         prepared.append((text if text is not None else ctx.tokenizer.decode(ids), ids))
     return prepared

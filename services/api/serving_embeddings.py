@@ -15,6 +15,7 @@ from kvmesh.api.serving_common import (
     final_outputs,
     new_id,
     off_loop,
+    tokenize_input,
 )
 from kvmesh.common.tracing import current_context
 from kvmesh.engine.async_engine import RequestStream
@@ -65,13 +66,7 @@ def _tokenize(ctx: ServingContext, inputs: list[str | list[int]]) -> list[tuple[
     """(text or None, token ids) of every input, each within the context length."""
     prepared = []
     for x in inputs:
-        try:
-            text, ids = ctx.input_processor.tokenize(x)
-        except ValueError as e:
-            raise bad_request(str(e), param="input") from None
-        if not ids:
-            raise bad_request(f"input {x!r} has no tokens (the tokenizer drops every character "
-                              "of it)", param="input")
+        text, ids = tokenize_input(ctx, x, "input")
         if len(ids) > ctx.max_model_len:
             raise APIError(400, f"This model's maximum context length is {ctx.max_model_len} "
                            f"tokens. However, an input has {len(ids)} tokens. Please reduce "
