@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import datetime
 import logging
@@ -48,6 +49,25 @@ def _seconds_since(stamp: str | None) -> float | None:
         return None
     then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
     return (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+
+
+def _finalized(memo: Any) -> "collections.OrderedDict[str, str]":
+    """uid -> outcome of the deletions whose cleanup ended (cleaned or given up), newest last.
+
+    kopf can run a deletion handler again for a resource still holding the finalizer (a watch
+    event that arrives before the finalizer's removal lands, progress lost with a conflicting
+    patch): the cleanup's outcome is final for a deletion, so the rerun only releases.
+    """
+    if getattr(memo, "finalized", None) is None:
+        memo.finalized = collections.OrderedDict()
+    return memo.finalized
+
+
+def _remember_finalized(memo: Any, uid: str, outcome: str) -> None:
+    done = _finalized(memo)
+    done[uid] = outcome
+    while len(done) > 4096:
+        done.popitem(last=False)
 
 
 def _warned(memo: Any) -> set[str]:
@@ -304,11 +324,13 @@ async def redis_ca_bundle(kube: KubeClient, svc: crd.InferenceService) -> str | 
 
 
 async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry: int,
-                   config: OperatorConfig, logger: logging.Logger) -> None:
-    """Remove the service's keys from an external Redis; retry a few times, then give up loudly."""
+                   config: OperatorConfig, logger: logging.Logger) -> str:
+    """Remove the service's keys from an external Redis; retry a few times, then give up loudly.
+
+    Returns the outcome ("managed", "cleaned", "gave-up"); raises kopf.TemporaryError to retry."""
     if svc.redis.managed:
         logger.info("managed Redis is deleted with the service; no keys to clean")
-        return
+        return "managed"
     assert svc.redis.url is not None
     try:
         password = None
@@ -326,8 +348,9 @@ async def finalize(kube: KubeClient, svc: crd.InferenceService, body: Any, retry
         kopf.event(body, type="Warning", reason="RedisCleanupFailed",
                   message=f"gave up removing keys {KeySpace(svc.namespace, svc.name).prefix}* "
                           f"after {retry + 1} attempts: {err}")
-        return
+        return "gave-up"
     kopf.event(body, type="Normal", reason="RedisCleaned", message=f"deleted {deleted} Redis keys")
+    return "cleaned"
 
 
 async def note_secret_change(kube: KubeClient, event_type: str | None, secret: Any, namespace: str) -> bool:
@@ -443,6 +466,10 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
                 (live.get("metadata") or {}).get("finalizers") or []):
             logger.info("already released; nothing to clean")
             return
-        await finalize(kube, svc, body, retry, config, logger)
+        done = _finalized(memo).get(uid)
+        if done is not None:
+            logger.info("the cleanup of this deletion already ended (%s); releasing", done)
+            return
+        _remember_finalized(memo, uid, await finalize(kube, svc, body, retry, config, logger))
 
     return registry
