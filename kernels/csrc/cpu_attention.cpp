@@ -1,9 +1,12 @@
 // Paged attention on the CPU, reading K/V in place from the block cache (no gathered copy).
 //
-// One work item per (query row, KV head): the row's query heads of that KV head's group
-// (GQA) score every key of the row's context once, softmax in float32 (max-subtracted, two
-// passes over a per-thread score buffer), then sum the values. Work items run on ATen's thread
-// pool (at::parallel_for), so torch.set_num_threads governs them like any other op.
+// One work item per query row (all its heads): the row's context is walked a block at a time,
+// so a block's keys (then values) come from memory once and are reused from L1 by every query
+// head of every KV head (GQA); softmax in float32 (max-subtracted, over a per-thread score
+// buffer), then the weighted sum of the values. Work items run on ATen's thread pool
+// (at::parallel_for), so torch.set_num_threads governs them like any other op. With AVX2 and
+// FMA (and head_dim a multiple of 8) the inner loops are explicit vector code, see row_avx2;
+// otherwise plain loops the compiler vectorizes (row_portable).
 //
 // Layouts (float32):
 //   query   [T, H, D]   any token / head strides, unit stride along D
@@ -22,6 +25,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -45,14 +52,262 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
+void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ", msg); }
+
+// Everything one row's computation reads, resolved once per call.
+struct Geometry {
+  const float* q;
+  const float* kc;
+  const float* vc;
+  const int32_t* bt;
+  const int64_t* rows;
+  float* out;
+  int64_t qs0, qs1;              // query strides (token, head)
+  int64_t H, KVH, G, D;          // query heads, KV heads, heads per KV head, head_dim
+  int64_t block_size, max_blocks, num_blocks;
+  int64_t tok_stride, blk_stride;
+  int64_t window;
+  float scale, cap;
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
 }
 
-void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ", msg); }
+// exp_nonpos on 8 lanes, the same polynomial and rounding steps.
+inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
+void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sg = scores + h * n;
+    if (cap > 0.0f) {
+      for (int64_t i = 0; i < n; ++i) sg[i] = cap * std::tanh(sg[i] / cap);
+    }
+    float m = sg[0];
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
+    float sum = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
+      _mm256_storeu_ps(sg + i, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum(vsum);
+#endif
+    for (; i < n; ++i) {
+      sg[i] = exp_nonpos(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+}
+
+// The row's context [lo, ctx) and its block-table entries, checked before any key is read.
+inline void row_span(const Geometry& g, int64_t r, int64_t& tok, const int32_t*& table, int64_t& lo,
+                     int64_t& ctx) {
+  tok = g.rows[3 * r];
+  const int64_t seq = g.rows[3 * r + 1];
+  ctx = g.rows[3 * r + 2];
+  lo = g.window > 0 ? std::max<int64_t>(0, ctx - g.window) : 0;
+  table = g.bt + seq * g.max_blocks;
+  for (int64_t b = lo / g.block_size; b <= (ctx - 1) / g.block_size; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < g.num_blocks, "paged_attention_rows: block id out of range");
+  }
+}
+
+// Portable path: plain loops the compiler vectorizes (any head_dim, any ISA).
+void row_portable(const Geometry& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc) {
+  int64_t tok, lo, ctx;
+  const int32_t* table;
+  row_span(g, r, tok, table, lo, ctx);
+  const int64_t n = ctx - lo, D = g.D;
+  scores.resize(g.H * n);
+  acc.assign(g.H * D, 0.0f);
+  for (int64_t t = lo; t < ctx; ++t) {
+    const float* kt = g.kc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
+    for (int64_t h = 0; h < g.H; ++h) {
+      const float* qh = g.q + tok * g.qs0 + h * g.qs1;
+      const float* kp = kt + (h / g.G) * D;
+      float dotv = 0.0f;
+#pragma omp simd reduction(+ : dotv)
+      for (int64_t i = 0; i < D; ++i) dotv += qh[i] * kp[i];
+      scores[h * n + (t - lo)] = dotv * g.scale;
+    }
+  }
+  softmax_rows(scores.data(), g.H, n, g.cap);
+  for (int64_t t = lo; t < ctx; ++t) {
+    const float* vt = g.vc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
+    for (int64_t h = 0; h < g.H; ++h) {
+      const float w = scores[h * n + (t - lo)];
+      const float* vp = vt + (h / g.G) * D;
+      float* a = acc.data() + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * vp[d];
+    }
+  }
+  std::memcpy(g.out + tok * g.H * D, acc.data(), g.H * D * sizeof(float));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2 path (head_dim a multiple of 8). The context is walked block by block, so a block's
+// keys (and later values) are loaded from memory once and reused from L1 by every head.
+//   scores: 8 keys at a time per query head, 8 independent FMA chains (the FMA latency is
+//           hidden), folded into one vector of 8 dot products by a horizontal-add tree.
+//   values: a head's output kept in registers 64 dims at a time across the block's tokens.
+
+// [sum(a0), ..., sum(a7)]
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                    __m256 a7) {
+  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of `count` consecutive keys (stride tok_stride) for one query head.
+inline void qk_keys(const float* qh, const float* k0, int64_t tok_stride, int64_t D, int64_t count,
+                    float scale, float* dst) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const float* k = k0 + j * tok_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(qh + c);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + tok_stride + c), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * tok_stride + c), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * tok_stride + c), a3);
+      a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * tok_stride + c), a4);
+      a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * tok_stride + c), a5);
+      a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * tok_stride + c), a6);
+      a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * tok_stride + c), a7);
+    }
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
+  }
+  for (; j < count; ++j) {
+    const float* k = k0 + j * tok_stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), _mm256_loadu_ps(k + c), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c + 8), _mm256_loadu_ps(k + c + 8), a1);
+    }
+    if (c < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + c), _mm256_loadu_ps(k + c), a0);
+    dst[j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+  }
+}
+
+// acc[0:D] += sum_j w[j] * v_j for `count` consecutive values (stride tok_stride).
+inline void pv_values(const float* w, const float* v0, int64_t tok_stride, int64_t D, int64_t count,
+                      float* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) {
+    __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8);
+    __m256 a2 = _mm256_loadu_ps(acc + c + 16), a3 = _mm256_loadu_ps(acc + c + 24);
+    __m256 a4 = _mm256_loadu_ps(acc + c + 32), a5 = _mm256_loadu_ps(acc + c + 40);
+    __m256 a6 = _mm256_loadu_ps(acc + c + 48), a7 = _mm256_loadu_ps(acc + c + 56);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 p = _mm256_set1_ps(w[j]);
+      const float* v = v0 + j * tok_stride + c;
+      a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+      a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+      a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+      a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), a4);
+      a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), a5);
+      a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), a6);
+      a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc + c, a0);
+    _mm256_storeu_ps(acc + c + 8, a1);
+    _mm256_storeu_ps(acc + c + 16, a2);
+    _mm256_storeu_ps(acc + c + 24, a3);
+    _mm256_storeu_ps(acc + c + 32, a4);
+    _mm256_storeu_ps(acc + c + 40, a5);
+    _mm256_storeu_ps(acc + c + 48, a6);
+    _mm256_storeu_ps(acc + c + 56, a7);
+  }
+  for (; c < D; c += 8) {
+    __m256 a = _mm256_loadu_ps(acc + c);
+    for (int64_t j = 0; j < count; ++j) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v0 + j * tok_stride + c), a);
+    }
+    _mm256_storeu_ps(acc + c, a);
+  }
+}
+
+// The blocks of a context lie anywhere in the cache, so the hardware prefetchers cannot follow
+// from one to the next: the next block's bytes are requested while this one is computed.
+inline void prefetch_span(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+void row_avx2(const Geometry& g, int64_t r, std::vector<float>& scores) {
+  int64_t tok, lo, ctx;
+  const int32_t* table;
+  row_span(g, r, tok, table, lo, ctx);
+  const int64_t n = ctx - lo, D = g.D, bs = g.block_size;
+  scores.resize(g.H * n);
+  float* out = g.out + tok * g.H * D;  // the row's output doubles as the accumulator
+  std::fill(out, out + g.H * D, 0.0f);
+  const float* qrow = g.q + tok * g.qs0;
+  for (int64_t t = lo; t < ctx;) {    // keys, a block (or the part of one in the span) at a time
+    const int64_t count = std::min(bs - t % bs, ctx - t);
+    const float* kt = g.kc + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
+    // the next block's bytes, a share per head so that the requests overlap the compute
+    const float* next = t + count < ctx ? g.kc + table[(t + count) / bs] * g.blk_stride : nullptr;
+    const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
+    for (int64_t h = 0; h < g.H; ++h) {
+      if (next) prefetch_span(next + h * share, share);
+      qk_keys(qrow + h * g.qs1, kt + (h / g.G) * D, g.tok_stride, D, count, g.scale,
+              scores.data() + h * n + (t - lo));
+    }
+    t += count;
+  }
+  softmax_rows(scores.data(), g.H, n, g.cap);
+  for (int64_t t = lo; t < ctx;) {
+    const int64_t count = std::min(bs - t % bs, ctx - t);
+    const float* vt = g.vc + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
+    // the next block's bytes, a share per head so that the requests overlap the compute
+    const float* next = t + count < ctx ? g.vc + table[(t + count) / bs] * g.blk_stride : nullptr;
+    const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
+    for (int64_t h = 0; h < g.H; ++h) {
+      if (next) prefetch_span(next + h * share, share);
+      pv_values(scores.data() + h * n + (t - lo), vt + (h / g.G) * D, g.tok_stride, D, count,
+                out + h * D);
+    }
+    t += count;
+  }
+}
+#endif
 
 }  // namespace
 
@@ -74,77 +329,53 @@ void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cac
         "rows must be contiguous int64 [R, 3]");
   check(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
         "out must be contiguous float32 shaped like query");
-  const int64_t H = query.size(1), D = query.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  check(k_cache.size(3) == D && KVH > 0 && H % KVH == 0, "heads / head_dim do not match the cache");
-  const int64_t G = H / KVH;
-  const int64_t R = rows.size(0), max_blocks = block_tables.size(1), S = block_tables.size(0);
-  const int64_t T = query.size(0), num_blocks = k_cache.size(0);
-  const int64_t* rw = rows.data_ptr<int64_t>();
+  Geometry g{};
+  g.H = query.size(1);
+  g.D = query.size(2);
+  g.block_size = k_cache.size(1);
+  g.KVH = k_cache.size(2);
+  check(k_cache.size(3) == g.D && g.KVH > 0 && g.H % g.KVH == 0, "heads / head_dim do not match the cache");
+  g.G = g.H / g.KVH;
+  const int64_t R = rows.size(0), S = block_tables.size(0), T = query.size(0);
+  g.max_blocks = block_tables.size(1);
+  g.num_blocks = k_cache.size(0);
+  g.rows = rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {  // O(R): validated once, so the kernel reads no bad address
-    check(rw[3 * r] >= 0 && rw[3 * r] < T, "row token index out of range");
-    check(rw[3 * r + 1] >= 0 && rw[3 * r + 1] < S, "row sequence index out of range");
-    check(rw[3 * r + 2] >= 1 && rw[3 * r + 2] <= max_blocks * block_size,
+    check(g.rows[3 * r] >= 0 && g.rows[3 * r] < T, "row token index out of range");
+    check(g.rows[3 * r + 1] >= 0 && g.rows[3 * r + 1] < S, "row sequence index out of range");
+    check(g.rows[3 * r + 2] >= 1 && g.rows[3 * r + 2] <= g.max_blocks * g.block_size,
           "row context length exceeds its block table");
   }
-  const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t tok_stride = KVH * D, blk_stride = block_size * KVH * D;
-  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, kvh = item % KVH;
-      const int64_t tok = rw[3 * r], seq = rw[3 * r + 1], ctx = rw[3 * r + 2];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t n = ctx - lo;
-      scores.resize(G * n);
-      const int32_t* table = bt + seq * max_blocks;
-      const float* qh = q + tok * qs0 + kvh * G * qs1;
-      for (int64_t t = lo; t < ctx; ++t) {
-        const int64_t blk = table[t / block_size];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_attention_rows: block id out of range");
-        const float* kp = kc + blk * blk_stride + (t % block_size) * tok_stride + kvh * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - lo)] = dot(qh + g * qs1, kp, D) * fscale;
+  g.q = query.data_ptr<float>();
+  g.kc = k_cache.data_ptr<float>();
+  g.vc = v_cache.data_ptr<float>();
+  g.bt = block_tables.data_ptr<int32_t>();
+  g.out = out.data_ptr<float>();
+  g.qs0 = query.stride(0);
+  g.qs1 = query.stride(1);
+  g.tok_stride = g.KVH * g.D;
+  g.blk_stride = g.block_size * g.KVH * g.D;
+  g.window = window;
+  g.scale = static_cast<float>(scale);
+  g.cap = static_cast<float>(softcap);
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool vectorized = g.D % 8 == 0;
+#else
+  const bool vectorized = false;
+#endif
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t r = begin; r < end; ++r) {
+#if defined(__AVX2__) && defined(__FMA__)
+      if (vectorized) {
+        row_avx2(g, r, scores);
+        continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        if (cap > 0.0f) {
-          for (int64_t i = 0; i < n; ++i) sg[i] = cap * std::tanh(sg[i] / cap);
-        }
-        float m = sg[0];
-        for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sg[i] = exp_nonpos(sg[i] - m);
-          sum += sg[i];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = lo; t < ctx; ++t) {
-        const int64_t blk = table[t / block_size];
-        const float* vp = vc + blk * blk_stride + (t % block_size) * tok_stride + kvh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + (t - lo)];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * vp[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        std::memcpy(o + tok * H * D + (kvh * G + g) * D, acc.data() + g * D, D * sizeof(float));
-      }
+#endif
+      row_portable(g, r, scores, acc);
     }
   });
+  (void)vectorized;
 }
 
 // ---- RMSNorm (+ residual) and RoPE: one pass each, no temporaries ----------------------------

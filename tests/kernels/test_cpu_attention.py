@@ -21,18 +21,18 @@ def ext():
     return mod
 
 
-def _batch(query_lens, seq_lens, heads=6, kv_heads=2, dim=16, num_blocks=64, seed=0):
+def _batch(query_lens, seq_lens, heads=6, kv_heads=2, dim=16, num_blocks=64, seed=0, block=BLOCK):
     """A packed batch over a random paged cache whose blocks are shuffled (not in order)."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for n in seq_lens:
-        need = -(-n // BLOCK)
+        need = -(-n // block)
         tables.append(perm[:need])
         perm = perm[need:]
-    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, BLOCK)
+    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block)
     query = torch.randn(sum(query_lens), heads, dim, generator=g)
     return query, k_cache, v_cache, meta
 
@@ -49,6 +49,22 @@ def test_matches_the_reference(ext, query_lens, seq_lens, window, softcap):
     meta = meta.with_window(window)
     want = reference.paged_attention(query, k, v, meta, 0.25, softcap)
     got = cpu_ops.paged_attention(query, k, v, meta, 0.25, softcap)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("block, dim, heads, kv_heads", [
+    (16, 64, 9, 3),       # the built-in model's shape: full 8-key tiles, one 64-wide value pass
+    (16, 80, 4, 4),       # a 64-wide pass plus an 8-wide tail, no GQA
+    (8, 12, 4, 1),        # head_dim not a multiple of 8: the portable loops
+    (32, 128, 8, 2),      # two 64-wide passes, keys in tiles of 8 plus a partial tile
+])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (21, 0.0), (0, 5.0)])
+def test_matches_the_reference_at_model_shapes(ext, block, dim, heads, kv_heads, window, softcap):
+    query, k, v, meta = _batch([1, 37, 1, 5], [70, 37, 3, 100], heads=heads, kv_heads=kv_heads, dim=dim,
+                               num_blocks=256 // block + 8, block=block, seed=block + dim)
+    meta = meta.with_window(window)
+    want = reference.paged_attention(query, k, v, meta, dim ** -0.5, softcap)
+    got = cpu_ops.paged_attention(query, k, v, meta, dim ** -0.5, softcap)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
