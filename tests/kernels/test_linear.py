@@ -74,3 +74,28 @@ def test_non_contiguous_input_and_mismatched_bias():
     x = torch.randn(12, 5, generator=g).t()                              # [5, 12], strided
     b = torch.randn(32, generator=g)[::2]                                # strided bias
     torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.float32 not in lin._PACK_DTYPES, reason="oneDNN cannot reorder weights here")
+def test_the_reordered_weight_is_built_once_and_follows_in_place_writes():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(160, 96, generator=g)
+    first = lin.linear(x, w)
+    packed = w._kvmesh_packed[0]
+    assert packed.is_mkldnn
+    assert torch.equal(lin.linear(x, w), first)
+    assert w._kvmesh_packed[0] is packed                          # reused, not rebuilt
+    with torch.no_grad():
+        w.mul_(2.0)                                               # e.g. load_state_dict's copy_
+    torch.testing.assert_close(lin.linear(x, w), 2.0 * first, rtol=1e-5, atol=1e-4)
+    assert w._kvmesh_packed[0] is not packed
+    with torch.inference_mode():                                  # the engine's mode
+        torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_reordering_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(lin, "_PACK_DTYPES", ())
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 6, generator=g), torch.randn(8, 6, generator=g)
+    torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert not hasattr(w, "_kvmesh_packed")
