@@ -411,6 +411,11 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
         return unauthorized(request) or await state.proxy(request, "chat",
                                                           "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        # NOTE: an embedding request keeps no KV on the engine: no prefix to match, by load.
+        return unauthorized(request) or await state.proxy(request, None, "/v1/embeddings")
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return unauthorized(request) or await state.proxy(request, None, "/tokenize")
