@@ -125,3 +125,13 @@ def rotary_embedding(
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     q, k = ext.rotary_embedding(positions.contiguous(), query, key, cos_sin_cache.contiguous())
     return q, k
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1)'s answer for [R, V] (first maximum; a NaN counts as the max),
+    on the C++ kernel for CPU float32 rows (torch's CPU argmax is ~20x slower than its amax)."""
+    ext = load()
+    if (ext is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.shape[1] == 0 or logits.stride(1) != 1):
+        return logits.argmax(dim=-1)
+    return ext.argmax_rows(logits)

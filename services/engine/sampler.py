@@ -23,6 +23,7 @@ import torch
 
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kernels.cpu_ops import argmax
 
 # NOTE: exponential_ may return exactly 0; probs / 0 is inf (or nan for a masked token, and
 # argmax picks nan), so every draw is clamped to the smallest normal float.
@@ -134,16 +135,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw = logits
-        # NOTE: a private copy: the caller's logits stay raw (logprobs, debugging), and the
-        # penalties and masks below are free to work in place.
-        logits = logits.to(torch.float32, copy=True)               # [R, V]
-        self._penalize(logits, rows)
-        _mask_min_tokens(logits, rows)
+        logits = logits.to(torch.float32)                           # [R, V]
+        penalized = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        masked = _min_tokens_mask(rows, logits.shape[1])
+        if (penalized or masked[0]) and logits is raw:
+            # NOTE: a private copy only when something writes: the caller's logits stay raw
+            # (logprobs, debugging); a plain greedy or sampled batch reads them as they are.
+            logits = logits.clone()
+        if penalized:
+            self._penalize(logits, [rows[i] for i in penalized], penalized)
+        if masked[0]:
+            logits[masked] = float("-inf")
 
         token_ids: list[list[int]] = [[] for _ in rows]
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         if greedy:
-            best = logits[greedy].argmax(dim=-1).tolist()
+            best = argmax(logits if len(greedy) == len(rows) else logits[greedy]).tolist()
             for i, tok in zip(greedy, best):
                 token_ids[i] = [tok] * rows[i].num_samples
         randomized = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -152,11 +159,7 @@ class Sampler:
                 token_ids[i] = toks
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, token_ids))
 
-    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        idx = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
-        if not idx:
-            return
-        sub = [rows[i] for i in idx]
+    def _penalize(self, logits: torch.Tensor, sub: list[SamplingRow], idx: list[int]) -> None:
         # NOTE: prompts are only binned for rows that use the repetition penalty (long prompts).
         prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in sub]
         logits[idx] = apply_penalties(
@@ -224,8 +227,9 @@ def _bin_counts(token_ids: Sequence[Sequence[int]], vocab: int, device: torch.de
     return counts[:, :vocab]
 
 
-def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    vocab = logits.shape[1]
+def _min_tokens_mask(rows: list[SamplingRow], vocab: int) -> tuple[list[int], list[int]]:
+    """(rows, tokens) to set to -inf: EOS (unless ignore_eos) and stop_token_ids of each row
+    that has not yet produced min_tokens tokens."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, r in enumerate(rows):
@@ -238,8 +242,7 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             if 0 <= t < vocab:
                 row_idx.append(i)
                 tok_idx.append(t)
-    if row_idx:
-        logits[row_idx, tok_idx] = float("-inf")
+    return row_idx, tok_idx
 
 
 def _logprobs(raw: torch.Tensor, rows: list[SamplingRow],

@@ -185,3 +185,25 @@ def test_norm_and_rope_refuse_bad_arguments(ext):
     q16, k16 = q.bfloat16(), k.bfloat16()
     got = cpu_ops.rotary_embedding(torch.tensor([0, 1]), q16, k16, torch.ones(16, 8))
     assert got[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 49157])
+def test_argmax_is_torchs_first_maximum(ext, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = 0.0                                        # all tied: the first index
+    x[2, :] = float("-inf")                           # all masked: 0, as torch
+    if vocab > 3:
+        x[3, vocab // 2] = x[3, vocab - 1] = 50.0     # a tie for the max: the earlier one
+        x[4, vocab - 2] = float("nan")                # torch counts NaN as the maximum
+        x[4, vocab - 1] = float("nan")
+    assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    view = torch.randn(12, vocab, generator=g)[::3]   # rows strided, columns dense
+    assert cpu_ops.argmax(view).tolist() == view.argmax(dim=-1).tolist()
+
+
+def test_argmax_falls_back_off_the_kernel(ext):
+    x = torch.randn(4, 33, dtype=torch.float64)
+    assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+    cols = torch.randn(33, 4).t()                     # columns strided: torch's own
+    assert cpu_ops.argmax(cols).tolist() == cols.argmax(dim=-1).tolist()

@@ -35,6 +35,22 @@ def test_greedy_is_argmax_with_lowest_index_on_ties():
     assert out.logprobs == [None, None]
 
 
+def test_the_callers_logits_are_never_written():
+    """Penalties and min_tokens masks work on a private copy; a batch with neither reads the
+    logits as they are (no copy)."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 6.0], [9.0, 1.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    before = logits.clone()
+    rows = [_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), output=[3], prompt=[0]),
+            _row(SamplingParams(temperature=0.0, min_tokens=2), output=[1], eos=(0,)),
+            _row(SamplingParams(temperature=0.0))]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [[1], [3], [3]]       # 6 / 2 < 5; EOS 0 masked; plain argmax
+    assert torch.equal(logits, before)
+    plain = Sampler()(logits, [_row(SamplingParams(temperature=0.0))] * 3)
+    assert plain.token_ids == [[3], [0], [3]]
+    assert torch.equal(logits, before)
+
+
 def test_greedy_n_samples_are_identical_and_ignore_generators():
     logits = _logits(0)
     best = int(logits.argmax())
