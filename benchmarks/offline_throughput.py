@@ -339,7 +339,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
+    p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
+                   help="malloc for this process (kvmesh runs in it), as `kvmesh serve --allocator`: "
+                   "auto (tcmalloc, else jemalloc), none, or a library path; the benchmark restarts "
+                   "itself once with it preloaded, as the server does")
     args = p.parse_args(argv)
+    if argv is None:
+        # NOTE: kvmesh is measured with the malloc `kvmesh serve` gives it (the vLLM peer gets
+        # tcmalloc through its own LD_PRELOAD, as vLLM's CPU docs ask).
+        from kvmesh.common.preload import reexec_with_allocator
+        reexec_with_allocator(args.allocator, [str(Path(__file__).resolve()), *sys.argv[1:]])
     tp_sizes = [int(n) for n in args.tensor_parallel_size.split(",")]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
@@ -355,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    from kvmesh.common.preload import loaded_allocator
+    print(f"# malloc: {loaded_allocator() or 'the C library (no tcmalloc / jemalloc loaded)'}")
 
     from kvmesh.engine.loader import load_model
     model_path = resolve_model(args.model, Path(args.model_cache))

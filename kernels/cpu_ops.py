@@ -135,3 +135,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
             or logits.shape[1] == 0 or logits.stride(1) != 1):
         return logits.argmax(dim=-1)
     return ext.argmax_rows(logits)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(x[:, :I]) * x[:, I:] of a fused gate|up projection [T, 2I] -> [T, I], one pass on the
+    C++ kernel for CPU float32 (within a few ulp of torch's silu and mul); torch elsewhere."""
+    ext = load()
+    if (ext is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or x.shape[1] % 2 or x.stride(1) != 1):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return ext.silu_and_mul(x)

@@ -477,6 +477,41 @@ std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, cons
   return {rope_one(q, positions, cos_sin), rope_one(k, positions, cos_sin)};
 }
 
+// ---- SiLU(gate) * up of a fused [T, 2I] gate|up projection, in one pass --------------------------
+// sigmoid(x) from e = exp(-|x|) <= 1 (exp_nonpos): 1 / (1 + e) for x >= 0, e / (1 + e) below.
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be float32 [T, 2I] with unit stride along the last dim");
+  const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
+  torch::Tensor out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * stride;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 v = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_nonpos8(_mm256_or_ps(v, sign));            // exp(-|v|)
+        const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
+        const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float v = g[i], e = exp_nonpos(-std::fabs(v));
+        o[i] = v * ((v >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
 // ---- Greedy sampling: the first index of each row's maximum -----------------------------------
 // torch.argmax's CPU reduction runs ~20x slower than amax on a [64, 49152] logits batch here. Same
 // answer: the first maximum, or the first NaN when a row has one (torch treats NaN as the max).
@@ -535,5 +570,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention of the given rows over the block cache, in place (float32, CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add (float32, CPU)");
   m.def("rotary_embedding", &rotary_embedding, "NeoX RoPE of q and k (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32, CPU)");
   m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
 }

@@ -207,3 +207,17 @@ def test_argmax_falls_back_off_the_kernel(ext):
     assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
     cols = torch.randn(33, 4).t()                     # columns strided: torch's own
     assert cpu_ops.argmax(cols).tolist() == cols.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("tokens, inter", [(1, 5), (3, 64), (70, 1536)])
+def test_silu_and_mul_matches_torch(ext, tokens, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(tokens, 2 * inter, generator=g) * 6.0       # both signs, past |x| = 10
+    x[0, 0], x[-1, inter - 1] = -100.0, 100.0                    # saturated sigmoid both ways
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-6, atol=1e-6)
+    view = x[:, : 2 * inter - 2]                                 # rows strided: still one pass
+    gate, up = view.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(view), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-6, atol=1e-6)

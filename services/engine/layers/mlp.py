@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.engine.layers.linear import fused_weights
+from kvmesh.kernels.cpu_ops import silu_and_mul
 from kvmesh.kernels.linear import linear
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -45,8 +46,13 @@ class GatedMLP(nn.Module):
             w, b = fused_weights(self, (self.gate_proj, self.up_proj), "_gate_up")
             if w is None:
                 return self._reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
-        gate, up = linear(x, w, b).chunk(2, dim=-1)                 # [T, i] each
-        return self._reduce(linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias))
+        gate_up = linear(x, w, b)                                    # [T, 2i]
+        if self.act is F.silu:
+            hidden = silu_and_mul(gate_up)                           # one pass on CPU
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        return self._reduce(linear(hidden, self.down_proj.weight, self.down_proj.bias))
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
