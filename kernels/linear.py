@@ -24,43 +24,35 @@ import torch.nn.functional as F
 PACK_HINT = 64
 
 
-def _onednn_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes for which oneDNN's linear runs here and agrees with F.linear on a probe.
-
-    NOTE: probed per dtype: a CPU without the instructions oneDNN wants for bfloat16 may refuse
-    to create the primitive, and then bfloat16 must stay on F.linear.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return ()
+def _probe(dtypes, prepare) -> tuple[torch.dtype, ...]:
+    """Those of `dtypes` for which oneDNN's linear on `prepare(weight)` runs here and agrees with
+    F.linear on a probe (a CPU without the instructions oneDNN wants for a dtype may refuse to
+    create the primitive, and then that dtype stays on F.linear)."""
     ok = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         x = torch.arange(8, dtype=torch.float32).view(2, 4).to(dtype)
         w = torch.ones(3, 4, dtype=dtype)
         try:
-            y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
+            y = torch.ops.mkldnn._linear_pointwise(x, prepare(w), None, "none", [None], "")
         except (AttributeError, RuntimeError):
             continue
         if torch.equal(y, F.linear(x, w)):
             ok.append(dtype)
     return tuple(ok)
+
+
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN's linear takes here (dense weights)."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return _probe((torch.float32, torch.bfloat16), lambda w: w)
 
 
 def _packable_dtypes(dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
     """Those of `dtypes` whose reordered weight oneDNN accepts here and multiplies right."""
     if os.environ.get("KVMESH_PACK_WEIGHTS", "1").lower() in ("0", "false", "no", "off"):
         return ()
-    ok = []
-    for dtype in dtypes:
-        x = torch.arange(8, dtype=torch.float32).view(2, 4).to(dtype)
-        w = torch.ones(3, 4, dtype=dtype)
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
-        except (AttributeError, RuntimeError):
-            continue
-        if torch.equal(y, F.linear(x, w)):
-            ok.append(dtype)
-    return tuple(ok)
+    return _probe(dtypes, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT))
 
 
 _ONEDNN_DTYPES = _onednn_dtypes()

@@ -271,42 +271,42 @@ inline void prefetch_span(const float* p, int64_t floats) {
   for (int64_t off = 0; off < floats * 4; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// Calls per_head(h, that head's K/V rows of the block, count, index in the span) for each block
+// of the span [lo, ctx) (the part of a block in it) and each query head, the next block of the
+// table requested from memory a share per head, so that the requests overlap the compute.
+template <typename PerHead>
+inline void walk_blocks(const Geometry& g, const int32_t* table, const float* cache, int64_t lo,
+                        int64_t ctx, PerHead per_head) {
+  const int64_t bs = g.block_size;
+  for (int64_t t = lo; t < ctx;) {
+    const int64_t count = std::min(bs - t % bs, ctx - t);
+    const float* base = cache + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
+    const float* next = t + count < ctx ? cache + table[(t + count) / bs] * g.blk_stride : nullptr;
+    const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
+    for (int64_t h = 0; h < g.H; ++h) {
+      if (next) prefetch_span(next + h * share, share);
+      per_head(h, base + (h / g.G) * g.D, count, t - lo);
+    }
+    t += count;
+  }
+}
+
 void row_avx2(const Geometry& g, int64_t r, std::vector<float>& scores) {
   int64_t tok, lo, ctx;
   const int32_t* table;
   row_span(g, r, tok, table, lo, ctx);
-  const int64_t n = ctx - lo, D = g.D, bs = g.block_size;
+  const int64_t n = ctx - lo, D = g.D;
   scores.resize(g.H * n);
   float* out = g.out + tok * g.H * D;  // the row's output doubles as the accumulator
   std::fill(out, out + g.H * D, 0.0f);
   const float* qrow = g.q + tok * g.qs0;
-  for (int64_t t = lo; t < ctx;) {    // keys, a block (or the part of one in the span) at a time
-    const int64_t count = std::min(bs - t % bs, ctx - t);
-    const float* kt = g.kc + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
-    // the next block's bytes, a share per head so that the requests overlap the compute
-    const float* next = t + count < ctx ? g.kc + table[(t + count) / bs] * g.blk_stride : nullptr;
-    const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
-    for (int64_t h = 0; h < g.H; ++h) {
-      if (next) prefetch_span(next + h * share, share);
-      qk_keys(qrow + h * g.qs1, kt + (h / g.G) * D, g.tok_stride, D, count, g.scale,
-              scores.data() + h * n + (t - lo));
-    }
-    t += count;
-  }
+  walk_blocks(g, table, g.kc, lo, ctx, [&](int64_t h, const float* keys, int64_t count, int64_t i) {
+    qk_keys(qrow + h * g.qs1, keys, g.tok_stride, D, count, g.scale, scores.data() + h * n + i);
+  });
   softmax_rows(scores.data(), g.H, n, g.cap);
-  for (int64_t t = lo; t < ctx;) {
-    const int64_t count = std::min(bs - t % bs, ctx - t);
-    const float* vt = g.vc + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
-    // the next block's bytes, a share per head so that the requests overlap the compute
-    const float* next = t + count < ctx ? g.vc + table[(t + count) / bs] * g.blk_stride : nullptr;
-    const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
-    for (int64_t h = 0; h < g.H; ++h) {
-      if (next) prefetch_span(next + h * share, share);
-      pv_values(scores.data() + h * n + (t - lo), vt + (h / g.G) * D, g.tok_stride, D, count,
-                out + h * D);
-    }
-    t += count;
-  }
+  walk_blocks(g, table, g.vc, lo, ctx, [&](int64_t h, const float* values, int64_t count, int64_t i) {
+    pv_values(scores.data() + h * n + i, values, g.tok_stride, D, count, out + h * D);
+  });
 }
 #endif
 
