@@ -2,15 +2,23 @@
 
     py-spy record --native -r 50 -f raw -o /tmp/p.txt --pid PID --duration 60
     python benchmarks/pyspy_summary.py /tmp/p.txt
+    python benchmarks/pyspy_summary.py /tmp/vllm.txt --only execute_model --exclude 'dummy_run|profile_run'
 
 Each sample (one stack, with its count) goes to the first category whose pattern matches a
 frame, innermost frame first; categories name what the time is spent on (GEMM libraries, the
 attention kernels, the norm / RoPE / activation code, sampling, the scheduler, Python glue), for
 kvmesh's and vLLM's processes alike. Idle threads (waiting on a lock, a queue, a socket, an
 OpenMP barrier) are counted apart and left out of the shares.
+
+Code generated at run time has no symbols: a stack whose innermost frame is a bare address
+(`0x7f... (?)`) is counted as `jit`, which in a CPU vLLM or kvmesh process is oneDNN's generated
+GEMM code (its brgemm kernels; nothing else there generates machine code at run time).
+`--only REGEX` keeps the stacks with a frame that matches (e.g. the timed phase's
+`execute_model`), `--exclude REGEX` drops those with one (start-up runs).
 """
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from collections import Counter
@@ -32,7 +40,12 @@ CATEGORIES: list[tuple[str, str]] = [
 ]
 
 
+_BARE_ADDRESS = re.compile(r"^0x[0-9a-f]+ \(\?\)$")
+
+
 def categorize(stack: list[str]) -> str:
+    if stack and _BARE_ADDRESS.match(stack[-1].strip()):
+        return "jit (oneDNN's generated GEMM code)"
     for frame in reversed(stack):        # innermost last in py-spy's raw lines
         for name, pattern in CATEGORIES:
             if re.search(pattern, frame):
@@ -40,7 +53,8 @@ def categorize(stack: list[str]) -> str:
     return "other (Python glue, torch dispatch)"
 
 
-def summarize(lines: list[str]) -> tuple[Counter, int]:
+def summarize(lines: list[str], only: str | None = None,
+              exclude: str | None = None) -> tuple[Counter, int]:
     counts: Counter = Counter()
     for line in lines:
         line = line.rstrip("\n")
@@ -49,18 +63,25 @@ def summarize(lines: list[str]) -> tuple[Counter, int]:
         stack_text, _, n = line.rpartition(" ")
         if not n.isdigit():
             continue
-        counts[categorize(stack_text.split(";"))] += int(n)
+        stack = stack_text.split(";")
+        if only and not any(re.search(only, f) for f in stack):
+            continue
+        if exclude and any(re.search(exclude, f) for f in stack):
+            continue
+        counts[categorize(stack)] += int(n)
     return counts, sum(counts.values())
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: pyspy_summary.py RAW_PROFILE")
-    with open(argv[0]) as f:
-        counts, total = summarize(f.readlines())
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("profile", help="py-spy record --native -f raw output")
+    p.add_argument("--only", default=None, help="keep stacks with a frame matching this regex")
+    p.add_argument("--exclude", default=None, help="drop stacks with a frame matching this regex")
+    args = p.parse_args(argv)
+    with open(args.profile) as f:
+        counts, total = summarize(f.readlines(), args.only, args.exclude)
     busy = total - counts.get("idle", 0)
-    print(f"# {argv[0]}: {total} samples, {busy} busy")
+    print(f"# {args.profile}: {total} samples, {busy} busy")
     print("| part | samples | share of busy |")
     print("|---|---:|---:|")
     for name, n in counts.most_common():
