@@ -1,11 +1,11 @@
-"""The C++ CPU kernels (`kernels/csrc/*.cpp`), built once per machine and cached.
+"""The C++ CPU kernels (`kernels/csrc/`: attention, elementwise, sampling), built once per machine and cached.
 
     from kvmesh.kernels.cpu_kernels import load
     ext = load()          # the extension module, or None when it cannot be built here
 
 The sources are compiled by torch's own extension builder (g++, `-O3 -march=native -fopenmp`)
 into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/cpu-kernels/<key>/`, where the key hashes the source,
-the flags, the torch version and this CPU's model and flags, so a cache copied to another
+the headers, the flags, the torch version and this CPU's model and flags, so a cache copied to another
 machine is rebuilt rather than run with instructions it may lack. A first build takes ~30-60 s;
 later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off
 (the engine then runs the pure-torch reference kernels).
@@ -26,7 +26,9 @@ from kvmesh.common.model_files import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp",)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "elementwise.cpp", "sampling.cpp", "bindings.cpp"))
+HEADERS = tuple(_CSRC / name for name in ("kernels.h", "vec.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"
 
@@ -45,7 +47,7 @@ def _cpu_signature() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())

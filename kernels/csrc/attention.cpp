@@ -17,41 +17,20 @@
 //   out     [T, H, D] contiguous; only the rows named are written
 // window W > 0: a row of context length n sees positions n - W .. n - 1.
 // softcap c > 0: score = c * tanh(score / c) (Gemma 2), before the softmax.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
+#include "vec.h"
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their max), Cephes' single-precision polynomial: within ~2 ulp
-// of std::exp, branch-free so loops over it vectorize.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace kvmesh;
 
 void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ", msg); }
 
@@ -71,33 +50,6 @@ struct Geometry {
   float scale, cap;
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
-// exp_nonpos on 8 lanes, the same polynomial and rounding steps.
-inline __m256 exp_nonpos8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                 _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
-
 // Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
 void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
   for (int64_t h = 0; h < heads; ++h) {
@@ -109,7 +61,7 @@ void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
     for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
     float sum = 0.0f;
     int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if KVMESH_AVX2
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
@@ -175,7 +127,7 @@ void row_portable(const Geometry& g, int64_t r, std::vector<float>& scores, std:
   std::memcpy(g.out + tok * g.H * D, acc.data(), g.H * D * sizeof(float));
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if KVMESH_AVX2
 // AVX2 path (head_dim a multiple of 8). The context is walked block by block, so a block's
 // keys (and later values) are loaded from memory once and reused from L1 by every head.
 //   scores: 8 keys at a time per query head, 8 independent FMA chains (the FMA latency is
@@ -359,7 +311,7 @@ void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cac
   g.window = window;
   g.scale = static_cast<float>(scale);
   g.cap = static_cast<float>(softcap);
-#if defined(__AVX2__) && defined(__FMA__)
+#if KVMESH_AVX2
   const bool vectorized = g.D % 8 == 0;
 #else
   const bool vectorized = false;
@@ -367,7 +319,7 @@ void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cac
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t r = begin; r < end; ++r) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if KVMESH_AVX2
       if (vectorized) {
         row_avx2(g, r, scores);
         continue;
@@ -377,199 +329,4 @@ void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cac
     }
   });
   (void)vectorized;
-}
-
-// ---- RMSNorm (+ residual) and RoPE: one pass each, no temporaries ----------------------------
-// Small batches (a decode step) run inline on the calling thread: a parallel region per op costs
-// more than the op there, and far more when other processes hold the cores.
-
-// (norm(x [+ residual]), x [+ residual]): y = w * (v * (1 / sqrt(mean(v^2) + eps))), float32.
-std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                                    const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "rms_norm: x must be contiguous float32 [T, H]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == torch::kFloat &&
-                  weight.is_contiguous(),
-              "rms_norm: weight must be contiguous float32 [H]");
-  const int64_t T = x.size(0), H = x.size(1);
-  const bool has_res = residual.has_value();
-  if (has_res) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kFloat &&
-                    residual->is_contiguous(),
-                "rms_norm: residual must be contiguous float32 shaped like x");
-  }
-  torch::Tensor out = torch::empty_like(x);
-  torch::Tensor sum = has_res ? torch::empty_like(x) : x;
-  const float* xp = x.data_ptr<float>();
-  const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* sp = has_res ? sum.data_ptr<float>() : nullptr;
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* v = xp + t * H;
-      if (has_res) {
-        float* s = sp + t * H;
-        const float* r = rp + t * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) s[i] = v[i] + r[i];
-        v = s;
-      }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += v[i] * v[i];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + feps);
-      float* o = op + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (v[i] * inv);
-    }
-  });
-  return {out, sum};
-}
-
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-// NeoX RoPE of one [T, heads, D] tensor (unit stride along D) into a new contiguous one:
-// x1 * cos - x2 * sin | x2 * cos + x1 * sin, rounded as torch's separate ops round (no FMA).
-static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& positions,
-                              const torch::Tensor& cos_sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1,
-              "rotary_embedding: q / k must be float32 [T, heads, D] with unit stride along D");
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D, "rotary_embedding: head_dim does not match the table");
-  torch::Tensor out = torch::empty({T, NH, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int64_t* pp = positions.data_ptr<int64_t>();
-  const float* cs = cos_sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1), P = cos_sin.size(0);
-  at::parallel_for(0, T, 128, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t pos = pp[t];
-      TORCH_CHECK(pos >= 0 && pos < P, "rotary_embedding: position out of the table's range");
-      const float* c = cs + pos * D;
-      const float* sn = c + half;
-      for (int64_t h = 0; h < NH; ++h) {
-        const float* a = xp + t * s0 + h * s1;
-        float* o = op + (t * NH + h) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = a[i + half];
-          const float p1 = x1 * c[i], p2 = x2 * sn[i], p3 = x2 * c[i], p4 = x1 * sn[i];
-          o[i] = p1 - p2;
-          o[i + half] = p3 + p4;
-        }
-      }
-    }
-  });
-  return out;
-}
-#pragma GCC pop_options
-
-std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
-                                            const torch::Tensor& k, const torch::Tensor& cos_sin) {
-  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
-                  positions.size(0) == q.size(0) && k.size(0) == q.size(0),
-              "rotary_embedding: positions must be contiguous int64 [T] matching q and k");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous(),
-              "rotary_embedding: cos_sin must be contiguous float32 [positions, D]");
-  return {rope_one(q, positions, cos_sin), rope_one(k, positions, cos_sin)};
-}
-
-// ---- SiLU(gate) * up of a fused [T, 2I] gate|up projection, in one pass --------------------------
-// sigmoid(x) from e = exp(-|x|) <= 1 (exp_nonpos): 1 / (1 + e) for x >= 0, e / (1 + e) below.
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "silu_and_mul: x must be float32 [T, 2I] with unit stride along the last dim");
-  const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
-  torch::Tensor out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * stride;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      for (; i + 8 <= I; i += 8) {
-        const __m256 v = _mm256_loadu_ps(g + i);
-        const __m256 e = exp_nonpos8(_mm256_or_ps(v, sign));            // exp(-|v|)
-        const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
-        const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < I; ++i) {
-        const float v = g[i], e = exp_nonpos(-std::fabs(v));
-        o[i] = v * ((v >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
-      }
-    }
-  });
-  return out;
-}
-
-// ---- Greedy sampling: the first index of each row's maximum -----------------------------------
-// torch.argmax's CPU reduction runs ~20x slower than amax on a [64, 49152] logits batch here. Same
-// answer: the first maximum, or the first NaN when a row has one (torch treats NaN as the max).
-static int64_t argmax_row(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 vm = _mm256_set1_ps(m);
-  __m256 unord = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    vm = _mm256_max_ps(vm, v);
-    unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  nan = _mm256_movemask_ps(unord) != 0;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vm);
-  for (float l : lanes) m = std::max(m, l);
-#endif
-  for (; i < n; ++i) {
-    if (x[i] != x[i]) nan = true;
-    else m = std::max(m, x[i]);
-  }
-  int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 target = _mm256_set1_ps(m);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 v = _mm256_loadu_ps(x + j);
-    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
-                                           : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
-    if (hit) return j + __builtin_ctz(hit);
-  }
-#endif
-  for (; j < n; ++j) {
-    if (nan ? x[j] != x[j] : x[j] == m) return j;
-  }
-  return 0;  // n == 0 cannot happen (checked); a row of -inf returns 0 as torch does
-}
-
-torch::Tensor argmax_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-              "argmax_rows: x must be float32 [R, V] with V > 0 and unit stride along V");
-  const int64_t R = x.size(0), V = x.size(1), stride = x.stride(0);
-  torch::Tensor out = torch::empty({R}, x.options().dtype(torch::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, V);
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_rows", &paged_attention_rows,
-        "Paged attention of the given rows over the block cache, in place (float32, CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add (float32, CPU)");
-  m.def("rotary_embedding", &rotary_embedding, "NeoX RoPE of q and k (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32, CPU)");
-  m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
 }

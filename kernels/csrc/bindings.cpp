@@ -1,0 +1,11 @@
+// The C++ CPU kernels as one Python extension module (kvmesh.kernels.cpu_kernels builds it).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention_rows", &paged_attention_rows,
+        "Paged attention of the given rows over the block cache, in place (float32, CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add (float32, CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "NeoX RoPE of q and k (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32, CPU)");
+  m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
+}

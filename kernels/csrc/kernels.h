@@ -1,0 +1,20 @@
+// The C++ CPU kernels' entry points (bound to Python in bindings.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// attention.cpp
+void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& rows, torch::Tensor& out, double scale,
+                          int64_t window, double softcap);
+// elementwise.cpp
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                                    const c10::optional<torch::Tensor>& residual);
+std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
+                                            const torch::Tensor& k, const torch::Tensor& cos_sin);
+torch::Tensor silu_and_mul(const torch::Tensor& x);
+// sampling.cpp
+torch::Tensor argmax_rows(const torch::Tensor& x);
