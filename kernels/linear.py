@@ -4,27 +4,31 @@ On CPU, PyTorch's `F.linear` runs float32 through the BLAS it was built with (MK
 some x86 CPUs (AMD EPYC here) takes a path that reaches half of what oneDNN does for the same
 shapes (`docs/BENCHMARKS.md`, "Optimisations made": oneDNN GEMMs). oneDNN's linear primitive
 can take the dense weight as it is, but runs 1.2x (64 rows) to 1.5x (8 rows) faster on a copy
-reordered once into its blocked layout (`benchmarks/cpu_gemm.py`; the results are the same bits
-for the engine's batch sizes). So CPU float32 / bfloat16 go there, each weight reordered on its
+reordered once into its blocked layout (`docs/BENCHMARKS.md`, "Side by side on an idle machine";
+the results are the same bits for the engine's batch sizes). So CPU float32 / bfloat16 go there, each weight reordered on its
 first use and the copy kept on the weight tensor itself (`_kvmesh_packed`, dropped with it, and
 rebuilt when the weight is written in place or replaced); everything else (CUDA, other dtypes, a
 torch built without oneDNN) uses `F.linear`. The copy costs the weights' memory once more (the
 dense weight stays: the embedding, state_dict, tensor-parallel sharding and the reference read
-it); `KVMESH_PACK_WEIGHTS=0` turns the reordering off.
+it), which the engine subtracts before sizing the KV cache (`packed_copy_bytes`);
+`KVMESH_PACK_WEIGHTS=0` turns the reordering off.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # The batch size oneDNN tunes the blocked layout for; the layout it picks for 16..256 measured the
 # same here at 1..512 rows.
 PACK_HINT = 64
 
 
-def _probe(dtypes, prepare) -> tuple[torch.dtype, ...]:
+def _probe(dtypes: tuple[torch.dtype, ...],
+           prepare: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.dtype, ...]:
     """Those of `dtypes` for which oneDNN's linear on `prepare(weight)` runs here and agrees with
     F.linear on a probe (a CPU without the instructions oneDNN wants for a dtype may refuse to
     create the primitive, and then that dtype stays on F.linear)."""
@@ -79,6 +83,19 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
     weight._kvmesh_packed = (packed, stamp)
     return packed
+
+
+def packed_copy_bytes(model: nn.Module) -> int:
+    """Host memory the reordered copies will take once every projection of `model` has run (they
+    are built on first use, after the KV cache is sized: the engine sets this much aside). Fused
+    q/k/v and gate/up weights are concatenations of these, so they count the same bytes."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            w = module.weight
+            if w.device.type == "cpu" and w.dtype in _PACK_DTYPES and w.dim() == 2:
+                total += w.numel() * w.element_size()
+    return total
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.index.events import KVEventBatch
+from kvmesh.kernels.linear import packed_copy_bytes
 
 if TYPE_CHECKING:
     from kvmesh.engine.parallel.executor import TPExecutor
@@ -138,7 +139,9 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         device = self.loaded.device
-        free = free_memory(device)
+        # NOTE: on CPU the projections' reordered weight copies (kernels.linear) are built on the
+        # first forward, after this: their bytes are not the KV cache's to take.
+        free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
         if self.executor is not None:
             free = self.executor.kv_free_memory(free, device)
         blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes

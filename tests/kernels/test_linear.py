@@ -99,3 +99,14 @@ def test_reordering_can_be_turned_off(monkeypatch):
     x, w = torch.randn(3, 6, generator=g), torch.randn(8, 6, generator=g)
     torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert not hasattr(w, "_kvmesh_packed")
+
+
+def test_the_reordered_copies_are_counted_before_they_exist(monkeypatch):
+    """What the engine sets aside from the KV cache's memory: every Linear's float32 weight once
+    (a tied LM head is the embedding's tensor, counted once as the head's), nothing else."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 6), torch.nn.Linear(4, 10))
+    model[2].weight = model[0].weight                                  # tied: [10, 4]
+    monkeypatch.setattr(lin, "_PACK_DTYPES", (torch.float32,))
+    assert lin.packed_copy_bytes(model) == (6 * 4 + 10 * 4) * 4
+    monkeypatch.setattr(lin, "_PACK_DTYPES", ())
+    assert lin.packed_copy_bytes(model) == 0
