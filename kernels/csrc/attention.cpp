@@ -311,11 +311,7 @@ void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cac
   g.window = window;
   g.scale = static_cast<float>(scale);
   g.cap = static_cast<float>(softcap);
-#if KVMESH_AVX2
-  const bool vectorized = g.D % 8 == 0;
-#else
-  const bool vectorized = false;
-#endif
+  const bool vectorized = KVMESH_AVX2 && g.D % 8 == 0;
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
     for (int64_t r = begin; r < end; ++r) {

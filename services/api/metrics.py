@@ -166,7 +166,8 @@ class EngineMetrics(EngineObserver):
         if e is None:
             return None
         kv = e.kv_manager
-        labels = {"model_name": self.model_name, "block_size": str(e.block_size), "num_gpu_blocks": str(kv.pool.num_blocks),
+        labels = {"model_name": self.model_name, "block_size": str(e.block_size),
+                  "num_gpu_blocks": str(kv.pool.num_blocks),
                   "num_cpu_blocks": str(kv.num_cpu_blocks),
                   "enable_prefix_caching": str(bool(kv.enable_caching)),
                   "cache_dtype": str(e.loaded.dtype).removeprefix("torch.")}

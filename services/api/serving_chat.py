@@ -30,7 +30,9 @@ def apply_template(tokenizer, messages: list[ChatMessage], add_generation_prompt
     and renders the tools (its template's way, or the default one: prompt.tools)."""
     dicts = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        extra = {"tools": tools} if tools else {}     # NOTE: no tools, the call of old
+        # NOTE: tools= only when there are tools: a tokenizer whose apply_chat_template has no
+        # such keyword still renders plain chats
+        extra = {"tools": tools} if tools else {}
         return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
                                              **extra)
     except Exception as e:  # noqa: BLE001 - ValueError, jinja2 TemplateError, ...
