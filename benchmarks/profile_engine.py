@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|")
     for name, sec in breakdown(timers, wall):
         print(f"| {name} | {sec:.4f} | {100 * sec / wall:.1f}% | {1000 * sec / steps:.3f} |")
-    print(f"| **step total** | {wall:.2f} | 100% | {1000 * wall / steps:.2f} |")
+    print(f"| **step total** | {wall:.4f} | 100% | {1000 * wall / steps:.2f} |")
     if prof is not None:
         print()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

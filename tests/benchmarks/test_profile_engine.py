@@ -17,4 +17,5 @@ def test_profile_reports_each_part_of_the_step(capsys):
         assert float(rows[part]) > 0, part
     parts = sum(float(v) for k, v in rows.items() if k != "step_other")
     total = float(re.search(r"\*\*step total\*\* \| ([\d.]+)", out).group(1))
-    assert 0 < parts <= total * 1.001
+    # each row is printed rounded to 0.1 ms: the sum may exceed the total by half of that per row
+    assert 0 < parts <= total + 0.00005 * (len(rows) + 1)
