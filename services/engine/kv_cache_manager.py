@@ -295,6 +295,11 @@ class KVCacheManager:
         return list(zip(cpu, table))
 
     # ---- drains for the runner and the event publisher ---------------------------------------
+    @property
+    def has_copies(self) -> bool:
+        """Copy-on-write copies wait for take_copies()."""
+        return bool(self._copies)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write (src, dst) pairs, drained. NOTE: called after every allocation;
         with nothing pending it returns the (empty) internal list without allocating."""

@@ -30,6 +30,8 @@ class RequestStatus(enum.IntEnum):
         return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
 
+FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.finished)
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

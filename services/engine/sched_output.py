@@ -25,7 +25,8 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.sample and self.start >= self.request.num_prompt_tokens
+        return (self.num_tokens == 1 and self.sample
+                and self.start >= len(self.request.prompt_token_ids))
 
 
 @dataclass(slots=True)

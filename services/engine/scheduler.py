@@ -15,7 +15,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.sched_policy import Policy, make_policy
-from kvmesh.engine.request import Logprob, Request, RequestStatus
+from kvmesh.engine.request import FINISHED_STATUSES as _FINISHED, Logprob, Request, RequestStatus
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                         SchedulerStats)
 from kvmesh.engine.preemption import Preemption, count_scheduled
@@ -162,20 +162,26 @@ class Scheduler(Preemption):
         if self._running_unsorted or not self.policy.static:
             self.running.sort(key=st.key)
             self._running_unsorted = False
+        # NOTE: the per-request body is this step's hot loop (every running request, every
+        # step): attributes bound to locals, _num_new_tokens inlined (benchmarks/scheduler_step.py)
+        running, allocate, kv, chunked = self.running, self.kv.allocate_slots, self.kv, self.chunked
         i = 0
-        while i < len(self.running) and st.budget > 0:
-            req = self.running[i]
-            num_new = self._num_new_tokens(req, st.budget)
-            if num_new == 0:
+        while i < len(running) and st.budget > 0:
+            req = running[i]
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if num_new > st.budget:
+                num_new = st.budget if chunked else 0
+            if num_new <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running[-1]
+            while allocate(req, num_new) is None:
+                victim = running[-1]
                 self._preempt(victim, st)
                 if victim is req:
                     break
             else:
-                self._drain_copies(st)
+                if kv.has_copies:
+                    self._drain_copies(st)
                 self._schedule_tokens(req, num_new, st)
                 i += 1
 
@@ -373,22 +379,22 @@ class Scheduler(Preemption):
             self._waiting_unsorted = True
 
     def _schedule_tokens(self, req: Request, num_new: int, st: StepState) -> None:
+        rid = req.request_id
         start = req.num_computed_tokens
-        sample = start + num_new == req.num_tokens
+        sample = start + num_new == len(req.all_token_ids)
         children: tuple[Request, ...] = ()
-        if sample and req.num_output_tokens == 0 and req.request_id in self.pending_forks:
-            children = tuple(self.pending_forks[req.request_id])
+        if sample and self.pending_forks and not req.output_token_ids and rid in self.pending_forks:
+            children = tuple(self.pending_forks[rid])
         # NOTE: the live table, not a copy: the runner reads it within this step only.
-        table = self.kv.block_table(req.request_id)
-        sr = self._records.get(req.request_id)
+        table = self.kv.block_table(rid)
+        sr = self._records.get(rid)
         if sr is None:
-            sr = self._records[req.request_id] = ScheduledRequest(req, start, num_new, table,
-                                                                  sample, children)
+            sr = self._records[rid] = ScheduledRequest(req, start, num_new, table, sample, children)
         else:
             sr.start, sr.num_tokens, sr.block_ids = start, num_new, table
             sr.sample, sr.fork_children = sample, children
         count_scheduled(st.stats, sr, +1)
-        st.scheduled[req.request_id] = sr
+        st.scheduled[rid] = sr
         st.budget -= num_new
 
     def _drain_copies(self, st: StepState) -> None:
@@ -405,12 +411,22 @@ class Scheduler(Preemption):
         """
         now = self.clock()
         touched: list[Request] = []
+        sampled, all_logprobs = result.sampled, result.logprobs
         for sr in out.scheduled:
             req = sr.request
-            if not sr.sample or req.is_finished:
+            if not sr.sample or req.status in _FINISHED:
                 continue
-            tokens = result.sampled[req.request_id]
-            logprobs = result.logprobs.get(req.request_id)
+            rid = req.request_id
+            tokens = sampled[rid]
+            logprobs = all_logprobs.get(rid) if all_logprobs else None
+            if not sr.fork_children:          # NOTE: the common case, without _append's call
+                req.append_output_token(tokens[0])
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs[0])
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                touched.append(req)
+                continue
             for k, child in enumerate(sr.fork_children, start=1):
                 if child.status != RequestStatus.WAITING_FOR_FORK:
                     continue
@@ -422,8 +438,7 @@ class Scheduler(Preemption):
                 self._join(self.running, child)
                 self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
                 touched.append(child)
-            if sr.fork_children:
-                self.pending_forks.pop(req.request_id, None)
+            self.pending_forks.pop(rid, None)
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
         return touched
