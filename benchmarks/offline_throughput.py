@@ -32,6 +32,10 @@ Both transformers systems use one model loaded by transformers from the same fil
 for the built-in model), in the same dtype on the same device. Each system is warmed up (a few
 short requests) before it is timed. Times are wall clock.
 
+`--vllm-profile DIR` runs vLLM under its torch profiler (benchmarks/vllm_peer.py) and prints its
+step by category (benchmarks/torch_trace_breakdown.py, the rows of profile_engine.py); the
+profiler slows vLLM, so that run's vLLM time is no throughput figure.
+
 Tensor parallelism (`--tensor-parallel-size 1,2`: kvmesh once per size, side by side; each size
 N > 1 runs N ranks of max(1, threads / N) torch threads each and reports the time rank 0 spent in
 the collectives per step; a model that splits is needed, e.g. `--model random-300m`):
@@ -258,6 +262,11 @@ def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[fl
         "warmup": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in _warmup_requests(reqs)],
         "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in reqs],
     }
+    traces_before: set[Path] = set()
+    if args.vllm_profile:
+        profile_dir = Path(args.vllm_profile).expanduser().resolve()
+        spec["profile_dir"] = str(profile_dir)
+        traces_before = set(profile_dir.glob(TRACE_GLOB))
     threads = args.threads or torch.get_num_threads()
     env, warnings = peer.peer_env(None if args.vllm_command else venv, threads, args.vllm_kv_cache_gib)
     for w in warnings:
@@ -265,7 +274,23 @@ def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[fl
     log = Path(args.vllm_log) if args.vllm_log else None
     res = peer.run_peer(peer.peer_command(venv, args.vllm_command), spec, env, args.vllm_timeout, log)
     note = f"{res.note}; engine start {res.load_s:.0f} s" if res.note else f"start {res.load_s:.0f} s"
+    if args.vllm_profile:
+        print_vllm_profile(sorted(set(profile_dir.glob(TRACE_GLOB)) - traces_before), profile_dir)
     return res.wall_s, res.cpu_s, res.outputs, note
+
+
+TRACE_GLOB = "*.pt.trace.json*"     # the torch profiler's Chrome traces, one per vLLM worker
+
+
+def print_vllm_profile(traces: list[Path], profile_dir: Path) -> None:
+    """The step breakdown of each trace this run's vLLM workers wrote."""
+    from benchmarks import torch_trace_breakdown as ttb
+
+    if not traces:
+        print(f"# vllm profile: no trace written under {profile_dir}", flush=True)
+    for trace in traces:
+        ttb.print_table(ttb.breakdown(ttb.load_events(str(trace))), f"vllm profile {trace.name}")
+        print(flush=True)
 
 
 def _warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
@@ -333,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="run this instead of VENV/bin/python benchmarks/vllm_peer.py (it gets "
                    "REQUEST.json RESULT.json; for tests)")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-profile", default=None, metavar="DIR",
+                   help="run vLLM under its torch profiler, traces in DIR, and print its step "
+                        "by category (slows vLLM: not a throughput run)")
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds")
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
                    "unless it fails)")

@@ -7,7 +7,13 @@ REQUEST.json (written by `benchmarks/peer.py`):
     {"model": "/path/to/hf-dir", "dtype": "float32", "seed": 0,
      "max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048,
      "warmup": [{"prompt_ids": [...], "max_tokens": 4}, ...],
-     "requests": [{"prompt_ids": [...], "max_tokens": 37}, ...]}
+     "requests": [{"prompt_ids": [...], "max_tokens": 37}, ...],
+     "profile_dir": "/abs/dir"}          (optional)
+
+With "profile_dir", the timed `generate` runs under vLLM's own torch profiler (its
+`profiler_config`, `VLLM_CUSTOM_SCOPES_FOR_PROFILING=1` for the model runner's scopes): the worker
+writes a Chrome trace there, which `benchmarks/torch_trace_breakdown.py` sorts into the categories
+of `profile_engine.py`. The profiler slows the run: its wall time is not a throughput number.
 
 RESULT.json:
 
@@ -44,15 +50,25 @@ def _tree_cpu_s() -> float:
 
 
 def run(spec: dict) -> dict:
+    import os
+
+    profile_dir = spec.get("profile_dir")
+    if profile_dir:
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    extra = {}
+    if profile_dir:
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": os.path.abspath(profile_dir),
+                                    "torch_profiler_with_stack": False, "torch_profiler_record_shapes": True,
+                                    "torch_profiler_use_gzip": False, "ignore_frontend": True}
     t_load = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
               enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
               max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
-              max_model_len=int(spec["max_model_len"]))
+              max_model_len=int(spec["max_model_len"]), **extra)
     load_s = time.perf_counter() - t_load
 
     def go(reqs: list[dict]) -> list[list[int]]:
@@ -63,14 +79,19 @@ def run(spec: dict) -> dict:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     go(spec.get("warmup") or [])
+    if profile_dir:
+        llm.start_profile()
     c0, t0 = _tree_cpu_s(), time.perf_counter()
     outputs = go(spec["requests"])
     wall = time.perf_counter() - t0
     cpu = _tree_cpu_s() - c0
+    if profile_dir:
+        llm.stop_profile()      # the worker writes its trace now
     return {"system": f"vllm {vllm.__version__}", "outputs": outputs, "wall_s": wall, "cpu_s": cpu,
             "load_s": load_s,
             "note": (f"vllm {vllm.__version__}, max_num_seqs={spec['max_num_seqs']}, "
-                     f"budget={spec['max_num_batched_tokens']} tok/step, prefix caching off")}
+                     f"budget={spec['max_num_batched_tokens']} tok/step, prefix caching off"
+                     + (f", torch profiler on (trace in {profile_dir})" if profile_dir else ""))}
 
 
 def main(argv: list[str]) -> int:

@@ -43,6 +43,13 @@ FAKE_PEER = textwrap.dedent('''
                                max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
                                pad_token_id=0, eos_token_id=None)
                 out.append(g[0, ids.shape[1]:].tolist())
+    if spec.get("profile_dir"):      # as vLLM's worker would: one Chrome trace per worker
+        step = {"ph": "X", "name": "execute_context_0(0)_generation_3(3)", "pid": 1, "tid": 1,
+                "ts": 0, "dur": 4000}
+        mm = {"ph": "X", "name": "_C::onednn_mm", "pid": 1, "tid": 1, "ts": 100, "dur": 3000}
+        os.makedirs(spec["profile_dir"], exist_ok=True)
+        with open(os.path.join(spec["profile_dir"], "rank0.7.pt.trace.json"), "w") as f:
+            json.dump({"traceEvents": [step, mm]}, f)
     json.dump({"system": "fake-vllm 0.0", "outputs": out, "wall_s": 0.5, "cpu_s": 1.0,
                "load_s": 2.0, "note": "stand-in"}, open(sys.argv[2], "w"))
 ''')
@@ -83,6 +90,25 @@ def test_benchmark_runs_the_peer_on_the_same_requests_and_counts_agreement(
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_vllm_profile_passes_the_trace_directory_and_prints_the_step(
+        fake_peer, model_cache, tmp_path, monkeypatch, capsys):
+    seen = tmp_path / "seen.json"
+    monkeypatch.setenv("FAKE_PEER_SEEN", str(seen))
+    monkeypatch.setenv("FAKE_PEER_MODE", "greedy")
+    profile_dir = tmp_path / "traces"
+    profile_dir.mkdir()
+    (profile_dir / "rank0.1.pt.trace.json").write_text("{}")     # an earlier run's: not read
+    offline_throughput.main([
+        "--model", "random-tiny", "--model-cache", str(model_cache), "--num-requests", "2",
+        "--scale", "40", "--systems", "vllm", "--threads", "2",
+        "--vllm-command", f"{sys.executable} {fake_peer}", "--vllm-profile", str(profile_dir)])
+    out = capsys.readouterr().out
+    assert json.loads(seen.read_text())["spec"]["profile_dir"] == str(profile_dir)
+    assert "# vllm profile rank0.7.pt.trace.json: 1 steps" in out
+    assert "| gemm | 0.0030 | 75.0% | 3.000 |" in out
+    assert "| step_other | 0.0010 | 25.0% | 1.000 |" in out
 
 
 def _spec(n: int = 2) -> dict:
