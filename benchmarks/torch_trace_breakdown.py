@@ -98,7 +98,7 @@ def breakdown(events: list[dict]) -> Breakdown:
 
     def close(end_before: float) -> None:
         while stack and stack[-1][0] <= end_before:
-            end, cat, child = stack.pop()
+            _, cat, child = stack.pop()
             if cat is not None:
                 seconds[cat] += child[1] - child[0]
 

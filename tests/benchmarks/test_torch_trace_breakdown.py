@@ -86,7 +86,7 @@ def test_a_real_torch_profiler_trace_in_vllm_scopes(tmp_path, capsys):
     assert ttb.main([str(gz)]) == 0
     out = capsys.readouterr().out
     assert "3 steps" in out
-    rows = dict(re.findall(r"^\| (\w+) \| ([\d.]+) \|", out, re.M))
+    rows = dict(re.findall(r"^\| (\w+) \| ([\d.]+) \|", out, re.MULTILINE))
     for part in ("gemm", "lm_head", "compiled_fused", "runner_input", "sampling", "outside_step"):
         assert float(rows[part]) > 0, part
     assert float(rows["attention"]) == 0 and float(rows["kv_write"]) == 0
