@@ -66,7 +66,8 @@ def compute_prompt_logprobs(
     for span in spans:
         entries: list[dict[int, Logprob]] = []
         for a, b in span_passes(span):
-            lp = torch.log_softmax(compute_logits(hidden[a:b]).to(torch.float32), dim=-1)  # [r, V]
+            # NOTE: compute_logits gives float32 (float64 for a float64 model): no cast here
+            lp = torch.log_softmax(compute_logits(hidden[a:b]), dim=-1)  # [r, V]
             entries.extend(logprob_entries(lp, span.target_ids[a - span.row_start:b - span.row_start],
                                            span.num_top))
         out[span.request_id] = (span.first_token, entries)

@@ -253,7 +253,8 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow],
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return out
-    lp = torch.log_softmax(raw[want].to(torch.float32), dim=-1)   # [W, V]
+    chosen = raw[want]
+    lp = torch.log_softmax(chosen if chosen.dtype == torch.float64 else chosen.float(), dim=-1)  # [W, V]
     vocab = lp.shape[1]
 
     draw_w = [w for w, i in enumerate(want) for _ in token_ids[i]]

@@ -58,8 +58,10 @@ def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]
 
 # NOTE: float32 agreement with transformers. 1e-5 is below float32's own noise for this model:
 # transformers' SDPA and eager attention differ from each other by up to 4.8e-5 in these
-# log-probs (same weights, same prompts), and the engine (oneDNN GEMMs, paged attention) was
-# seen at most 5.9e-5 from SDPA. 1e-4 bounds both; a wrong position or token is off by >= 0.1.
+# log-probs (same weights, same prompts), transformers' float32 forward is 2.0e-5 from its own
+# float64 one, and the engine (oneDNN GEMMs, paged attention) was seen at most 5.9e-5 from SDPA.
+# 1e-4 bounds them; a wrong position or token is off by >= 0.1. The float64 test below shows the
+# computation itself exact: there the engine equals transformers to 1e-9 (0.0 was seen).
 ATOL = 1e-4
 
 
@@ -140,6 +142,52 @@ def test_prompt_logprobs_survive_preemption_by_recompute(smollm, hf_logprobs):
     assert engine.kv_manager.num_free_blocks == 6
     for rid, p, _ in for_each:
         assert_prompt_logprobs(final[rid], p, hf_logprobs(p), 1)
+
+
+@pytest.fixture(scope="module")
+def smollm_f64():
+    from kvmesh.engine.loader import load_model
+    return load_model(None, dtype=torch.float64, device="cpu", attention_backend="reference")
+
+
+@pytest.fixture(scope="module")
+def hf_smollm_f64():
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.common.model_files import builtin_model_path
+    path = builtin_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float64).eval()
+
+
+def test_float64_prompt_logprobs_equal_transformers_float64(smollm_f64, hf_smollm_f64):
+    """In float64 (the engine's torch reference ops) every prompt log-prob and top-3 entry is
+    transformers' float64 `log_softmax` to 1e-9, chunked by a 16-token budget and batched."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=16, max_model_len=512,
+                                    max_num_batched_tokens=16), loaded=smollm_f64)
+    tok = smollm_f64.tokenizer
+    prompts = [tok.encode(t) for t in (LONG, *TEXTS[:2])]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    final, chunked = run(engine, [(f"r{i}", ids, params) for i, ids in enumerate(prompts)])
+    assert chunked >= 2
+    worst = 0.0
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_smollm_f64(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+        assert ref.dtype == torch.float64
+        lps = final[f"r{i}"].prompt_logprobs
+        assert lps[0] is None and len(lps) == len(ids)
+        for j in range(1, len(ids)):
+            row = ref[j - 1]
+            entry = lps[j]
+            worst = max(worst, abs(entry[ids[j]].logprob - float(row[ids[j]])))
+            assert entry[ids[j]].rank == int((row > row[ids[j]]).sum()) + 1
+            top = row.topk(3)
+            got = sorted(((lp.logprob, t) for t, lp in entry.items() if lp.rank <= 3), reverse=True)
+            assert [t for _, t in got] == top.indices.tolist()
+            for (lp, _), want in zip(got, top.values.tolist()):
+                worst = max(worst, abs(lp - want))
+    assert worst <= 1e-9, worst
 
 
 def test_logit_bias_forces_and_forbids_a_token(smollm):

@@ -91,7 +91,8 @@ class CausalLM(nn.Module):
         return self.final_norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[R, hidden] -> [R, vocab] float32 (R: the rows to sample from, e.g. last token per seq).
+        """[R, hidden] -> [R, vocab] float32, float64 for a float64 model (R: the rows to sample
+        from, e.g. last token per seq).
 
         Tensor-parallel: the vocabulary shards are gathered on rank 0; other ranks get None."""
         logits = linear(hidden, self.lm_head.weight)
@@ -103,7 +104,9 @@ class CausalLM(nn.Module):
         if cap:
             # NOTE: Gemma 2: in the model dtype, as HF does, before the float32 upcast.
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        # NOTE: a float64 model keeps its precision up to the log-probs (exact agreement with
+        # transformers' float64 forward, tests/engine/test_prompt_logprobs.py)
+        return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _buffer_name(table: str) -> str:
