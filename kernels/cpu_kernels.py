@@ -12,6 +12,7 @@ later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` 
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -32,6 +33,7 @@ HEADERS = tuple(_CSRC / name for name in ("kernels.h", "vec.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"
 
+TORCH_LOCK = "lock"      # torch.utils.cpp_extension's FileBaton in the build directory
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -91,8 +93,17 @@ def _build():
 
     build_dir = cache_dir() / "cpu-kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
-    # NOTE: torch's builder takes a file lock in build_dir, so concurrent processes (a test
-    # run's workers, several servers) build once and the others wait and load the result.
-    return cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                              verbose=False)
+    # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
+    # wait here and then load the result. torch's builder has a lock of its own, a plain file
+    # that a build killed midway (OOM, SIGKILL, a restarted pod on a kept cache) leaves behind,
+    # and every later load then waits on it forever. This flock is the kernel's: it goes with
+    # its process, so whoever holds it knows a torch lock file still there is stale.
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / TORCH_LOCK
+        if stale.exists():
+            log.warning("removing %s, left by a C++ kernels build that did not finish", stale)
+            stale.unlink()
+        return cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES],
+                                  extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir), verbose=False)
