@@ -19,9 +19,9 @@ import torch
 from kvmesh.engine.request import Logprob, Request
 from kvmesh.engine.sched_output import ScheduledRequest
 
-# NOTE: [rows, vocab] float32 logits are materialised this many rows at a time (256 rows of a
-# 49k vocabulary: 50 MB, twice with log_softmax), whatever the prefill chunk's length.
-ROWS_PER_PASS = 256
+# NOTE: [rows, vocab] logits are materialised this many rows at a time (128 rows of a 49k
+# vocabulary: 25 MB in float32, 50 MB as float64 log-probs), whatever the prefill chunk's length.
+ROWS_PER_PASS = 128
 
 
 @dataclass(slots=True)
@@ -66,8 +66,10 @@ def compute_prompt_logprobs(
     for span in spans:
         entries: list[dict[int, Logprob]] = []
         for a, b in span_passes(span):
-            # NOTE: compute_logits gives float32 (float64 for a float64 model): no cast here
-            lp = torch.log_softmax(compute_logits(hidden[a:b]), dim=-1)  # [r, V]
+            # NOTE: log_softmax in float64: its sum over the vocabulary is float32's largest
+            # error here (up to 2.6e-5 on the built-in model's 49k logits; the log-likelihoods
+            # of an evaluation harness add these up), for a fraction of the forward's time
+            lp = torch.log_softmax(compute_logits(hidden[a:b]).double(), dim=-1)  # [r, V]
             entries.extend(logprob_entries(lp, span.target_ids[a - span.row_start:b - span.row_start],
                                            span.num_top))
         out[span.request_id] = (span.first_token, entries)
