@@ -19,12 +19,15 @@ worker, recording the worker thread's ops and vLLM's scopes. The table has the r
     runner_input      "gpu_model_runner: preprocess" (input ids, positions, attention metadata)
     sampling          "gpu_model_runner: sample"
     output            postprocess, bookkeep and ModelRunnerOutput, logits excluded
-    step_other        the rest of the worker's step ("execute_..." scope)
-    outside_step      the worker's wall between steps: the engine core's scheduler, its
-                      output processing and the inter-process hand-off (not traced there)
+    step_other        the rest of the worker's step (the "execute_..." scope and what else the
+                      worker runs before the next one)
+    outside_step      the time between steps no worker event covers: the engine core's
+                      scheduler, its output processing and the inter-process hand-off
 
 Each event's self time (its duration less its traced children's) goes to the category of the
-nearest enclosing event that has one, so the rows add up to the steps' wall time.
+nearest enclosing event that has one, so the rows add up to the wall time from the first step's
+start to the last event's end; events before the first step (a dummy run, the profiler's own)
+are left out.
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ ROWS = ("gemm", "lm_head", "attention", "kv_write", "compiled_fused", "forward_o
         "runner_input", "sampling", "output", "step_other", "outside_step")
 
 
+_OUTSIDE = "<before the first step>"   # not in the table
+
+
 @dataclass
 class Breakdown:
     seconds: dict[str, float]   # per row of ROWS
@@ -89,12 +95,16 @@ def load_events(path: str) -> list[dict]:
 
 def breakdown(events: list[dict]) -> Breakdown:
     # NOTE: events on one thread nest; sorted by start (the longer first on a tie), a stack of
-    # the open events gives each its parent.
+    # the open events gives each its parent. vLLM's worker samples in a call of its own after
+    # the step's execute_model (its "sample" and "bookkeep" scopes sit between two "execute_"
+    # scopes), so a step runs from one "execute_" scope to the next: the events between belong
+    # to it, and what no event covers there is the engine core's turn (outside_step).
     events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
     seconds: dict[str, float] = defaultdict(float)
     stack: list[tuple[float, str | None, list[float]]] = []   # (end, category, [child time])
-    steps: list[tuple[float, float]] = []
     names: Counter = Counter()
+    first = last = None           # the first step's start; the latest end of a counted event
+    covered = 0.0                 # time the counted top-level events take
 
     def close(end_before: float) -> None:
         while stack and stack[-1][0] <= end_before:
@@ -105,25 +115,33 @@ def breakdown(events: list[dict]) -> Breakdown:
     for e in events:
         start, dur = float(e["ts"]), float(e["dur"])
         close(start)
-        parent = stack[-1][1] if stack else None
-        cat = category(e["name"], parent) or parent
-        if cat == "step_other" and parent is None:
-            steps.append((start, start + dur))
-            names[e["name"]] += 1
         if stack:
+            parent = stack[-1][1]
+            cat = parent if parent == _OUTSIDE else (category(e["name"], parent) or parent)
             stack[-1][2][0] += dur           # the parent's traced children
+        else:
+            if STEP_PATTERN.match(e["name"]):
+                names[e["name"]] += 1
+                first = start if first is None else first
+            if first is None:
+                cat = _OUTSIDE    # before the first step: a dummy run, the profiler's start
+            else:
+                cat = category(e["name"], None) or "step_other"
+                covered += dur
+                last = max(last or start, start + dur)
         stack.append((start + dur, cat, [0.0, dur]))
     close(float("inf"))
-    if not steps:
+    seconds.pop(_OUTSIDE, None)
+    if first is None:
         raise ValueError("no engine steps in the trace (scopes named execute_context_..._generation_...)")
-    wall_us = steps[-1][1] - steps[0][0]
-    seconds["outside_step"] = wall_us - sum(b - a for a, b in steps)
-    return Breakdown({row: seconds.get(row, 0.0) / 1e6 for row in ROWS}, len(steps), wall_us / 1e6,
-                     names)
+    wall_us = last - first
+    seconds["outside_step"] = wall_us - covered
+    return Breakdown({row: seconds.get(row, 0.0) / 1e6 for row in ROWS}, sum(names.values()),
+                     wall_us / 1e6, names)
 
 
 def print_table(b: Breakdown, title: str) -> None:
-    print(f"# {title}: {b.steps} steps, {b.wall_s:.2f} s from the first step's start to the last's end")
+    print(f"# {title}: {b.steps} steps, {b.wall_s:.2f} s from the first step's start to the last event's end")
     print("| part | seconds | share | ms per step |")
     print("|---|---:|---:|---:|")
     for row in ROWS:

@@ -31,8 +31,10 @@ def synthetic_trace() -> dict:
         _x("_C::cpu_attention_with_kv_cache", 1470, 180),
         _x("gpu_model_runner: postprocess", 1870, 90),
         _x("_C::onednn_mm", 1875, 60),                          # the logits: lm_head
-        _x("gpu_model_runner: sample", 1965, 30),
-        _x("_C::greedy_argmax", 1970, 20),                      # sampling (inherited)
+        # as vLLM's worker does, sampling in a call of its own after execute_model
+        _x("gpu_model_runner: sample", 2050, 30),
+        _x("_C::greedy_argmax", 2055, 20),                      # sampling (inherited)
+        _x("aten::copy_", 2200, 10),                            # the worker's, between steps
     ]
     step2 = [
         _x("execute_context_0(0)_generation_1(1)", 2500, 100),
@@ -40,7 +42,8 @@ def synthetic_trace() -> dict:
         _x("aten::mm", 2520, 50),
     ]
     other_thread = [_x("aten::empty", 1500, 5, tid=9)]        # not the worker's thread
-    return {"traceEvents": step1 + step2 + other_thread + [{"ph": "M", "name": "process_name"}]}
+    before = [_x("gpu_model_runner: forward", 100, 300), _x("_C::onednn_mm", 150, 200)]
+    return {"traceEvents": step1 + step2 + other_thread + before + [{"ph": "M", "name": "process_name"}]}
 
 
 def test_self_times_go_to_the_nearest_category(tmp_path):
@@ -52,8 +55,8 @@ def test_self_times_go_to_the_nearest_category(tmp_path):
         "gemm": 300 + 50, "lm_head": 60, "attention": 200, "kv_write": 50,
         "compiled_fused": 780 - 300 - 50 - 200,
         "forward_other": (800 - 780) + (80 - 50), "runner_input": 40, "sampling": 30,
-        "output": 90 - 60, "step_other": (1000 - 40 - 800 - 90 - 30) + (100 - 80),
-        "outside_step": 2600 - 1000 - 1000 - 100,
+        "output": 90 - 60, "step_other": (1000 - 40 - 800 - 90) + 10 + (100 - 80),
+        "outside_step": 2600 - 1000 - (1000 + 30 + 10 + 100),   # what no worker event covers
     }
     assert b.steps == 2 and b.wall_s == pytest.approx(1600e-6)
     assert sum(b.seconds.values()) == pytest.approx(b.wall_s)
