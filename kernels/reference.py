@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
+from kvmesh.kernels.precision import at_least_float32
 
 
 def write_kv_cache(
@@ -36,12 +37,6 @@ def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> t
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     return cache[table[:num_blocks].long()].flatten(0, 1)[:seq_len]
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in the precision attention and RoPE compute in: float32 for the half types (HF's upcast),
-    x's own dtype from float32 up (a float64 model computes in float64, as HF's does)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -83,9 +78,9 @@ def _extend_one(
     group = q.shape[1] // k.shape[1]
     # NOTE: K/V expanded to the query heads here, as before windows existed (the prefill path's
     # proven speed on CPU), rather than SDPA's enable_gqa.
-    kh = _wide(k.transpose(0, 1)).repeat_interleave(group, dim=0)
-    vh = _wide(v.transpose(0, 1)).repeat_interleave(group, dim=0)
-    out = _attend(_wide(q.transpose(0, 1)), kh, vh, allowed, scale, softcap)
+    kh = at_least_float32(k.transpose(0, 1)).repeat_interleave(group, dim=0)
+    vh = at_least_float32(v.transpose(0, 1)).repeat_interleave(group, dim=0)
+    out = _attend(at_least_float32(q.transpose(0, 1)), kh, vh, allowed, scale, softcap)
     return out.transpose(0, 1).to(q.dtype)
 
 
@@ -200,12 +195,12 @@ def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     b = g.tokens.shape[0]
-    q = _wide(query.index_select(0, g.tokens)).view(b, num_heads, 1, head_dim)
+    q = at_least_float32(query.index_select(0, g.tokens)).view(b, num_heads, 1, head_dim)
     # [b, num_blocks * block_size, kv_heads, d] -> [b, kv_heads, ctx, d] (a strided view)
     k = k_cache.index_select(0, g.blocks).view(b, g.num_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache.index_select(0, g.blocks).view(b, g.num_blocks * block_size, num_kv_heads, head_dim)
-    k = _wide(k[:, :g.ctx].transpose(1, 2))
-    v = _wide(v[:, :g.ctx].transpose(1, 2))
+    k = at_least_float32(k[:, :g.ctx].transpose(1, 2))
+    v = at_least_float32(v[:, :g.ctx].transpose(1, 2))
     o = _attend(q, k, v, g.mask, scale, softcap)
     return o.view(b, num_heads, head_dim).to(query.dtype)
 
@@ -265,7 +260,7 @@ def rotary_embedding(
     sin = cs[:, None, half:]
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        xf = _wide(x)
+        xf = at_least_float32(x)
         x1, x2 = xf[..., :half], xf[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

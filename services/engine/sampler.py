@@ -24,6 +24,7 @@ import torch
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.cpu_ops import argmax
+from kvmesh.kernels.precision import at_least_float32
 
 # NOTE: exponential_ may return exactly 0; probs / 0 is inf (or nan for a masked token, and
 # argmax picks nan), so every draw is clamped to the smallest normal float.
@@ -253,8 +254,7 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow],
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return out
-    chosen = raw[want]
-    lp = torch.log_softmax(chosen if chosen.dtype == torch.float64 else chosen.float(), dim=-1)  # [W, V]
+    lp = torch.log_softmax(at_least_float32(raw[want]), dim=-1)   # [W, V]
     vocab = lp.shape[1]
 
     draw_w = [w for w, i in enumerate(want) for _ in token_ids[i]]

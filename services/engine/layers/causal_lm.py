@@ -21,6 +21,7 @@ from kvmesh.engine.layers.rope import build_cos_sin_cache
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
+from kvmesh.kernels.precision import at_least_float32
 
 
 def layer_window(config: ModelConfig, layer: int) -> int:
@@ -106,7 +107,7 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         # NOTE: a float64 model keeps its precision up to the log-probs (exact agreement with
         # transformers' float64 forward, tests/engine/test_prompt_logprobs.py)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return at_least_float32(logits)
 
 
 def _buffer_name(table: str) -> str:
