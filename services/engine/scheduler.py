@@ -163,15 +163,14 @@ class Scheduler(Preemption):
             self.running.sort(key=st.key)
             self._running_unsorted = False
         # NOTE: the per-request body is this step's hot loop (every running request, every
-        # step): attributes bound to locals, _num_new_tokens inlined (benchmarks/scheduler_step.py)
-        running, allocate, kv, chunked = self.running, self.kv.allocate_slots, self.kv, self.chunked
+        # step): attributes bound to locals (benchmarks/scheduler_step.py)
+        running, kv = self.running, self.kv
+        allocate, num_new_tokens = kv.allocate_slots, self._num_new_tokens
         i = 0
         while i < len(running) and st.budget > 0:
             req = running[i]
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
-            if num_new > st.budget:
-                num_new = st.budget if chunked else 0
-            if num_new <= 0:
+            num_new = num_new_tokens(req, st.budget)
+            if num_new == 0:
                 i += 1
                 continue
             while allocate(req, num_new) is None:
@@ -363,11 +362,13 @@ class Scheduler(Preemption):
         return self.kv_connector.lookup(req.request_id, req.block_hashes[num_hit // bs:limit])
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        num_new = req.num_tokens - req.num_computed_tokens
+        # NOTE: called for every running request every step: len() and a comparison rather
+        # than the num_tokens property and max() (benchmarks/scheduler_step.py)
+        num_new = len(req.all_token_ids) - req.num_computed_tokens
         if num_new > budget:
             # NOTE: with chunked prefill off a prefill waits for a step with room for all of it.
             return budget if self.chunked else 0
-        return max(num_new, 0)
+        return num_new if num_new > 0 else 0
 
     def _join(self, queue: list[Request], req: Request) -> None:
         """Append to the running or waiting queue; the next step sorts it again (with a static
@@ -419,29 +420,29 @@ class Scheduler(Preemption):
             rid = req.request_id
             tokens = sampled[rid]
             logprobs = all_logprobs.get(rid) if all_logprobs else None
-            if not sr.fork_children:          # NOTE: the common case, without _append's call
-                req.append_output_token(tokens[0])
-                if logprobs is not None:
-                    req.output_logprobs.append(logprobs[0])
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                touched.append(req)
-                continue
-            for k, child in enumerate(sr.fork_children, start=1):
-                if child.status != RequestStatus.WAITING_FOR_FORK:
-                    continue
-                self.kv.fork(req, child)
-                child.num_computed_tokens = req.num_computed_tokens
-                child.num_cached_tokens = req.num_cached_tokens
-                child.first_scheduled_time = req.first_scheduled_time
-                child.status = RequestStatus.RUNNING
-                self._join(self.running, child)
-                self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
-                touched.append(child)
-            self.pending_forks.pop(rid, None)
+            if sr.fork_children:
+                self._start_forks(sr, tokens, logprobs, now, touched)
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
         return touched
+
+    def _start_forks(self, sr: ScheduledRequest, tokens: list[int],
+                     logprobs: list[dict[int, Logprob]] | None, now: float,
+                     touched: list[Request]) -> None:
+        """n > 1: samples 1.. of a prompt just prefilled share its blocks and get their tokens."""
+        req = sr.request
+        for k, child in enumerate(sr.fork_children, start=1):
+            if child.status != RequestStatus.WAITING_FOR_FORK:
+                continue
+            self.kv.fork(req, child)
+            child.num_computed_tokens = req.num_computed_tokens
+            child.num_cached_tokens = req.num_cached_tokens
+            child.first_scheduled_time = req.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            self._join(self.running, child)
+            self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
+            touched.append(child)
+        self.pending_forks.pop(req.request_id, None)
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Count the block operations since schedule() (a finished request frees its blocks)
