@@ -67,9 +67,12 @@ _OUTSIDE = "<before the first step>"   # not in the table
 @dataclass
 class Breakdown:
     seconds: dict[str, float]   # per row of ROWS
-    steps: int                  # traced engine steps
-    wall_s: float               # first step's start to the last step's end
+    wall_s: float               # the first step's start to the last event's end
     step_names: Counter         # the steps' scope names (batch shapes), counted
+
+    @property
+    def steps(self) -> int:
+        return sum(self.step_names.values())
 
 
 def category(name: str, parent: str | None) -> str | None:
@@ -136,8 +139,7 @@ def breakdown(events: list[dict]) -> Breakdown:
         raise ValueError("no engine steps in the trace (scopes named execute_context_..._generation_...)")
     wall_us = last - first
     seconds["outside_step"] = wall_us - covered
-    return Breakdown({row: seconds.get(row, 0.0) / 1e6 for row in ROWS}, sum(names.values()),
-                     wall_us / 1e6, names)
+    return Breakdown({row: seconds.get(row, 0.0) / 1e6 for row in ROWS}, wall_us / 1e6, names)
 
 
 def print_table(b: Breakdown, title: str) -> None:

@@ -30,6 +30,7 @@ kvmesh is installed in vLLM's venv. vLLM's engine spawns processes, hence the `_
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -50,8 +51,6 @@ def _tree_cpu_s() -> float:
 
 
 def run(spec: dict) -> dict:
-    import os
-
     profile_dir = spec.get("profile_dir")
     if profile_dir:
         os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
