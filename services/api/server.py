@@ -141,7 +141,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     """Build the engine off the event loop, then warm it up on the loop."""
     from kvmesh.engine.engine import LLMEngine
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, kv_connector=kv_publishing.kv_connector(args))
         metrics = EngineMetrics(engine.model_name, engine)
         engine.add_observer(metrics)
         async_engine = AsyncLLMEngine(
@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         limits = limits_from_args(args)
         zmq_events = kv_publishing.kv_events_config(args)
         config = dataclasses.replace(engine_config_from_args(args),
-                                     enable_kv_events=bool(args.redis_url) or zmq_events is not None,
-                                     kv_share_url=args.redis_url if args.kv_share else None)
+                                     enable_kv_events=bool(args.redis_url) or zmq_events is not None)
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:

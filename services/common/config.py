@@ -41,7 +41,6 @@ class EngineConfig:
     seed: int = 0
     hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
     enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
-    kv_share_url: str | None = None        # Redis holding other pods' KV bytes (--kv-share redis)
     cpu_threads: int | None = None         # torch CPU threads (per rank); None: torch's default (all cores; cores / N with tensor parallelism)
     tensor_parallel_size: int = 1          # ranks (one per device) the model is split over; 1: no worker processes
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited

@@ -13,7 +13,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.fingerprint import model_fingerprint
-from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
+from kvmesh.engine.kv_connector import KVConnector, KVConnectorContext, KVConnectorFactory
 from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
@@ -27,7 +27,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.structured.manager import StructuredOutputManager
-from kvmesh.index.events import KVEventBatch
+from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.kernels.linear import packed_copy_bytes
 
 if TYPE_CHECKING:
@@ -41,15 +41,19 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_connector: KVConnectorFactory | None = None) -> None:
+        """`kv_connector` builds the store of other pods' KV blocks (`--kv-share`; e.g.
+        `kvmesh.index.kv_bytes.redis_kv_connector(url)`); None: no cross-pod KV bytes."""
         self.executor: "TPExecutor | None" = None   # tensor parallelism: the worker processes
         try:
-            self._init(config, loaded)
+            self._init(config, loaded, kv_connector)
         except BaseException:
             self.shutdown()
             raise
 
-    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None,
+              kv_connector: KVConnectorFactory | None) -> None:
         self.config = config
         tp = config.tensor_parallel_size
         threads = config.cpu_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
@@ -61,7 +65,7 @@ class LLMEngine:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own shards: pass the model "
                                  "path in the config, not a loaded model")
-            if config.kv_share_url:
+            if kv_connector is not None:
                 raise ValueError("--kv-share is not supported with --tensor-parallel-size > 1")
             from kvmesh.engine.parallel.executor import TPExecutor  # noqa: PLC0415
             self.executor, self.loaded = TPExecutor.launch(config)
@@ -103,9 +107,10 @@ class LLMEngine:
                                       self.loaded.dtype, self.loaded.device, seed=config.seed)
         # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
         # NOTE: KV bytes are named by the loaded weights' fingerprint, not the served name
-        self.kv_share: KVConnector | None = make_kv_connector(
-            config, lambda: model_fingerprint(self.loaded.model, repr(mc)),
-            str(self.loaded.dtype).removeprefix("torch."), self.runner.block_layout)
+        self.kv_share: KVConnector | None = None if kv_connector is None else kv_connector(
+            KVConnectorContext(model_fingerprint(self.loaded.model, repr(mc)),
+                               str(self.loaded.dtype).removeprefix("torch."),
+                               self.runner.block_layout))
         self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes,
                                    kv_connector=self.kv_share)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)

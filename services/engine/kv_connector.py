@@ -8,8 +8,9 @@
 
 Both sides key blocks by the chained block hash, which pins the whole prefix (cache salt
 included), so bytes found under a hash are exactly what this engine would compute. Today's one
-implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`);
-`make_kv_connector` picks it from the engine config.
+implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`). The
+engine never imports an implementation: whoever builds it (the server) passes a
+`KVConnectorFactory`, which the engine calls once with what only it knows (`KVConnectorContext`).
 
 NOTE: every call runs on the engine thread, so an implementation must never raise on a store
 outage (answer "nothing found" and drop saves) and must do all network I/O off that thread: a
@@ -17,14 +18,9 @@ store that accepts connections and never answers must not stall a step.
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvmesh.common.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +76,13 @@ class KVConnector(ABC):
         return KVConnectorStats()
 
 
-def make_kv_connector(config: EngineConfig, fingerprint: Callable[[], str], dtype: str,
-                      block_layout: tuple[int, ...]) -> KVConnector | None:
-    """The connector `config` asks for (None without --kv-share). `fingerprint` names the loaded
-    weights (called only with --kv-share); `block_layout` is the runner's shape of one block plus
-    item size: bytes are only shared between identical weights and layouts."""
-    if not config.kv_share_url:
-        return None
-    from kvmesh.index.kv_bytes import RedisKVStore  # noqa: PLC0415 (only --kv-share needs redis)
+@dataclass(frozen=True, slots=True)
+class KVConnectorContext:
+    """What a connector learns from the engine that builds it: bytes are only shared between
+    identical weights and block layouts."""
+    model: str                      # fingerprint of the loaded weights (not the served name)
+    dtype: str                      # KV-cache dtype, e.g. "float32"
+    block_layout: tuple[int, ...]   # the runner's shape of one block, plus the item size
 
-    return RedisKVStore(config.kv_share_url, fingerprint(), dtype, block_layout,
-                        password=os.environ.get("KVMESH_REDIS_PASSWORD"))
+
+KVConnectorFactory = Callable[[KVConnectorContext], KVConnector]

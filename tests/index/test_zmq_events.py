@@ -19,7 +19,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.index.vllm_wire import encode_batch
 from kvmesh.index.zmq_events import KVEventsConfig, ZmqKVEventPublisher
 
