@@ -54,6 +54,9 @@ def build_key() -> str:
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())
+    # NOTE: the sources' folder too: ninja's build file names sources by path, so two installs
+    # with equal sources in one cache would rebuild each other's library on every load.
+    h.update(str(SOURCES[0].parent.resolve()).encode())
     return h.hexdigest()[:16]
 
 
