@@ -28,7 +28,7 @@ from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
-                                  parse_args_with_config)
+                                  field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.preload import loaded_allocator, reexec_with_allocator
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--api-key is unset (also from KVMESH_ADMIN_API_KEY or --admin-api-key-file; "
                    "default: the --api-key)")
     p.add_argument("--admin-api-key-file", default=None)
-    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
+    p.add_argument("--cache-salt-from", default=field_default(CacheSaltSource, "kind"),
+                   metavar="none|api-key|header:NAME",
                    help="isolate the prefix cache per tenant: salt every request's blocks with "
                    "an HMAC of its Bearer key or of this header's value (a client's cache_salt "
                    "is appended, never replaces it); the router needs the same value")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
                    "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
-    p.add_argument("--pooling", default="last", choices=POOLING_TYPES,
+    p.add_argument("--pooling", default=field_default(PoolingParams, "pooling"), choices=POOLING_TYPES,
                    help="/v1/embeddings: pool the hidden states after the final norm by the last "
                    "token or the mean of all tokens (L2-normalised)")
     _add_limit_args(p)
