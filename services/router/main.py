@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="a prefix lookup slower than this routes its request by load "
          "(reason fallback-slow-lookup)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     return p
 
 
@@ -112,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415
 
     from kvmesh.router.app import create_app  # noqa: PLC0415
-    run_until_signal(uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
-                                    port=args.port, log_level=args.log_level.lower()))
+    config = uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
+                            port=args.port, log_level=args.log_level.lower(),
+                            access_log=not args.disable_uvicorn_access_log)
+    keep_access_log_clean()
+    run_until_signal(config)
     return 0
 
 
