@@ -62,25 +62,37 @@ _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # (it connects, it times out) keeps the rule: 502, not re-sent.
 _LOST_WITH_PROCESS = (httpx.NetworkError, httpx.RemoteProtocolError)
 _MAX_RETRIES = 1
+PROBE_LINGER_S = 1.0     # how long an accepted probe must stay open to count as a live backend
 _DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
 
 
-async def process_gone(url: str, timeout_s: float) -> bool:
-    """Whether a new TCP connection to the backend at `url` is refused (nothing listens there)."""
+async def process_gone(url: str, timeout_s: float, linger_s: float = PROBE_LINGER_S) -> bool:
+    """Whether nothing serves at `url` any more: a new TCP connection is refused, or is accepted
+    and then reset or closed within `linger_s` without a byte sent.
+
+    NOTE: a process being killed still holds its listening socket for a moment after its
+    connections broke (the kernel closes them one by one): the probe is then accepted into the
+    listener's backlog and reset as the listener closes. A live HTTP server keeps an idle new
+    connection open for seconds (uvicorn's keep-alive timeout is 5 s)."""
     u = httpx.URL(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
     try:
-        _reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(u.host, u.port or (443 if u.scheme == "https" else 80)),
-            timeout_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(u.host, port), timeout_s)
     except ConnectionRefusedError:
         return True
     except (OSError, TimeoutError):
         return False
-    writer.close()
-    with suppress(OSError):
-        await writer.wait_closed()
-    return False
+    try:
+        return await asyncio.wait_for(reader.read(1), linger_s) == b""
+    except TimeoutError:
+        return False            # still open: something serves there
+    except OSError:             # reset
+        return True
+    finally:
+        writer.close()
+        with suppress(OSError):
+            await writer.wait_closed()
 
 
 class _Release:
@@ -330,6 +342,8 @@ class RouterState:
                     tried.add(b.url)
                     self.metrics.retries.inc()
                     continue
+                logger.warning("backend %s failed before answering (%s): not re-sent (it may "
+                               "still run the request)", b.url, type(e).__name__)
                 return error_json(502, f"backend {b.url} failed before answering "
                                   f"({type(e).__name__}); the request was not retried "
                                   "because the backend may have received it", "backend_failed")
