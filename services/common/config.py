@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -113,32 +113,54 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs) -> EngineConfi
     return EngineConfig(model=model, **kwargs)
 
 
+def field_default(cls: type, name: str) -> object:
+    """The default of dataclass `cls`'s field `name`: the one home a flag's default is read from."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+def add_field_flag(group, cls: type, *names: str, field_name: str | None = None, **kwargs) -> None:
+    """add_argument for a flag that sets dataclass field `field_name` (default: the flag's long
+    name, dashes as underscores); its default is the field's, never a second literal."""
+    dest = field_name or names[0].removeprefix("--").replace("-", "_")
+    group.add_argument(*names, dest=dest, default=field_default(cls, dest), **kwargs)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names)."""
+    """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names); each default is
+    EngineConfig's."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "cpu", "reference"))
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.1)
-    g.add_argument("--swap-space", type=float, default=1.0, help="GiB of CPU swap space")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
-    g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--hash-seed", default="kvmesh")
-    g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch CPU threads (default: all cores); 1 when processes share few cores")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
+
+    def flag(*names: str, **kwargs) -> None:
+        add_field_flag(g, EngineConfig, *names, **kwargs)
+
+    flag("--model", help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    flag("--served-model-name")
+    flag("--tokenizer", help="tokenizer directory (default: the model's)")
+    flag("--dtype", choices=DTYPES)
+    flag("--device")
+    flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
+    flag("--max-model-len", type=int)
+    flag("--block-size", type=int)
+    flag("--num-kv-blocks", type=int)
+    flag("--kv-cache-memory-fraction", type=float)
+    flag("--swap-space", type=float, help="GiB of CPU swap space")
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    flag("--max-num-seqs", type=int)
+    flag("--max-num-batched-tokens", type=int)
+    flag("--scheduling-policy", choices=POLICIES)
+    flag("--preemption-mode", choices=PREEMPTION_MODES)
+    flag("--seed", type=int)
+    flag("--hash-seed")
+    flag("--cpu-threads", type=int,
+         help="torch CPU threads (default: all cores); 1 when processes share few cores")
+    flag("--tensor-parallel-size", "-tp", type=int,
+         help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.common.startup import startup_phase
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
@@ -98,13 +99,17 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
                                          enable_events=config.enable_kv_events)
-        if self.executor is not None:
-            self.runner = self.executor.make_runner(self.loaded, config.block_size, num_gpu_blocks,
-                                                    num_cpu_blocks, config.seed)
-        else:
-            self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, kv_heads,
-                                      mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                      self.loaded.dtype, self.loaded.device, seed=config.seed)
+        kv_gib = num_gpu_blocks * self.block_bytes / (1 << 30)
+        with startup_phase("allocating the KV cache", f"{num_gpu_blocks} blocks, {kv_gib:.2f} "
+                           f"GiB; swap space {config.swap_space:g} GiB"):
+            if self.executor is not None:
+                self.runner = self.executor.make_runner(self.loaded, config.block_size,
+                                                        num_gpu_blocks, num_cpu_blocks, config.seed)
+            else:
+                self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, kv_heads,
+                                          mc.head_dim, config.block_size, num_gpu_blocks,
+                                          num_cpu_blocks, self.loaded.dtype, self.loaded.device,
+                                          seed=config.seed)
         # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
         # NOTE: KV bytes are named by the loaded weights' fingerprint, not the served name
         self.kv_share: KVConnector | None = None if kv_connector is None else kv_connector(

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 from torch import nn
 
-from kvmesh.common.model_files import BUILTIN_MODEL_NAME, ModelFileNotFoundError, builtin_model_path
+from kvmesh.common.model_files import (BUILTIN_MODEL_NAME, ModelFileNotFoundError, builtin_model_path,
+                                       cache_dir)
+from kvmesh.common.startup import startup_phase
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
@@ -82,12 +84,42 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
     TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
     tokenizer (and importing transformers: a worker process starts faster)."""
-    builtin = path is None
     p = _model_path(path)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    backend = resolve_backend(attention_backend, dev)
+    backend = _resolve_backend(attention_backend, dev)
+    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
+        return _load(p, path is None, resolve_dtype(dtype, dev), dev, backend, tokenizer_path, tp,
+                     load_tokenizer)
 
+
+# NOTE: a first build measured 30-60 s on an idle 8-core machine, ~3 min on a busy 2-core one.
+CPU_KERNELS_BUILD_ESTIMATE_S = 60.0
+
+
+def _resolve_backend(requested: str, dev: torch.device) -> str:
+    """resolve_backend, with the C++ CPU kernels it may use built (once per machine) or loaded
+    first, as a start-up phase of their own."""
+    from kvmesh.kernels import cpu_kernels  # noqa: PLC0415
+    if dev.type != "cpu" or requested not in ("auto", "cpu") or not cpu_kernels.enabled():
+        return resolve_backend(requested, dev)
+    where = cache_dir() / "cpu-kernels"
+    try:
+        cached = any((where / cpu_kernels.build_key()).glob("*.so"))
+    except OSError:
+        cached = False
+    if cached:
+        phase = startup_phase("loading CPU kernels", f"cached in {where}")
+    else:
+        phase = startup_phase("building CPU kernels", f"once per machine, usually about "
+                              f"{CPU_KERNELS_BUILD_ESTIMATE_S:.0f} s; cached in {where}",
+                              CPU_KERNELS_BUILD_ESTIMATE_S)
+    with phase:
+        cpu_kernels.load()
+    return resolve_backend(requested, dev)
+
+
+def _load(p: Path, builtin: bool, dt: torch.dtype, dev: torch.device, backend: str,
+          tokenizer_path: str | os.PathLike | None, tp, load_tokenizer: bool) -> LoadedModel:
     if p.is_dir():
         config, files, tok_dir = _open_hf_dir(p)
         name = p.name
