@@ -3,7 +3,8 @@
     Scheduler.add_request ─────▶ connector.prefetch(req_id, hashes)   fetched in the background
     Scheduler._remote_blocks ──▶ connector.lookup(req_id, hashes)  what has arrived, never waits
     Scheduler (admitted/ended) ▶ connector.release(req_id)
-    LLMEngine._share_prompt_blocks ─▶ connector.wants(h) / connector.save(h, bytes)
+    ModelRunner.execute ───────▶ connector.save_computed_prompts(scheduled, ...)   after the forward
+                                  pass: wants(h) / save(h, bytes) for each completed prompt block
     its owner, when done ─────▶ connector.close()
 
 Both sides key blocks by the chained block hash, which pins the whole prefix (cache salt
@@ -19,8 +20,12 @@ store that accepts connections and never answers must not stall a step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.engine.sched_output import ScheduledRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,25 @@ class KVConnector(ABC):
     @abstractmethod
     def save(self, block_hash: bytes, data: bytes) -> None:
         """Offer one computed block's bytes to the store; never blocks the caller."""
+
+    def save_computed_prompts(self, scheduled: Iterable[ScheduledRequest], block_size: int,
+                              read_block: Callable[[int], bytes]) -> None:
+        """Offer the full blocks of every prompt whose KV the step just computed to the store
+        (the blocks it wants; `read_block(block id)` gives one block's bytes). The runner
+        calls it after the forward pass (vLLM's worker side of a connector saves there too).
+
+        NOTE: only a prompt's first completion is offered: its n > 1 forks share the blocks.
+        It runs before the step's results come back to the scheduler, while each
+        ScheduledRequest still names its blocks (a request may finish, and free them, then)."""
+        for sr in scheduled:
+            req = sr.request
+            if not sr.sample or req.num_output_tokens or req.sample_index:
+                continue
+            # NOTE: the scheduler's hasher has hashed every full prompt block since add_request
+            for i in range(req.num_prompt_tokens // block_size):
+                h = req.block_hashes[i]
+                if self.wants(h):
+                    self.save(h, read_block(sr.block_ids[i]))
 
     @abstractmethod
     def close(self) -> None:

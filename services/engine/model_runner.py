@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.logit_bias import apply_logit_bias
 from kvmesh.engine.pooling import PoolSpan, pool
@@ -26,11 +27,22 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
+def kv_block_layout(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[int, ...]:
+    """Shape of one block across layers, K and V, plus the item size: names shared KV bytes
+    (ModelRunner.block_data's layout)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (num_layers, 2, block_size, num_kv_heads, head_dim, itemsize)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int,
                  head_dim: int, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 kv_connector: KVConnector | None = None) -> None:
         self.model = model
+        # --kv-share: offered each completed prompt's blocks after the forward pass
+        self.kv_connector = kv_connector
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
@@ -47,8 +59,8 @@ class ModelRunner:
     @property
     def block_layout(self) -> tuple[int, ...]:
         """Shape of one block across layers, K and V, plus the item size: names shared KV bytes."""
-        layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
-        return (layers, two, block_size, kv_heads, head_dim, self.kv_cache.element_size())
+        layers, _, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        return kv_block_layout(layers, block_size, kv_heads, head_dim, self.kv_cache.dtype)
 
     def block_data(self, block: int) -> bytes:
         """One block's K/V of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim])."""
@@ -131,7 +143,9 @@ class ModelRunner:
                       if lp_spans else {})
         pooled = pool(hidden, pool_spans) if pool_spans else {}
         if not rows:
-            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0,
+            model_time_s = time.perf_counter() - t0
+            self._save_computed_prompts(out)
+            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=model_time_s,
                                      prompt_logprobs=prompt_lps, pooled=pooled)
         apply_logit_bias(logits, [r.params for r in rows])
         if out.grammar is not None:
@@ -139,14 +153,23 @@ class ModelRunner:
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()
+        model_time_s = time.perf_counter() - t0
+        self._save_computed_prompts(out)
         return ModelRunnerOutput(
             sampled=dict(zip(row_ids, result.token_ids)),
             logprobs=dict(zip(row_ids, result.logprobs)),
-            model_time_s=time.perf_counter() - t0,
+            model_time_s=model_time_s,
             sample_window=(s0, s1),
             prompt_logprobs=prompt_lps,
             pooled=pooled,
         )
+
+    def _save_computed_prompts(self, out: SchedulerOutput) -> None:
+        """--kv-share: the forward pass wrote the step's KV; offer the completed prompts' blocks
+        (their copies are not part of model_time_s, the measured prefill rate)."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_computed_prompts(out.scheduled, self.block_size,
+                                                    self.block_data)
 
     def run_model(self, step: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward pass: the hidden states [T, hidden] and the float32 logits of
