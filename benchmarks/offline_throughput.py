@@ -109,10 +109,18 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------- systems
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def kvmesh_name(tp: int, dtype: str, several_dtypes: bool) -> str:
+    """kvmesh, kvmesh-tp2, kvmesh-bfloat16, kvmesh-bfloat16-tp2: the dtype named when several run."""
+    return "kvmesh" + (f"-{dtype}" if several_dtypes else "") + (f"-tp{tp}" if tp > 1 else "")
+
 
 
 def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
                model_path: str | None = None) -> tuple[float, float, list[list[int]], str]:
+    """`loaded`'s dtype is the one measured (with tensor parallelism the ranks load their own)."""
     from kvmesh.common.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -121,7 +129,7 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype=args.dtype, device=args.device)
+                       swap_space=0.0, dtype=str(loaded.dtype).removeprefix("torch."), device=args.device)
     if tp > 1:
         # NOTE: the ranks load their own shards (the model path, not `loaded`); threads per rank
         # split the threads TP=1 gets, so both use the same cores.
@@ -364,7 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds")
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
                    "unless it fails)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16 or float16; or a comma list to run kvmesh once per dtype, side by "
+                        "side (kvmesh-float32, kvmesh-bfloat16, ...; vLLM and transformers get the first)")
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
     p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
@@ -378,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
         from kvmesh.common.preload import reexec_with_allocator
         reexec_with_allocator(args.allocator, [str(Path(__file__).resolve()), *sys.argv[1:]])
     tp_sizes = [int(n) for n in args.tensor_parallel_size.split(",")]
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        p.error(f"--dtype: unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
+    args.dtype = dtypes[0]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -397,11 +412,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvmesh.engine.loader import load_model
     model_path = resolve_model(args.model, Path(args.model_cache))
-    loaded = load_model(model_path, dtype=args.dtype, device=args.device)
+    loads = {d: load_model(model_path, dtype=d, device=args.device) for d in dtypes}
+    loaded = loads[dtypes[0]]
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
-    print(f"# model: {args.model} ({loaded.path}), {args.dtype} on {args.device}")
+    print(f"# model: {args.model} ({loaded.path}), {', '.join(dtypes)} on {args.device}")
     if args.workload in WORKLOADS:
         w = WORKLOADS[args.workload]
         print(f"# workload: {w.name} (prompts {w.prompt_range[0]}-{w.prompt_range[1]}, outputs "
@@ -415,11 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    runs = [(f"kvmesh-tp{n}" if n > 1 else "kvmesh", n) if s == "kvmesh" else (s, 1)
-            for s in systems for n in (tp_sizes if s == "kvmesh" else [1])]
-    for system, tp in runs:
+    runs = [(kvmesh_name(n, d, len(dtypes) > 1), n, d) if s == "kvmesh" else (s, 1, dtypes[0])
+            for s in systems for d in (dtypes if s == "kvmesh" else dtypes[:1])
+            for n in (tp_sizes if s == "kvmesh" else [1])]
+    for system, tp, dtype in runs:
         if system.startswith("kvmesh"):
-            wall, cpu, outs, note = run_kvmesh(loaded, reqs, args, tp, model_path)
+            wall, cpu, outs, note = run_kvmesh(loads[dtype], reqs, args, tp, model_path)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         else:

@@ -24,7 +24,7 @@ class EngineConfig:
     model: str | None = None               # HF directory or .gguf file; None: built-in SmolLM2
     served_model_name: str | None = None   # name in the API; default from the model
     tokenizer: str | None = None           # tokenizer directory overriding the model's own
-    dtype: str = "auto"                    # float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                    # the checkpoint's; float32 (and GGUF) in bfloat16 where the device computes it natively (CUDA, AVX512-BF16, AMX), else float32
     device: str = "auto"
     attention_backend: str = "auto"        # auto | triton | cpu | reference
     max_model_len: int | None = None       # default: the model's context length
@@ -141,7 +141,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--model", help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     flag("--served-model-name")
     flag("--tokenizer", help="tokenizer directory (default: the model's)")
-    flag("--dtype", choices=DTYPES)
+    flag("--dtype", choices=DTYPES,
+         help="auto: the checkpoint's dtype, a float32 one (or GGUF) in bfloat16 where the device "
+              "computes bf16 natively (CUDA; x86 with AVX512-BF16 or AMX), float32 elsewhere")
     flag("--device")
     flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
     flag("--max-model-len", type=int)

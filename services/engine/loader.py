@@ -29,6 +29,7 @@ from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
+from kvmesh.kernels.cpu_features import native_bf16_flags
 from kvmesh.kernels.ops import get_ops, resolve_backend
 
 if TYPE_CHECKING:
@@ -65,16 +66,44 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def device_computes_bf16(device: torch.device) -> bool:
+    """Whether `device` has bfloat16 arithmetic in hardware: CUDA (Ampere on), or an x86 CPU with
+    AVX512-BF16 or AMX (elsewhere a bf16 GEMM is float32 work plus conversions)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(native_bf16_flags())
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device,
+                  checkpoint: torch.dtype | None = None, *, native_bf16: bool | None = None) -> torch.dtype:
+    """The dtype to serve in. `auto` as vLLM resolves it: the checkpoint's dtype (`checkpoint`,
+    from config.json; None: unknown, or a GGUF file's dequantized weights, taken as float32),
+    with a float32 checkpoint served in bfloat16 where the device computes it natively
+    (`native_bf16`, default: `device_computes_bf16`) and in float32 on a CPU that does not (on a
+    GPU without bf16: float16). A float16 checkpoint on the CPU likewise becomes bfloat16 or
+    float32: the CPU kernels compute neither in float16."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = device_computes_bf16(device) if native_bf16 is None else native_bf16
+        ckpt = checkpoint or torch.float32
+        if device.type == "cuda":
+            if ckpt == torch.float32 or (ckpt == torch.bfloat16 and not native):
+                return torch.bfloat16 if native else torch.float16
+            return ckpt
+        if ckpt in (torch.float32, torch.float16):
+            return torch.bfloat16 if native else torch.float32
+        return ckpt
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
+
+
+def checkpoint_dtype(hf_config: dict) -> torch.dtype | None:
+    """The dtype an HF config.json says its weights are stored in (`torch_dtype`, or `dtype` from
+    transformers 4.56 on); None when it names none this loader knows."""
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return _DTYPES.get(str(name).removeprefix("torch.")) if name else None
 
 
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
@@ -88,8 +117,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     dev = resolve_device(device)
     backend = _resolve_backend(attention_backend, dev)
     with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
-        return _load(p, path is None, resolve_dtype(dtype, dev), dev, backend, tokenizer_path, tp,
-                     load_tokenizer)
+        return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer)
 
 
 # NOTE: a first build measured 30-60 s on an idle 8-core machine, ~3 min on a busy 2-core one.
@@ -118,19 +146,24 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
     return resolve_backend(requested, dev)
 
 
-def _load(p: Path, builtin: bool, dt: torch.dtype, dev: torch.device, backend: str,
+def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, backend: str,
           tokenizer_path: str | os.PathLike | None, tp, load_tokenizer: bool) -> LoadedModel:
     if p.is_dir():
-        config, files, tok_dir = _open_hf_dir(p)
+        config, files, tok_dir, stored = _open_hf_dir(p)
         name = p.name
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
         gguf = GGUFFile(p)
         config = ModelConfig.from_hf_config(gguf.hf_config())
         tok_dir = None
         name = BUILTIN_MODEL_NAME if builtin else p.stem
+        stored = None       # dequantized to float32 whatever the file's quantization
     else:
         raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
                          "*.safetensors, tokenizer.json) or a .gguf file")
+    dt = resolve_dtype(dtype, dev, stored)
+    if dtype == "auto":
+        log.info("dtype auto: %s checkpoint served in %s on %s%s", _dtype_name(stored or torch.float32),
+                 _dtype_name(dt), dev.type, _bf16_reason(dev))
     if tokenizer_path is not None:
         # NOTE: an explicit tokenizer directory overrides the model's own (--tokenizer).
         tok_dir = Path(tokenizer_path).expanduser()
@@ -213,8 +246,19 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     model.tie_weights()
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
-    """(config, weight files, tokenizer directory) of an HF model directory."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bf16_reason(device: torch.device) -> str:
+    if device.type != "cpu":
+        return ""
+    flags = native_bf16_flags()
+    return f" (bf16 native: {', '.join(flags)})" if flags else " (no AVX512-BF16 or AMX: bf16 not native)"
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path, torch.dtype | None]:
+    """(config, weight files, tokenizer directory, stored dtype) of an HF model directory."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelFileNotFoundError(f"no config.json in model directory {path}")
@@ -228,7 +272,7 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
                                 "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
     if not (path / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"missing tokenizer.json in model directory {path}")
-    return config, files, path
+    return config, files, path, checkpoint_dtype(cfg)
 
 
 def _safetensors_weights(files: list[Path], rules: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
