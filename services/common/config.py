@@ -30,7 +30,15 @@ class EngineConfig:
     max_model_len: int | None = None       # default: the model's context length
     block_size: int = 16
     num_kv_blocks: int | None = None       # explicit GPU KV block count; default from memory
-    kv_cache_memory_fraction: float = 0.1  # share of free device memory for the KV cache when num_kv_blocks is unset
+    kv_cache_memory_fraction: float = 0.1  # CPU: share of free host memory for the KV cache when num_kv_blocks is unset
+    # CUDA: share of the device's total memory this engine may use (weights, activations, CUDA
+    # graphs and the KV cache, which gets what is left); vLLM's --gpu-memory-utilization
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False            # CUDA: no CUDA graphs (vLLM's --enforce-eager)
+    # CUDA: decode batch sizes captured as CUDA graphs (a decode step is padded to the next one);
+    # None: vLLM's default list up to max_cudagraph_capture_size (vLLM's compilation_config names)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None  # None: min(max_num_seqs, 512)
     swap_space: float = 1.0                # GiB of CPU memory for swap preemption
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -69,6 +77,17 @@ class EngineConfig:
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         need(0.0 < self.kv_cache_memory_fraction <= 0.95,
              f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cudagraph_capture_sizes is not None:
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(self.cudagraph_capture_sizes))
+            need(len(self.cudagraph_capture_sizes) > 0 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                for n in self.cudagraph_capture_sizes),
+                 "cudagraph_capture_sizes must be a non-empty list of integers >= 1 (use "
+                 f"--enforce-eager for no CUDA graphs), got {list(self.cudagraph_capture_sizes)}")
+        need(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
+             f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -104,10 +123,13 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs) -> EngineConfig:
     """EngineConfig from vLLM-style keyword arguments; unknown names are a clear error."""
+    compilation = kwargs.pop("compilation_config", None)
     unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
     if unknown:
         raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(_ENGINE_FIELDS))}")
+                         f"known: {', '.join(sorted(_ENGINE_FIELDS | {'compilation_config'}))}")
+    if compilation is not None:
+        kwargs.update(_compilation_fields(compilation, kwargs))
     if isinstance(kwargs.get("dynamic_weights"), dict):
         kwargs["dynamic_weights"] = DynamicPriorityWeights(**kwargs["dynamic_weights"])
     return EngineConfig(model=model, **kwargs)
@@ -130,6 +152,25 @@ def add_field_flag(group, cls: type, *names: str, field_name: str | None = None,
     group.add_argument(*names, dest=dest, default=field_default(cls, dest), **kwargs)
 
 
+# NOTE: vLLM's compilation_config keys that kvmesh implements (its CUDA-graph sizes)
+_COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def _compilation_fields(compilation: object, kwargs: dict) -> dict:
+    """The engine fields a vLLM-style `compilation_config` mapping sets; the direct keyword and
+    the mapping's key are exclusive, as in vLLM."""
+    if not isinstance(compilation, dict):
+        raise ValueError(f"compilation_config must be a mapping, got {_describe(compilation)}")
+    unknown = sorted(set(compilation) - set(_COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config: unsupported key(s) {', '.join(unknown)}; "
+                         f"kvmesh reads {', '.join(_COMPILATION_KEYS)}")
+    both = sorted(k for k in compilation if k in kwargs)
+    if both:
+        raise ValueError(f"{both[0]} and compilation_config.{both[0]} are mutually exclusive")
+    return dict(compilation)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names); each default is
     EngineConfig's."""
@@ -149,7 +190,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--max-model-len", type=int)
     flag("--block-size", type=int)
     flag("--num-kv-blocks", type=int)
-    flag("--kv-cache-memory-fraction", type=float)
+    flag("--kv-cache-memory-fraction", type=float,
+         help="CPU: share of free host memory for the KV cache")
+    flag("--gpu-memory-utilization", type=float,
+         help="CUDA: share of the device's memory for weights, activations, CUDA graphs and the "
+              "KV cache (which gets the rest)")
+    flag("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no CUDA graphs)")
+    flag("--cudagraph-capture-sizes", type=int, nargs="+", metavar="N",
+         help="CUDA: decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to "
+              "--max-cudagraph-capture-size)")
+    flag("--max-cudagraph-capture-size", type=int,
+         help="CUDA: largest default capture size (default: min(max-num-seqs, 512))")
     flag("--swap-space", type=float, help="GiB of CPU swap space")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
@@ -167,6 +218,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(ns).items() if k in _ENGINE_FIELDS}
+    if values.get("cudagraph_capture_sizes") is not None:
+        values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
     return EngineConfig(**values)
 
 
@@ -201,13 +254,13 @@ def config_file_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Act
     """Every key a config file may set: long flag name without dashes ("max-num-seqs") -> action.
 
     Not settable: --help, --config itself, the negative spelling of a boolean (--no-X: write
-    "X": false) and flags that are not a single value.
+    "X": false) and flags taking a fixed number of values (a "+" list takes a JSON / YAML list).
     """
     out: dict[str, argparse.Action] = {}
     for action in parser._actions:
         if action.dest == "config" or not isinstance(action, _FLAG_ACTIONS):
             continue
-        if isinstance(action, argparse._StoreAction) and action.nargs is not None:
+        if isinstance(action, argparse._StoreAction) and action.nargs not in (None, "+"):
             continue
         names = [s for s in action.option_strings if s.startswith("--")]
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -228,6 +281,12 @@ def _coerce(action: argparse.Action, key: str, value: object, where: str) -> obj
             return value
         return action.const if value else action.default
     nullable = action.default is None
+    if action.nargs == "+" and value is not None:       # a list flag: each item as the flag's type
+        if not isinstance(value, list) or not value:
+            raise bad("a non-empty list" + (" or null" if nullable else ""))
+        item = argparse._StoreAction(action.option_strings, action.dest, type=action.type,
+                                     choices=action.choices, default=0)
+        return [_coerce(item, f"{key}[{i}]", v, where) for i, v in enumerate(value)]
     if value is None:
         if nullable:
             return None

@@ -17,8 +17,10 @@ from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.fingerprint import model_fingerprint
 from kvmesh.engine.kv_connector import KVConnector, KVConnectorContext, KVConnectorFactory
 from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.gpu_memory import kv_cache_bytes, log_kv_budget, profile_device_memory
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes, kv_block_layout
+from kvmesh.engine.runner_options import runner_options
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
 from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
@@ -141,7 +143,10 @@ class LLMEngine:
                                           self._local_kv_heads(), mc.head_dim, config.block_size,
                                           num_gpu_blocks, num_cpu_blocks, self.loaded.dtype,
                                           self.loaded.device, seed=config.seed,
-                                          kv_connector=self.kv_share)
+                                          kv_connector=self.kv_share,
+                                          options=runner_options(config, self.loaded.device,
+                                                                 self.loaded.attention_backend,
+                                                                 self.max_model_len))
 
     def _build_connector(self, factory: KVConnectorFactory | None) -> KVConnector | None:
         """--kv-share: the store of other pods' KV blocks (None: no cross-pod KV bytes).
@@ -187,13 +192,25 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         device = self.loaded.device
-        # NOTE: on CPU the projections' reordered weight copies (kernels.linear) are built on the
-        # first forward, after this: their bytes are not the KV cache's to take.
-        free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
-        if self.executor is not None:
-            free = self.executor.kv_free_memory(free, device)
-        blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
         max_len = cfg.max_model_len or self.loaded.config.max_position_embeddings
+        if device.type == "cuda" and self.executor is None:
+            # vLLM's rule: a share of the device's memory, less weights, activations and graphs
+            mc, opts = self.loaded.config, runner_options(cfg, device, self.loaded.attention_backend,
+                                                          max_len)
+            mem = profile_device_memory(
+                self.loaded.model, mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
+                mc.head_dim, self.loaded.dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
+                max(opts.decode_pad_sizes, default=0))
+            free = kv_cache_bytes(mem, cfg.gpu_memory_utilization)
+            blocks = free // self.block_bytes
+            log_kv_budget(mem, cfg.gpu_memory_utilization, blocks, cfg.block_size)
+        else:
+            # NOTE: on CPU the projections' reordered weight copies (kernels.linear) are built on
+            # the first forward, after this: their bytes are not the KV cache's to take.
+            free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
+            if self.executor is not None:
+                free = self.executor.kv_free_memory(free, device)
+            blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
         # NOTE: no point holding more than every sequence at full length.
         wanted = cfg.max_num_seqs * _cdiv(max_len, cfg.block_size)
         blocks = min(blocks, wanted)
