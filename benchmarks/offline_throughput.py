@@ -19,11 +19,11 @@ request, greedily and ignoring EOS:
              ignore_eos, per-request max_tokens, prefix caching off, the same max_num_seqs and
              token budget; set up as its CPU docs ask (all cores bound, none reserved, tcmalloc
              and its libiomp5 preloaded).
-  hf-static  AutoModelForCausalLM.generate in static batches of --hf-batch-size requests, in
-             arrival order (a naive server: no sorting), left padding, max_new_tokens ==
-             min_new_tokens == the longest output of the batch. Only the requested tokens count
-             as output; the extra tokens a short request is forced to make are the price of
-             static batching.
+  hf-static  AutoModelForCausalLM.generate (attn_implementation="sdpa") in static batches of
+             --hf-batch-size requests, in arrival order (a naive server: no sorting), left
+             padding, max_new_tokens == min_new_tokens == the longest output of the batch. Only
+             the requested tokens count as output; the extra tokens a short request is forced to
+             make are the price of static batching.
   hf-cb      transformers' continuous batching (the ContinuousBatchingManager behind
              `generate_batch`, attn_implementation="paged|sdpa"), one add_request per request
              with its own max_new_tokens and eos_token_id=-1 (no EOS).
@@ -180,17 +180,28 @@ def _time_kvmesh(engine, reqs: list[BenchRequest], args, SamplingParams) -> tupl
     return wall, cpu, outs, note
 
 
+# NOTE: generate() needs plain sdpa: in transformers 5.17 (the GPU image's) "paged|sdpa" is the
+# paged kernel, which fails outside continuous batching ("paged|sdpa was called without a paged
+# attention cache"); later releases drop the prefix with a FutureWarning (5.24: both are sdpa).
+HF_ATTENTION = {"hf-static": "sdpa", "hf-cb": "paged|sdpa"}
+
+
 def load_hf_model(model_path: str | None, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     from kvmesh.common.model_files import builtin_model_path
-    kw = dict(dtype=getattr(torch, dtype), attn_implementation="paged|sdpa")
+    kw = dict(dtype=getattr(torch, dtype), attn_implementation="sdpa")
     if model_path is None:
         path = builtin_model_path()
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
     return model.to(device).eval()
+
+
+def use_hf_attention(model, system: str) -> None:
+    """One transformers model serves both hf systems: switch it to the attention `system` needs."""
+    model.set_attn_implementation(HF_ATTENTION[system])
 
 
 def run_hf_static(model, reqs: list[BenchRequest], args, pad_id: int) -> tuple[float, float, list[list[int]], str]:
@@ -356,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
                    "HF model directory (see benchmarks/models.py)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                   help="a tokenizer directory (tokenizer.json): a random model's, where the "
+                   "built-in GGUF is not at hand (benchmarks/models.py)")
     p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"),
                    help="where random models are written once")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -411,8 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# malloc: {loaded_allocator() or 'the C library (no tcmalloc / jemalloc loaded)'}")
 
     from kvmesh.engine.loader import load_model
-    model_path = resolve_model(args.model, Path(args.model_cache))
-    loads = {d: load_model(model_path, dtype=d, device=args.device) for d in dtypes}
+    model_path = resolve_model(args.model, Path(args.model_cache), args.tokenizer)
+    loads = {d: load_model(model_path, dtype=d, device=args.device, tokenizer_path=args.tokenizer)
+             for d in dtypes}
     loaded = loads[dtypes[0]]
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
@@ -442,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             if hf is None:
                 hf = load_hf_model(model_path, args.dtype, args.device)
+            use_hf_attention(hf, system)
             if system == "hf-static":
                 wall, cpu, outs, note = run_hf_static(hf, reqs, args, loaded.tokenizer.eos_token_id or 0)
             else:
