@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import time
 from pathlib import Path
 
 from benchmarks import inference_perf_config as ipc
 from benchmarks.load_stats import cap_requests
 from benchmarks.serving_reports import LoadPointRow, ReportError, parse_inference_perf
-from benchmarks.serving_tools import Target, inference_perf_command, tool_env
+from benchmarks.serving_tools import Target, inference_perf_command, shell_line, tool_env
 from benchmarks.workload import generate_requests
 
 
@@ -90,12 +91,14 @@ def run_scenarios(args: argparse.Namespace, out: Path, prefix: list[str]) -> int
         try:
             server.wait_ready()
             model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-            commands.append(" ".join(server.cmd))
+            threads = (f"OMP_NUM_THREADS={la.server_threads} MKL_NUM_THREADS={la.server_threads} "
+                       if la.server_threads else "")
+            commands.append(threads + shlex.join(server.cmd))
             target = Target(server.url, model, tokenizer)
             for name in args.scenarios:
                 _, config = write_scenario(name, la, target, out / policy)
                 argv = inference_perf_command(prefix, config)
-                commands.append("HF_HUB_OFFLINE=1 " + " ".join(argv))
+                commands.append(shell_line(argv))
                 log = out / policy / f"inference-perf-{name}.log"
                 with open(log, "w") as f:
                     code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=tool_env(),

@@ -46,8 +46,10 @@ class ServerProcess:
         env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
         with open(self.log_path, "w") as log:
             try:
+                # NOTE: a session of its own, so a stop that has to kill also ends the children it
+                # started (vLLM's engine process), and nothing else.
                 self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                             env=env)
+                                             env=env, start_new_session=True)
             except OSError as e:
                 raise ServerError(f"{self.name}: could not start {self.argv[0]}: {e}") from None
         return self
@@ -72,7 +74,8 @@ class ServerProcess:
                           f"({self.log_path}) ends with:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 90.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout` s; the exit code (-9 when killed)."""
+        """SIGTERM, then SIGKILL to its process group after `timeout` s; the exit code (-9 when
+        killed)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
@@ -80,7 +83,10 @@ class ServerProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.proc.wait()
             return -9
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -42,8 +41,8 @@ from benchmarks.serving_summary import plot, write_results  # noqa: E402
 from benchmarks.serving_systems import (MODEL_NAME, SYSTEMS, EngineSettings,  # noqa: E402
                                         start_system)
 from benchmarks.serving_tools import (TOOLS, LoadPoint, Target, ToolMissing, Workload,  # noqa: E402
-                                      guidellm_command, inference_perf_command, tool_env,
-                                      tool_prefix, vllm_bench_command)
+                                      guidellm_command, inference_perf_command, shell_line,
+                                      tool_env, tool_prefix, vllm_bench_command)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ("fixed", "varied")
@@ -139,10 +138,6 @@ def execute(run: ToolRun, timeout_s: float) -> int:
             return 124
 
 
-def shell_line(argv: list[str]) -> str:
-    return "HF_HUB_OFFLINE=1 " + shlex.join(argv)
-
-
 def warm_up(url: str, model: str, n: int = 2) -> None:
     """A few unmeasured requests, so no tool's first point pays a first-request cost."""
     import httpx
@@ -188,7 +183,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         commands += [f"# {system}", *running.commands]
         target = Target(running.url, MODEL_NAME, settings.model_dir)
         try:
-            warm_up(running.url, MODEL_NAME)
+            try:
+                warm_up(running.url, MODEL_NAME)
+            except Exception as e:  # noqa: BLE001 - a server that cannot answer ends its turn
+                meta["errors"].append(f"{system}: the warm-up request failed: {e}")
+                continue
             for run in plan_tools(system, target, args, prefixes, out):
                 commands.append(shell_line(run.argv))
                 print(f"# {system} / {run.tool} / {run.workload.name}: {run.log}", flush=True)
@@ -312,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.command is None:
         p.error("choose a command: run or scenarios")
+    # NOTE: absolute: each tool runs in a folder of its own and reads the paths it is given there
+    args.out = str(Path(args.out).resolve())
     if args.command == "run":
         for name in ("num_requests", "prompt_tokens", "output_tokens", "max_num_seqs",
                      "max_model_len", "max_num_batched_tokens"):

@@ -111,7 +111,8 @@ def _single(name: str, argv: list[str], env: dict[str, str], keys: tuple[str, ..
 def start_kvmesh(s: EngineSettings, log_dir: Path) -> RunningSystem:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return _single("kvmesh", kvmesh_serve_argv(s, port), env, ("HF_HUB_OFFLINE",),
+    return _single("kvmesh", kvmesh_serve_argv(s, port), env,
+                   ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"),
                    f"http://127.0.0.1:{port}", "/ready", log_dir / "kvmesh.log", s.ready_timeout_s)
 
 
@@ -141,9 +142,15 @@ def start_router(s: EngineSettings, log_dir: Path, engines: int = 2) -> RunningS
         cluster = start_cluster(log_dir / "router", engines, engine_args=engine_args,
                                 router_args=("--block-size", str(BLOCK_SIZE)),
                                 ready_timeout=s.ready_timeout_s)
-    except AssertionError as e:     # NOTE: the test fixture reports a failed start this way
+    except (AssertionError, RuntimeError, OSError) as e:
+        # NOTE: the test fixture reports a failed start as AssertionError (Redis: RuntimeError)
         raise ServerError(f"kvmesh-router: {e}") from None
-    commands = [_shell(p.proc.args, None) for p in (*cluster.engines, cluster.router)]
+    # NOTE: the environment router_fixtures gives them (engines: one torch thread each)
+    offline = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    one = {**offline, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    commands = [f"# redis-server on 127.0.0.1:{cluster.redis.port} (tests/support/processes.py)",
+                *(_shell(list(e.proc.args), one, tuple(one)) for e in cluster.engines),
+                _shell(list(cluster.router.proc.args), offline, tuple(offline))]
     return RunningSystem("kvmesh-router", cluster.router.url, commands,
                          lambda: cluster.stop(60),
                          [p.log_path for p in (*cluster.engines, cluster.router)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,11 +98,17 @@ def tool_prefix(tool: str, venv: Path | None = None) -> list[str]:
     return [str(exe)]
 
 
+_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def tool_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Every tool loads the tokenizer from a local directory: never from the Hub."""
-    env = dict(os.environ if base is None else base)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
+    return {**(os.environ if base is None else base), **_OFFLINE}
+
+
+def shell_line(argv: list[str]) -> str:
+    """A tool's command as it runs: its environment (tool_env's additions) first."""
+    return " ".join(f"{k}={v}" for k, v in _OFFLINE.items()) + " " + shlex.join(argv)
 
 
 # ---- guidellm ---------------------------------------------------------------------------------

@@ -160,3 +160,10 @@ def test_results_summary_and_plots_are_written(tmp_path):
     [png] = plot(rows, tmp_path)
     assert png.name == "latency_vs_throughput_fixed.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_output_folder_is_made_absolute(tmp_path, monkeypatch):
+    """Each tool runs in its own folder: a relative report path would land inside it."""
+    monkeypatch.chdir(tmp_path)
+    assert serving.parse_args(["run", "--out", "rel/out"]).out == str(tmp_path / "rel" / "out")
+    assert serving.parse_args(["scenarios", "--out", "s"]).out == str(tmp_path / "s")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serving_tools import (LoadPoint, Target, ToolMissing, Workload, guidellm_command,
-                                      inference_perf_command, tool_prefix, vllm_bench_command)
+                                      inference_perf_command, shell_line, tool_env, tool_prefix,
+                                      vllm_bench_command)
 
 TARGET = Target("http://127.0.0.1:8000", "SmolLM2-135M-Instruct", Path("/models/tok"))
 VARIED = Workload("varied", 128, 64, 0.75)
@@ -120,3 +121,12 @@ def test_tool_venvs_follow_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KVMESH_GUIDELLM_VENV", str(tmp_path / "g"))
     with pytest.raises(ToolMissing, match=str(tmp_path / "g" / "bin" / "guidellm")):
         tool_prefix("guidellm")
+
+
+def test_a_tool_command_line_shows_its_environment():
+    assert shell_line(["/v/bin/guidellm", "run", "--data", "kind=a,b=1 2"]) == (
+        "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false "
+        "/v/bin/guidellm run --data 'kind=a,b=1 2'")
+    env = tool_env({"PATH": "/bin", "HF_HUB_OFFLINE": "0"})
+    assert env == {"PATH": "/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "TOKENIZERS_PARALLELISM": "false"}
