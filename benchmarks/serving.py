@@ -147,6 +147,41 @@ def warm_up(url: str, model: str, n: int = 2) -> None:
             "max_tokens": 8, "ignore_eos": True}).raise_for_status()
 
 
+def run_tools(system: str, url: str, settings: EngineSettings, args: argparse.Namespace,
+              prefixes: dict[str, list[str]], out: Path, commands: list[str],
+              errors: list[str]) -> list[LoadPointRow]:
+    """Every planned tool run against one started system; what went wrong goes to `errors`
+    (a tool's exit status, an unreadable report, failed requests) and the run goes on."""
+    rows: list[LoadPointRow] = []
+    try:
+        warm_up(url, MODEL_NAME)
+    except Exception as e:  # noqa: BLE001 - a server that cannot answer ends its turn
+        errors.append(f"{system}: the warm-up request failed: {e}")
+        return rows
+    target = Target(url, MODEL_NAME, settings.model_dir)
+    for run in plan_tools(system, target, args, prefixes, out):
+        commands.append(shell_line(run.argv))
+        print(f"# {system} / {run.tool} / {run.workload.name}: {run.log}", flush=True)
+        where = f"{system} / {run.tool} / {run.workload.name}"
+        code = execute(run, args.tool_timeout)
+        if code != 0:
+            errors.append(f"{where}: exit status {code}; see {run.log}")
+            continue
+        try:
+            got = parse_report(run, system)
+        except ReportError as e:
+            errors.append(str(e))
+            continue
+        for r in got:
+            print(f"  {r.load}: {r.completed} ok, {r.failed} failed, {r.request_per_s:.2f} req/s, "
+                  f"{r.output_tok_per_s:.1f} tok/s, TTFT p90 {r.ttft_ms.p90:.0f} ms, "
+                  f"ITL p90 {r.itl_ms.p90:.1f} ms", flush=True)
+            if r.failed:
+                errors.append(f"{where} / {r.load}: {r.failed} failed requests; see {run.log}")
+        rows += got
+    return rows
+
+
 # ---- run ----------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
@@ -181,31 +216,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 2
         print(f"# {system}: ready in {time.monotonic() - t0:.0f} s at {running.url}", flush=True)
         commands += [f"# {system}", *running.commands]
-        target = Target(running.url, MODEL_NAME, settings.model_dir)
         try:
-            try:
-                warm_up(running.url, MODEL_NAME)
-            except Exception as e:  # noqa: BLE001 - a server that cannot answer ends its turn
-                meta["errors"].append(f"{system}: the warm-up request failed: {e}")
-                continue
-            for run in plan_tools(system, target, args, prefixes, out):
-                commands.append(shell_line(run.argv))
-                print(f"# {system} / {run.tool} / {run.workload.name}: {run.log}", flush=True)
-                code = execute(run, args.tool_timeout)
-                if code != 0:
-                    meta["errors"].append(f"{system} / {run.tool} / {run.workload.name}: exit "
-                                          f"status {code}; see {run.log}")
-                    continue
-                try:
-                    got = parse_report(run, system)
-                except ReportError as e:
-                    meta["errors"].append(str(e))
-                    continue
-                rows += got
-                for r in got:
-                    print(f"  {r.load}: {r.completed} ok, {r.request_per_s:.2f} req/s, "
-                          f"{r.output_tok_per_s:.1f} tok/s, TTFT p90 {r.ttft_ms.p90:.0f} ms, "
-                          f"ITL p90 {r.itl_ms.p90:.1f} ms", flush=True)
+            rows += run_tools(system, running.url, settings, args, prefixes, out, commands,
+                              meta["errors"])
         finally:
             meta["exit_codes"][system] = running.stop()
     meta["loadavg_after"] = os.getloadavg()
