@@ -32,6 +32,8 @@ def runner_options(config: EngineConfig, device: torch.device, attention_backend
         sizes = tuple(capture_sizes(config.max_num_seqs, config.cudagraph_capture_sizes,
                                     config.max_cudagraph_capture_size))
     else:
-        logger.info("CUDA graphs: off (%s)", reason)
+        # NOTE: news only on a CUDA device; a CPU server's start-up log stays its own phases
+        logger.log(logging.INFO if device.type == "cuda" else logging.DEBUG,
+                   "CUDA graphs: off (%s)", reason)
     return RunnerOptions(config.max_num_seqs, config.token_budget(max_model_len), max_model_len,
                          sizes, bool(sizes))
