@@ -122,22 +122,12 @@ class InputBatch:
         host = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=cuda)
         self._host = host
         np_buf = host.numpy()
-        self._np_ids = np_buf[layout.ids:layout.pos].view(np.int64)
-        self._np_pos = np_buf[layout.pos:layout.slots].view(np.int64)
-        self._np_slots = np_buf[layout.slots:layout.samples].view(np.int64)
-        self._np_samples = np_buf[layout.samples:layout.qsl].view(np.int64)
-        self._np_qsl = np_buf[layout.qsl:layout.qsl + (layout.seqs + 1) * 4].view(np.int32)
-        self._np_seq_lens = np_buf[layout.seq_lens:layout.seq_lens + layout.seqs * 4].view(np.int32)
-        self._np_tables = np_buf[layout.tables:].view(np.int32)
+        (self._np_ids, self._np_pos, self._np_slots, self._np_samples, self._np_qsl,
+         self._np_seq_lens, self._np_tables) = _field_views(np_buf, layout, np.int64, np.int32)
         dev = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self.device) if cuda else host
         self._dev = dev
-        self.ids = dev[layout.ids:layout.pos].view(torch.int64)
-        self.pos = dev[layout.pos:layout.slots].view(torch.int64)
-        self.slots = dev[layout.slots:layout.samples].view(torch.int64)
-        self.samples = dev[layout.samples:layout.qsl].view(torch.int64)
-        self.qsl = dev[layout.qsl:layout.qsl + (layout.seqs + 1) * 4].view(torch.int32)
-        self.seq_lens = dev[layout.seq_lens:layout.seq_lens + layout.seqs * 4].view(torch.int32)
-        self.tables = dev[layout.tables:].view(torch.int32)
+        (self.ids, self.pos, self.slots, self.samples, self.qsl, self.seq_lens,
+         self.tables) = _field_views(dev, layout, torch.int64, torch.int32)
         self.generation += 1
 
     def _ensure(self, tokens: int, seqs: int, width: int) -> None:
@@ -369,3 +359,14 @@ class _Shifted:
         if isinstance(i, slice):
             return self.data[i.start + self.shift:i.stop + self.shift]
         return self.data[i + self.shift]
+
+
+def _field_views(buf, layout, i64, i32) -> tuple:
+    """The seven fields of a staging buffer `buf` (bytes: a numpy array on the host or the
+    device tensor), typed: ids, positions, slots, sample rows (int64); query starts, sequence
+    lengths, block tables (int32). One home for the layout's offsets on both sides of the copy."""
+    return (buf[layout.ids:layout.pos].view(i64), buf[layout.pos:layout.slots].view(i64),
+            buf[layout.slots:layout.samples].view(i64), buf[layout.samples:layout.qsl].view(i64),
+            buf[layout.qsl:layout.qsl + (layout.seqs + 1) * 4].view(i32),
+            buf[layout.seq_lens:layout.seq_lens + layout.seqs * 4].view(i32),
+            buf[layout.tables:].view(i32))
