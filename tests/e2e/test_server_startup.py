@@ -28,7 +28,7 @@ PHASES = ["(building|loading) CPU kernels", "loading weights", "allocating the K
 # every line a clean start, a few requests and a Ctrl-C may write on stderr
 STDERR_LINE = re.compile(
     r"kvmesh: restarting with \S+ preloaded \(--allocator none to keep glibc malloc\)"
-    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO kvmesh\.[a-z]+: .*"  # the server's own log
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO kvmesh(\.[a-z_]+)+: .*"  # the server's own log
     r"|INFO: {5}(Started server process|Waiting for application (startup|shutdown)|"
     r"Application (startup|shutdown) complete|Uvicorn running on|Shutting down|"
     r"Finished server process).*")                                     # uvicorn's
