@@ -32,7 +32,7 @@ def decode_steps(smollm, url):
     NOTE: the time of schedule() (where the remote lookup runs) rather than of the whole step:
     a model step on this shared CPU varies by seconds between runs, scheduling by microseconds."""
     e = LLMEngine(EngineConfig(num_kv_blocks=6, max_model_len=96), loaded=smollm,
-                  kv_connector=redis_kv_connector(url))
+                  kv_connector=None if url is None else redis_kv_connector(url))
     schedule, sched_times = e.scheduler.schedule, []
 
     def timed_schedule():
