@@ -7,9 +7,10 @@ decides *how* and does the request's side: swap its blocks out or free them, rec
 moves and the counts in the step's state, mark the request.
 
 NOTE: a collaborator, not folded back into the scheduler: the "how" keeps state no queue needs
-(the preemption mode, the bytes of a block, the swap bandwidth and the prefill rate measured
-step by step that `auto` compares) and needs none of the queues. Its interface is the victim
-and the step's `StepState`, nothing read from the scheduler behind its back.
+(the bytes of a block, the swap bandwidth and the prefill rate measured step by step that `auto`
+compares) and needs none of the queues. Its interface is the victim, the step's `StepState` and
+the preemption mode (read from the scheduler's config at each preemption), nothing read from
+the scheduler behind its back.
 """
 from __future__ import annotations
 
@@ -22,23 +23,22 @@ class Preemptor:
     def __init__(
         self,
         kv: KVCacheManager,
-        mode: str,                      # --preemption-mode: "recompute", "swap" or "auto"
         block_bytes: int,               # bytes of one block across all layers (K and V)
         recompute_tokens_per_s: float,  # prefill rate, refined from measured steps
         swap_bytes_per_s: float,        # host <-> device copy bandwidth
     ) -> None:
         self.kv = kv
-        self.mode = mode
         self.block_bytes = block_bytes
         self.recompute_tokens_per_s = recompute_tokens_per_s
         self.swap_bytes_per_s = swap_bytes_per_s
 
-    def evict(self, victim: Request, st: StepState) -> RequestStatus:
+    def evict(self, victim: Request, st: StepState, mode: str) -> RequestStatus:
         """Take a running request's blocks: swapped out to the CPU (block moves recorded in `st`)
-        or freed (its tokens are computed again). Returns its new status, SWAPPED or WAITING:
-        the queue it belongs in."""
+        or freed (its tokens are computed again), as `mode` (--preemption-mode: "recompute",
+        "swap" or "auto") says. Returns its new status, SWAPPED or WAITING: the queue it belongs
+        in."""
         stats = st.stats
-        if self._choose_swap(victim):
+        if self._choose_swap(victim, mode):
             st.ops.extend(("swap_out", g, c) for g, c in self.kv.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
             stats.num_preempted_swap += 1
@@ -60,11 +60,10 @@ class Preemptor:
             rate = tokens / seconds
             self.recompute_tokens_per_s = 0.8 * self.recompute_tokens_per_s + 0.2 * rate
 
-    def _choose_swap(self, req: Request) -> bool:
-        if (self.mode == "recompute" or req.num_computed_tokens == 0
-                or not self.kv.can_swap_out(req)):
+    def _choose_swap(self, req: Request, mode: str) -> bool:
+        if mode == "recompute" or req.num_computed_tokens == 0 or not self.kv.can_swap_out(req):
             return False
-        if self.mode == "swap":
+        if mode == "swap":
             return True
         num_blocks = len(self.kv.get_block_ids(req.request_id))
         swap_cost = 2 * num_blocks * self.block_bytes / self.swap_bytes_per_s

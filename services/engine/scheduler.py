@@ -96,8 +96,8 @@ class Scheduler:
         self._kv_mark = self._kv_counters()
         # NOTE: the auto preemption mode compares the two rates; update_from_output refines
         # the prefill rate from each step's measured forward pass.
-        self.preemptor = Preemptor(kv, config.preemption_mode, block_bytes,
-                                   config.recompute_tokens_per_s, config.swap_bytes_per_s)
+        self.preemptor = Preemptor(kv, block_bytes, config.recompute_tokens_per_s,
+                                   config.swap_bytes_per_s)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -322,7 +322,7 @@ class Scheduler:
         """Evict a running request (vLLM's _preempt_request): the preemptor swaps out or frees
         its blocks, and it joins the swapped queue or, to be computed again, the waiting one."""
         self.running.remove(victim)
-        if self.preemptor.evict(victim, st) == RequestStatus.SWAPPED:
+        if self.preemptor.evict(victim, st, self.config.preemption_mode) == RequestStatus.SWAPPED:
             self.swapped.append(victim)
         else:
             self._join(self.waiting, victim)
