@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batch import paged_batch
 
 from kvmesh.kernels import cpu_ops, reference
 from kvmesh.kernels.cpu_kernels import load
-from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.ops import get_ops, resolve_backend
 
 BLOCK = 4
@@ -22,19 +22,8 @@ def ext():
 
 
 def _batch(query_lens, seq_lens, heads=6, kv_heads=2, dim=16, num_blocks=64, seed=0, block=BLOCK):
-    """A packed batch over a random paged cache whose blocks are shuffled (not in order)."""
-    g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for n in seq_lens:
-        need = -(-n // block)
-        tables.append(perm[:need])
-        perm = perm[need:]
-    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block)
-    query = torch.randn(sum(query_lens), heads, dim, generator=g)
-    return query, k_cache, v_cache, meta
+    return paged_batch(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, block=block,
+                       num_blocks=num_blocks, seed=seed)
 
 
 @pytest.mark.parametrize("query_lens, seq_lens", [

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batch import paged_batch
 
 from kvmesh.kernels import cpu_kernels, cpu_ops, reference
-from kvmesh.kernels.metadata import AttentionMetadata
 
 DTYPES = (torch.float32, torch.bfloat16)
 # (atol, rtol) of attention and the norm: float32 within a few ulp; bf16 within ~2 ulp of bf16
@@ -49,20 +49,8 @@ def test_the_native_build_is_the_widest_path_this_cpu_has():
 
 
 def _batch(query_lens, seq_lens, *, heads, kv_heads, dim, block, dtype, seed=0):
-    """A packed batch over a random paged cache whose blocks are shuffled (not in order)."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block) for n in seq_lens) + 3
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for n in seq_lens:
-        need = -(-n // block)
-        tables.append(perm[:need])
-        perm = perm[need:]
-    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block)
-    query = torch.randn(sum(query_lens), heads, dim, generator=g).to(dtype)
-    return query, k_cache, v_cache, meta
+    return paged_batch(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, block=block,
+                       dtype=dtype, seed=seed)
 
 
 def _attention_case(on_path, dtype, query_lens, seq_lens, window=0, softcap=0.0, **shape):
