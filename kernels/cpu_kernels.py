@@ -10,7 +10,9 @@ into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/cpu-kernels/<key>/`, where the key ha
 the headers, the flags, the torch version and this CPU's model and flags, so a cache copied to another
 machine is rebuilt rather than run with instructions it may lack. A first build takes ~30-60 s;
 later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off
-(the engine then runs the pure-torch reference kernels).
+(the engine then runs the pure-torch reference kernels); `KVMESH_CPU_KERNELS=avx2` (any `PATHS`
+name) makes the engine load that narrower build instead of the native one, so a benchmark can
+stand in for a CPU that has less (with `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY` for the GEMMs).
 
 The code path is chosen at build time from the compiler's macros (`kernels/csrc/vec.h`): with
 -march=native the widest this CPU has. A named `PATHS` entry adds -mno-... flags so the same CPU
@@ -89,9 +91,20 @@ def enabled() -> bool:
     return os.environ.get("KVMESH_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def requested_path() -> str | None:
+    """The narrower path `KVMESH_CPU_KERNELS` names, or None (the native build)."""
+    value = os.environ.get("KVMESH_CPU_KERNELS", "1").lower()
+    if value in PATHS:
+        return value
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"KVMESH_CPU_KERNELS={value!r}: expected 0, 1 or one of {', '.join(PATHS)}")
+    return None
+
+
 def load(path: str | None = None):
-    """The built extension (`path`: one of PATHS, None: native), or None (disabled, no compiler,
-    build error: logged once)."""
+    """The built extension (`path`: one of PATHS, None: native or what KVMESH_CPU_KERNELS names),
+    or None (disabled, no compiler, a CPU without the path's flags, build error: logged once)."""
+    path = _resolve(path)
     with _lock:
         state = _state.setdefault(path, {})
         if "ext" in state:
@@ -99,6 +112,8 @@ def load(path: str | None = None):
         ext = None
         if not enabled():
             state["why"] = "KVMESH_CPU_KERNELS=0"
+        elif path is not None and missing_flags(path):
+            state["why"] = f"the {path} path needs {', '.join(missing_flags(path))}, which this CPU lacks"
         elif shutil.which(os.environ.get("CXX", "c++")) is None:
             state["why"] = "no C++ compiler (c++) on PATH"
         else:
@@ -115,9 +130,13 @@ def load(path: str | None = None):
         return ext
 
 
+def _resolve(path: str | None) -> str | None:
+    return requested_path() if path is None and enabled() else path
+
+
 def unavailable_reason(path: str | None = None) -> str | None:
     load(path)
-    return _state[path].get("why")  # type: ignore[return-value]
+    return _state[_resolve(path)].get("why")  # type: ignore[return-value]
 
 
 def _build(path: str | None):

@@ -29,7 +29,7 @@ from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
-from kvmesh.kernels.cpu_features import native_bf16_flags
+from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 
 if TYPE_CHECKING:
@@ -254,7 +254,11 @@ def _bf16_reason(device: torch.device) -> str:
     if device.type != "cpu":
         return ""
     flags = native_bf16_flags()
-    return f" (bf16 native: {', '.join(flags)})" if flags else " (no AVX512-BF16 or AMX: bf16 not native)"
+    if flags:
+        return f" (bf16 native: {', '.join(flags)})"
+    if not onednn_allows_bf16():
+        return " (ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512-BF16: bf16 not native)"
+    return " (no AVX512-BF16 or AMX: bf16 not native)"
 
 
 def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path, torch.dtype | None]:

@@ -164,3 +164,32 @@ def test_argmax_of_float32_logits(on_path):
     x[1, 7] = x[1, 49000] = 9.0                           # a tie: the first
     x[2, 100] = float("nan")                              # NaN counts as the maximum
     assert cpu_ops.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_kvmesh_cpu_kernels_names_a_narrower_path_for_the_engine(monkeypatch):
+    """`KVMESH_CPU_KERNELS=avx2` makes plain `load()` (what the engine's ops call) return the avx2
+    build: a benchmark stands in for an AVX2-only CPU on a wider one."""
+    if cpu_kernels.missing_flags("avx2"):
+        pytest.skip(f"the avx2 path needs {', '.join(cpu_kernels.missing_flags('avx2'))}, which this CPU lacks")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "avx2")
+    ext = cpu_kernels.load()
+    assert ext is not None, cpu_kernels.unavailable_reason()
+    assert ext.isa() == "avx2"
+
+
+def test_kvmesh_cpu_kernels_path_the_cpu_lacks_is_refused_with_the_missing_flags(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "avx512_bf16")
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.unavailable_reason() == (
+        "the avx512_bf16 path needs avx512f, avx512bw, avx512vl, avx512_bf16, which this CPU lacks")
+
+
+def test_kvmesh_cpu_kernels_unknown_value_is_an_error_naming_the_choices(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "sse4")
+    with pytest.raises(ValueError, match="KVMESH_CPU_KERNELS='sse4': expected 0, 1 or one of "
+                                         "avx512_bf16, avx512, avx2, portable"):
+        cpu_kernels.load()

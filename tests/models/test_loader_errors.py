@@ -235,3 +235,18 @@ def test_model_config_parsing():
     with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
         ModelConfig.from_hf_config({**base, "model_type": "llama",
                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_a_onednn_isa_cap_below_avx512_bf16_makes_bf16_not_native(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a wide CPU: oneDNN computes as an AVX2 CPU would, so kvmesh
+    treats bf16 as not native there (auto serves float32, bf16 GEMMs run as float32)."""
+    from kvmesh.engine.loader import _bf16_reason, resolve_dtype
+    from kvmesh.kernels import cpu_features
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert cpu_features.native_bf16_flags() == ("avx512_bf16",)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_features.native_bf16_flags() == ()
+    assert cpu_features.native_bf16_flags(frozenset({"avx512_bf16"})) == ("avx512_bf16",)   # given flags: as they are
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert _bf16_reason(torch.device("cpu")) == " (ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512-BF16: bf16 not native)"
