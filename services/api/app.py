@@ -241,7 +241,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         ctx = state.context()
         return {"object": "list", "data": [
             {"id": ctx.model_name, "object": "model", "created": state.created,
-             "owned_by": "kvmesh", "max_model_len": ctx.max_model_len}]}
+             "owned_by": "kvmesh", "max_model_len": ctx.max_model_len,
+             # NOTE: not in OpenAI's or vLLM's model card: what `--dtype auto` chose, for clients
+             "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch.")}]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):

@@ -30,6 +30,7 @@ def offline_greedy(smollm, prompt, max_tokens):
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["dtype"] == "float32"       # the suite's servers ask for it
 
 
 def test_greedy_completion_is_identical_to_the_offline_llm(client, smollm):
