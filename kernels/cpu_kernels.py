@@ -47,9 +47,9 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def build_key() -> str:
+def build_key(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS) -> str:
     h = hashlib.sha256()
-    for src in (*SOURCES, *HEADERS):
+    for src in (*sources, *headers):
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -89,9 +89,16 @@ def unavailable_reason() -> str | None:
 
 
 def _build():
+    return build_extension(NAME, "cpu-kernels", SOURCES, HEADERS)
+
+
+def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...]):
+    """Compile (or load the cached build of) one extension: `sources` into
+    `<cache>/<subdir>/<key>/`, under the build lock below. Other kernel folders (kernels/quant)
+    build through here, so every C++ extension shares the flags, the key and the lock."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "cpu-kernels" / build_key()
+    build_dir = cache_dir() / subdir / build_key(sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
     # wait here and then load the result. torch's builder has a lock of its own, a plain file
@@ -104,6 +111,6 @@ def _build():
         if stale.exists():
             log.warning("removing %s, left by a C++ kernels build that did not finish", stale)
             stale.unlink()
-        return cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES],
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
                                   extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir), verbose=False)
