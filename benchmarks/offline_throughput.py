@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
                    "unless it fails)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", default="auto",
+                   help="kvmesh's GGUF quantization (load_model's): auto, gguf (blocks), none "
+                   "(dequantized to --dtype), or a comma list to run kvmesh once per value, side "
+                   "by side (gguf,none)")
+    p.add_argument("--quant-activations", default="float", choices=("float", "int8"),
+                   help="how the quantized GEMM takes the activations")
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
     p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
@@ -397,7 +403,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvmesh.engine.loader import load_model
     model_path = resolve_model(args.model, Path(args.model_cache))
-    loaded = load_model(model_path, dtype=args.dtype, device=args.device)
+    quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    loads = {}
+    for q in quants:
+        rss = _rss_bytes()
+        loads[q] = load_model(model_path, dtype=args.dtype, device=args.device, quantization=q,
+                              quant_activations=args.quant_activations)
+        print(f"# kvmesh quantization={q}: {_weight_bytes(loads[q].model) / 1e6:.1f} MB of weights "
+              f"({loads[q].quantization or 'float'}), RSS +{(_rss_bytes() - rss) / 1e6:.1f} MB at load")
+    loaded = loads[quants[0]]
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
@@ -415,11 +429,13 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    runs = [(f"kvmesh-tp{n}" if n > 1 else "kvmesh", n) if s == "kvmesh" else (s, 1)
-            for s in systems for n in (tp_sizes if s == "kvmesh" else [1])]
-    for system, tp in runs:
+    runs = [((f"kvmesh-tp{n}" if n > 1 else "kvmesh") + (f"-{q}" if len(quants) > 1 else ""), n, q)
+            if s == "kvmesh" else (s, 1, None)
+            for s in systems for n in (tp_sizes if s == "kvmesh" else [1])
+            for q in (quants if s == "kvmesh" else [None])]
+    for system, tp, q in runs:
         if system.startswith("kvmesh"):
-            wall, cpu, outs, note = run_kvmesh(loaded, reqs, args, tp, model_path)
+            wall, cpu, outs, note = run_kvmesh(loads[q], reqs, args, tp, model_path)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         else:
@@ -450,6 +466,17 @@ def main(argv: list[str] | None = None) -> None:
                       f"({base.output_per_cpu_s / r.output_per_cpu_s:.2f}x per CPU second); "
                       f"greedy outputs identical for {agreement(outputs[base.system], outputs[r.system])} requests")
     print(f"# load average at end: {os.getloadavg()}")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters plus GGUF-block buffers (a tied head's shared bytes once)."""
+    from kvmesh.engine.layers.quantized import quantized_bytes
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model)
 
 
 if __name__ == "__main__":
