@@ -137,7 +137,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
         with torch.device("meta"):
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
-    quant = resolve_quantization(quantization, quant_activations, p, dev, plan)
+    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt)
     if p.is_dir():
         weights = _safetensors_weights(files, rules)
     else:
@@ -160,7 +160,8 @@ QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 def resolve_quantization(quantization: str | None, activations: str, path: Path,
-                         device: torch.device, plan: TPPlan | None) -> str | None:
+                         device: torch.device, plan: TPPlan | None,
+                         dtype: torch.dtype = torch.float32) -> str | None:
     """"gguf" when `path`'s block tensors are to be served as blocks, else None (dequantized)."""
     choice = "none" if quantization is None else str(quantization).lower()
     if choice not in QUANTIZATIONS:
@@ -180,6 +181,8 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
         why = f"the quantized kernels run on CPU only (device {device})"
     elif plan is not None:
         why = "tensor parallelism shards dequantized tensors"
+    elif dtype == torch.float64:
+        why = "the quantized kernels compute in float32, the model is float64"
     elif not kernels_available():
         why = f"the quantized kernels are unavailable here: {quant_unavailable_reason()}"
     if why is None:
@@ -251,7 +254,6 @@ def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: Qua
         replacement: nn.Module = QuantizedLinear(weight, module.bias)
     elif leaf == "weight" and isinstance(module, nn.Embedding):
         replacement = QuantizedEmbedding(weight, dtype)
-        model.quant_activations = weight.activations
     else:
         raise ValueError(f"tensor {module_name}.{leaf} in {source} is {weight.format} blocks, "
                          f"but {type(module).__name__} cannot hold a quantized weight")

@@ -134,6 +134,10 @@ def test_quantization_option(tmp_path, monkeypatch, caplog):
         loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization=none)
         assert loaded.quantization is None
         assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    with caplog.at_level(logging.WARNING):
+        f64 = load_model(str(path), dtype=torch.float64, device="cpu", load_tokenizer=False)
+    assert f64.quantization is None
+    assert "the quantized kernels compute in float32, the model is float64" in caplog.text
     # fault injection: the kernels could not be built on this machine
     monkeypatch.setitem(build._state, "ext", None)
     monkeypatch.setitem(build._state, "why", "build failed: injected")

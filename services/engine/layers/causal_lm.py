@@ -36,7 +36,6 @@ class CausalLM(nn.Module):
     """HF parameter names: `model.embed_tokens`, `model.layers.N...`, `model.norm`, `lm_head`."""
 
     tp_group = None     # tensor parallelism: lm_head holds a vocabulary shard (parallel/sharding.py)
-    quant_activations = "int8"   # a tied head over a quantized embedding: its GEMM's activation mode
 
     def __init__(self, config: ModelConfig, model: nn.Module):
         super().__init__()
@@ -69,7 +68,7 @@ class CausalLM(nn.Module):
             embed = self.model.embed_tokens
             if isinstance(embed, QuantizedEmbedding):
                 # NOTE: a GGUF embedding served as blocks: the head multiplies the same bytes
-                self.lm_head = QuantizedLinear.tied_to(embed, self.quant_activations)
+                self.lm_head = QuantizedLinear.tied_to(embed)
             else:
                 self.lm_head.weight = embed.weight
 

@@ -26,10 +26,9 @@ class QuantizedLinear(nn.Module):
         self.activations = weight.activations   # "int8" or "float": how the GEMM takes activations
 
     @classmethod
-    def tied_to(cls, embedding: QuantizedEmbedding, activations: str) -> QuantizedLinear:
+    def tied_to(cls, embedding: QuantizedEmbedding) -> QuantizedLinear:
         """An LM head over the embedding's own bytes (tie_word_embeddings): no second copy."""
-        w = embedding.weight
-        return cls(QuantizedWeight(w.data, w.qtype, w.shape, activations), None)
+        return cls(embedding.weight, None)
 
     @property
     def weight(self) -> QuantizedWeight:
@@ -50,13 +49,15 @@ class QuantizedEmbedding(nn.Module):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("qweight", weight.data)
+        self.activations = weight.activations   # the mode a tied head over these bytes takes
         self.qtype = weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype = dtype                # the model's dtype: what the rows are returned in
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim))
+        return QuantizedWeight(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim),
+                               self.activations)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = embedding_rows(self.weight, ids)
