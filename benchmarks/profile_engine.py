@@ -2,6 +2,7 @@
 
     python benchmarks/profile_engine.py --workload decode-heavy
     python benchmarks/profile_engine.py --workload prefill-heavy --torch-profile 20
+    python benchmarks/profile_engine.py --workload decode-heavy --dtype bfloat16
 
 Runs the same requests as `offline_throughput.py` (same workloads, same engine settings) once,
 with light timers around the engine's parts (kernels ops, the GEMMs, the sampler, scheduler
@@ -91,8 +92,10 @@ def instrument(engine, timers: Timers) -> None:
     for name, cat in (("paged_attention", "attention"), ("write_kv_cache", "kv_write"),
                       ("rms_norm", "norm"), ("rotary_embedding", "rope")):
         setattr(ops, name, timers.wrap(cat, getattr(ops, name)))
+    # NOTE: SiLU MLPs call the fused kernel (mlp.silu_and_mul); others their own activation.
+    mlp_mod.silu_and_mul = timers.wrap("activation", mlp_mod.silu_and_mul)
     for m in model.modules():
-        if isinstance(m, GatedMLP):
+        if isinstance(m, GatedMLP) and m.act is not torch.nn.functional.silu:
             act = m.act
             m.act = timers.wrap("activation", lambda x, _a=act: _a(x))
 
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-requests", type=int, default=0, help="first N requests only (0: all)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "reference"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                   help="the model's dtype (auto: as `kvmesh serve` resolves it on this CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0)
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = load_model(None, dtype="float32", device="cpu", attention_backend=args.attention_backend)
+    loaded = load_model(None, dtype=args.dtype, device="cpu", attention_backend=args.attention_backend)
     ns = argparse.Namespace(workload=args.workload, seed=args.seed, scale=10.0, max_total_len=1024,
                             prompt_fraction=0.5, num_requests=64)
     reqs, summary = ot.build_requests(loaded.tokenizer, ns)
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype="float32", device="cpu")
+                       swap_space=0.0, dtype=args.dtype, device="cpu")
     engine = LLMEngine(cfg, loaded=loaded)
 
     def add(batch, tag):
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             prof.__exit__(None, None, None)
     wall = time.perf_counter() - t0
     out_tokens = sum(r.output_len for r in reqs)
-    print(f"# {args.workload} ({loaded.attention_backend} backend): {summary['requests']} requests, {summary['prompt_tokens']} prompt / "
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    print(f"# {args.workload} ({loaded.attention_backend} backend, {dtype}): {summary['requests']} requests, {summary['prompt_tokens']} prompt / "
           f"{out_tokens} output tokens, {steps} steps, {wall:.1f} s ({out_tokens / wall:.1f} output "
           f"tok/s, instrumented), load average {os.getloadavg()[0]:.2f}")
     print()

@@ -2,13 +2,21 @@
 
     from kvmesh.kernels.cpu_kernels import load
     ext = load()          # the extension module, or None when it cannot be built here
+    ext.isa()             # the instruction-set path it was built for: "avx512_bf16", "avx512", "avx2", "portable"
+    load("avx2")          # a narrower build of the same sources (tests: every path this CPU can run)
 
 The sources are compiled by torch's own extension builder (g++, `-O3 -march=native -fopenmp`)
 into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/cpu-kernels/<key>/`, where the key hashes the source,
 the headers, the flags, the torch version and this CPU's model and flags, so a cache copied to another
 machine is rebuilt rather than run with instructions it may lack. A first build takes ~30-60 s;
 later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off
-(the engine then runs the pure-torch reference kernels).
+(the engine then runs the pure-torch reference kernels); `KVMESH_CPU_KERNELS=avx2` (any `PATHS`
+name) makes the engine load that narrower build instead of the native one, so a benchmark can
+stand in for a CPU that has less (with `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY` for the GEMMs).
+
+The code path is chosen at build time from the compiler's macros (`kernels/csrc/vec.h`): with
+-march=native the widest this CPU has. A named `PATHS` entry adds -mno-... flags so the same CPU
+also builds (and the tests check) the narrower paths; the engine always loads the native build.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.common.model_files import cache_dir
+from kvmesh.kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,25 @@ NAME = "kvmesh_cpu_kernels"
 
 TORCH_LOCK = "lock"      # torch.utils.cpp_extension's FileBaton in the build directory
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str | None, dict[str, object]] = {}
+
+# path -> (flags added to CFLAGS, CPU flags the path needs). None: the native build, the widest.
+PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512_bf16": ((), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    "avx512": (("-mno-avx512bf16",), ("avx512f", "avx512bw")),
+    "avx2": (("-mno-avx512f",), ("avx2", "fma")),
+    "portable": (("-mno-avx512f", "-mno-avx2", "-mno-fma"), ()),
+}
+
+
+def missing_flags(path: str) -> tuple[str, ...]:
+    """The CPU flags `path` needs that this CPU lacks (empty: it can run it)."""
+    have = cpu_flags()
+    return tuple(f for f in PATHS[path][1] if f not in have)
+
+
+def _flags(path: str | None) -> tuple[str, ...]:
+    return CFLAGS if path is None else (*CFLAGS, *PATHS[path][0])
 
 
 def _cpu_signature() -> str:
@@ -47,13 +74,17 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def build_key(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS) -> str:
+def build_key(path: str | None = None, sources: tuple[Path, ...] = SOURCES,
+              headers: tuple[Path, ...] = HEADERS) -> str:
     h = hashlib.sha256()
     for src in (*sources, *headers):
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(_flags(path)).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())
+    # NOTE: the sources' folder too: ninja's build file names sources by path, so two installs
+    # with equal sources in one cache would rebuild each other's library on every load.
+    h.update(str(sources[0].parent.resolve()).encode())
     return h.hexdigest()[:16]
 
 
@@ -61,44 +92,69 @@ def enabled() -> bool:
     return os.environ.get("KVMESH_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
-def load():
-    """The built extension, or None (disabled, no compiler, build error: logged once)."""
+def requested_path() -> str | None:
+    """The narrower path `KVMESH_CPU_KERNELS` names, or None (the native build)."""
+    value = os.environ.get("KVMESH_CPU_KERNELS", "1").lower()
+    if value in PATHS:
+        return value
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"KVMESH_CPU_KERNELS={value!r}: expected 0, 1 or one of {', '.join(PATHS)}")
+    return None
+
+
+def load(path: str | None = None):
+    """The built extension (`path`: one of PATHS, None: native or what KVMESH_CPU_KERNELS names),
+    or None (disabled, no compiler, a CPU without the path's flags, build error: logged once)."""
+    path = _resolve(path)
     with _lock:
-        if "ext" in _state:
-            return _state["ext"]
+        state = _state.setdefault(path, {})
+        if "ext" in state:
+            return state["ext"]
         ext = None
         if not enabled():
-            _state["why"] = "KVMESH_CPU_KERNELS=0"
+            state["why"] = "KVMESH_CPU_KERNELS=0"
+        elif path is not None and missing_flags(path):
+            state["why"] = f"the {path} path needs {', '.join(missing_flags(path))}, which this CPU lacks"
         elif shutil.which(os.environ.get("CXX", "c++")) is None:
-            _state["why"] = "no C++ compiler (c++) on PATH"
+            state["why"] = "no C++ compiler (c++) on PATH"
         else:
             try:
-                ext = _build()
+                ext = _build(path)
             except Exception as e:   # noqa: BLE001 - any build failure means: run without them
-                _state["why"] = f"build failed: {e}"
+                state["why"] = f"build failed: {e}"
         if ext is None:
             log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels",
-                        _state["why"])
-        _state["ext"] = ext
+                        state["why"])
+        else:
+            log.info("C++ CPU kernels: the %s path (built with %s)", ext.isa(), " ".join(_flags(path)))
+        state["ext"] = ext
         return ext
 
 
-def unavailable_reason() -> str | None:
-    load()
-    return _state.get("why")  # type: ignore[return-value]
+def _resolve(path: str | None) -> str | None:
+    return requested_path() if path is None and enabled() else path
 
 
-def _build():
-    return build_extension(NAME, "cpu-kernels", SOURCES, HEADERS)
+def unavailable_reason(path: str | None = None) -> str | None:
+    load(path)
+    return _state[_resolve(path)].get("why")  # type: ignore[return-value]
 
 
-def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...]):
-    """Compile (or load the cached build of) one extension: `sources` into
-    `<cache>/<subdir>/<key>/`, under the build lock below. Other kernel folders (kernels/quant)
-    build through here, so every C++ extension shares the flags, the key and the lock."""
+def _build(path: str | None):
+    # NOTE: one module name per path: two extensions of one name cannot share a process.
+    name = NAME if path is None else f"{NAME}_{path}"
+    return build_extension(name, "cpu-kernels", SOURCES, HEADERS, path)
+
+
+def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...],
+                    path: str | None = None):
+    """Compile (or load the cached build of) one extension: `sources` for `path` (None: native)
+    into `<cache>/<subdir>/<key>/`, under the build lock below. Other kernel folders
+    (kernels/quant) build through here, so every C++ extension shares the flags, the key and the
+    lock."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / subdir / build_key(sources, headers)
+    build_dir = cache_dir() / subdir / build_key(path, sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
     # wait here and then load the result. torch's builder has a lock of its own, a plain file
@@ -112,5 +168,5 @@ def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: 
             log.warning("removing %s, left by a C++ kernels build that did not finish", stale)
             stale.unlink()
         return cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                                  extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                  extra_cflags=list(_flags(path)), extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir), verbose=False)

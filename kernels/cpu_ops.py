@@ -1,11 +1,13 @@
-"""The CPU backend: the reference ops, with attention, RMSNorm and RoPE on C++ kernels.
+"""The CPU backend: the reference ops, with attention, the KV-cache write, RMSNorm, RoPE, SiLU·up
+and the greedy argmax on C++ kernels, in float32 and bfloat16 (bf16 storage, float32 sums).
 
 `get_ops("cpu")` returns this module (the default on CPU when the kernels build here, see
 `kvmesh.kernels.cpu_kernels`). Every query token of a step, decode or prefill chunk, is one row
 of `paged_attention_rows`, which reads K/V where they lie in the paged cache: no gather into
 padded copies, no masks (a row's causal limit is its own context length), and each key is
 loaded once for the whole GQA group of query heads. Anything the kernel does not cover (other
-dtypes, devices) runs the reference as is.
+dtypes, devices) runs the reference as is. A bfloat16 model's activations and cache stay bf16 from
+one op to the next: no per-step dtype or layout copies.
 
 Rows are ordered so that the thread pool's contiguous split gives each thread about the same
 number of keys: a prefill chunk's last query sees the whole context, its first almost none.
@@ -13,7 +15,8 @@ number of keys: a prefill chunk's last query sees the whole context, its first a
 RMSNorm (with the residual add) and RoPE are one pass each over their tensors, where the torch
 reference runs five to eight elementwise ops with temporaries; a decode step's small tensors run
 on the calling thread (no parallel region per op). RoPE rounds exactly as the reference; RMSNorm
-sums the squares in another order (within an ulp or two of it).
+sums the squares in another order (within an ulp or two of it). In bfloat16 every kernel rounds
+where the reference's torch ops round (the residual sum, the normalised value, each product).
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.reference import (  # noqa: F401 - the backend's other ops, unchanged
     fused_moe,
     select_experts,
-    write_kv_cache,
 )
+
+# The dtypes the C++ kernels take (bf16 storage, float32 arithmetic).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -74,9 +79,27 @@ def attention_rows(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
 
 
 def kernel_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and query.dim() == 3
-            and query.stride(2) == 1 and k_cache.dtype == v_cache.dtype == torch.float32
+    return (query.device.type == "cpu" and query.dtype in KERNEL_DTYPES and query.dim() == 3
+            and query.stride(2) == 1 and k_cache.dtype == v_cache.dtype == query.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous() and load() is not None)
+
+
+def write_kv_cache(
+    key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim], unit stride along head_dim
+    value: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token to skip
+) -> None:
+    """The reference's contract: each token's K/V into its slot, one pass, no mask or gather
+    (the reference's `-1` check costs a host sync and a masked copy per layer)."""
+    ext = load()
+    if (ext is None or key.device.type != "cpu" or key.dim() != 3 or key.dtype not in KERNEL_DTYPES
+            or not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype)
+            or key.stride(2) != 1 or value.stride(2) != 1 or slot_mapping.dtype != torch.int64
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    ext.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.contiguous())
 
 
 def paged_attention(
@@ -101,9 +124,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference's contract: norm(x) or (norm(x + residual), x + residual), float32 math."""
     ext = load()
-    if (ext is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-            or weight.dtype != torch.float32
-            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape))):
+    if (ext is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or x.dim() != 2
+            or weight.dtype != x.dtype
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
         return reference.rms_norm(x, weight, eps, residual)
     res = None if residual is None else residual.contiguous()
     out, new_residual = ext.rms_norm(x.contiguous(), weight.contiguous(), float(eps), res)
@@ -116,9 +139,9 @@ def rotary_embedding(
     key: torch.Tensor,          # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32: cos in [:, :d/2], sin in [:, d/2:]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's contract (NeoX rotate-half), bit for bit in float32."""
+    """The reference's contract (NeoX rotate-half), bit for bit in float32 and bfloat16."""
     ext = load()
-    if (ext is None or query.dtype != torch.float32 or key.dtype != torch.float32
+    if (ext is None or query.dtype not in KERNEL_DTYPES or key.dtype != query.dtype
             or query.device.type != "cpu" or query.dim() != 3 or key.dim() != 3
             or query.stride(2) != 1 or key.stride(2) != 1 or positions.dtype != torch.int64
             or cos_sin_cache.dtype != torch.float32):
@@ -139,9 +162,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(x[:, :I]) * x[:, I:] of a fused gate|up projection [T, 2I] -> [T, I], one pass on the
-    C++ kernel for CPU float32 (within a few ulp of torch's silu and mul); torch elsewhere."""
+    C++ kernel for CPU float32 / bfloat16 (within a few ulp of torch's silu and mul); torch
+    elsewhere."""
     ext = load()
-    if (ext is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+    if (ext is None or x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES or x.dim() != 2
             or x.shape[1] % 2 or x.stride(1) != 1):
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up

@@ -12,6 +12,13 @@ torch built without oneDNN) uses `F.linear`. The copy costs the weights' memory 
 dense weight stays: the embedding, state_dict, tensor-parallel sharding and the reference read
 it), which the engine subtracts before sizing the KV cache (`packed_copy_bytes`);
 `KVMESH_PACK_WEIGHTS=0` turns the reordering off.
+
+bfloat16 on a CPU without bf16 dot products (no AVX512-BF16 or AMX: `cpu_features`): oneDNN
+would emulate the bf16 GEMM at a third of float32's speed (docs/BENCHMARKS.md, "bfloat16 on an
+AVX2 CPU"). There each bf16 weight gets a float32 copy instead (reordered as above), and the GEMM
+runs in float32 on the activations widened exactly, its result rounded to bf16 once: the same
+arithmetic as a bf16 GEMM with float32 accumulation, at float32's speed. The copy is twice the
+bf16 weight's bytes, which `packed_copy_bytes` counts.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvmesh.kernels.cpu_features import native_bf16_flags
 
 # The batch size oneDNN tunes the blocked layout for; the layout it picks for 16..256 measured the
 # same here at 1..512 rows.
@@ -62,6 +71,8 @@ def _packable_dtypes(dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]
 _ONEDNN_DTYPES = _onednn_dtypes()
 _ONEDNN = bool(_ONEDNN_DTYPES)
 _PACK_DTYPES = _packable_dtypes(_ONEDNN_DTYPES)
+# bf16 GEMMs as float32 ones on weights widened once (see the module doc)
+_BF16_VIA_FLOAT32 = torch.float32 in _ONEDNN_DTYPES and not native_bf16_flags()
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
@@ -73,14 +84,17 @@ def _stamp(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), version
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` reordered into oneDNN's blocked layout, built on first use and kept on the tensor."""
-    stamp = _stamp(weight)
+def packed_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`weight` (converted to `dtype`, if given) reordered into oneDNN's blocked layout where it
+    can be, built on first use and kept on the tensor."""
+    stamp = (*_stamp(weight), dtype or weight.dtype)
     cached = getattr(weight, "_kvmesh_packed", None)
     if cached is not None and cached[1] == stamp:
         return cached[0]
     with torch.inference_mode(False), torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT)
+        packed = weight.detach().to(dtype or weight.dtype).contiguous()
+        if packed.dtype in _PACK_DTYPES:
+            packed = torch.ops.mkldnn._reorder_linear_weight(packed, PACK_HINT)
     weight._kvmesh_packed = (packed, stamp)
     return packed
 
@@ -93,15 +107,28 @@ def packed_copy_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, nn.Linear):
             w = module.weight
-            if w.device.type == "cpu" and w.dtype in _PACK_DTYPES and w.dim() == 2:
+            if w.device.type != "cpu" or w.dim() != 2:
+                continue
+            if _BF16_VIA_FLOAT32 and w.dtype == torch.bfloat16:
+                total += w.numel() * 4
+            elif w.dtype in _PACK_DTYPES:
                 total += w.numel() * w.element_size()
     return total
 
 
+def bf16_via_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs a bf16 GEMM as float32 on a widened weight (see the doc)."""
+    return _BF16_VIA_FLOAT32 and x.dtype == torch.bfloat16 and _dense_2d(x, weight, torch.float32)
+
+
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on oneDNN (CPU, float32 / bfloat16, dense, 2-D)."""
+    return _dense_2d(x, weight, x.dtype)
+
+
+def _dense_2d(x: torch.Tensor, weight: torch.Tensor, gemm_dtype: torch.dtype) -> bool:
     return (_ONEDNN and x.device.type == "cpu" and weight.device.type == "cpu"
-            and x.dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and x.dim() == 2
+            and gemm_dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and x.dim() == 2
             and x.shape[0] > 0 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
             and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
@@ -111,6 +138,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear's contract ([..., in] x [out, in] (+ [out]) -> [..., out])."""
     # NOTE: the oneDNN op has no backward; with grad enabled and a tensor that requires it,
     # F.linear keeps autograd working (the engine itself runs under inference_mode).
+    if bf16_via_float32(x, weight):
+        wide_bias = None if bias is None else bias.float()
+        y = torch.ops.mkldnn._linear_pointwise(x.float(), packed_weight(weight, torch.float32),
+                                               wide_bias, "none", [None], "")
+        return y.to(torch.bfloat16)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):

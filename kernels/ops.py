@@ -24,6 +24,25 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+def keep_triton_out(device: str, attention_backend: str) -> bool:
+    """For a process's entry point (never a library call): when it will run no Triton kernel (no
+    CUDA device, backend not forced to triton), make `import triton` fail in this process.
+    Whether Triton was kept out.
+
+    NOTE: Triton kernels are only imported with the triton backend (get_ops), but torch imports
+    Triton whenever it is installed, from torch._dynamo, which its own meta-device ops load while
+    a model is built: a CPU server would load Triton for nothing and print Triton's nanobind leak
+    report (~35 lines) at every exit. A process that runs other backends' kernels too (a test
+    run) must not call this."""
+    import sys  # noqa: PLC0415
+    if "triton" in sys.modules or attention_backend == "triton":
+        return False
+    if (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda"):
+        return False
+    sys.modules["triton"] = None     # type: ignore[assignment]  # `import triton` raises ImportError
+    return True
+
+
 def _cpu_kernels_available() -> bool:
     from kvmesh.kernels.cpu_kernels import load
     return load() is not None

@@ -11,8 +11,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
 
+    from kvmesh.kernels.ops import keep_triton_out
+
     try:
-        engine = LLMEngine(engine_config_from_args(args))
+        config = engine_config_from_args(args)
+        keep_triton_out(config.device, config.attention_backend)
+        engine = LLMEngine(config)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 seed=args.sampling_seed)
         prompt = args.prompt

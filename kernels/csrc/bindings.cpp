@@ -3,9 +3,11 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_rows", &paged_attention_rows,
-        "Paged attention of the given rows over the block cache, in place (float32, CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add (float32, CPU)");
-  m.def("rotary_embedding", &rotary_embedding, "NeoX RoPE of q and k (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32, CPU)");
+        "Paged attention of the given rows over the block cache, in place (float32 / bfloat16, CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with an optional fused residual add (float32 / bfloat16, CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "NeoX RoPE of q and k (float32 / bfloat16, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32 / bfloat16, CPU)");
+  m.def("write_kv_cache", &write_kv_cache, "K/V rows into their cache slots, -1 skipped (float32 / bfloat16, CPU)");
   m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
+  m.def("isa", &isa, "The instruction-set path this build runs: avx512_bf16, avx512, avx2 or portable");
 }

@@ -1,85 +1,137 @@
-// Elementwise CPU kernels of the decoder layer (float32), one pass each, no temporaries:
-// RMSNorm with the fused residual add, NeoX RoPE of q and k, and SiLU(gate) * up.
+// Elementwise CPU kernels of the decoder layer (float32 or bfloat16 tensors, float32 arithmetic),
+// one pass each, no temporaries: RMSNorm with the fused residual add, NeoX RoPE of q and k,
+// SiLU(gate) * up, and the KV-cache write. In bfloat16 each result is rounded where the torch
+// reference's ops round (the residual sum, the normalised value, each product), so the kernels
+// and the reference agree to the last bit or within an ulp of bf16.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
 #include "vec.h"
 
+using kvmesh::bf16;
 using kvmesh::exp_nonpos;
-#if KVMESH_AVX2
-using kvmesh::exp_nonpos8;
+using kvmesh::from_f;
+using kvmesh::to_f;
+#if KVMESH_SIMD
+using namespace kvmesh;
 #endif
+
+namespace {
+
+bool float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+}
+
+// (norm(x [+ residual]), x [+ residual]) of one row of H: y = w * (v * (1 / sqrt(mean(v^2) + eps))).
+template <typename T>
+inline void rms_row(const T* x, const T* res, const T* w, T* o, T* s, int64_t H, float eps) {
+  const T* v = x;
+  int64_t i = 0;
+  if (res != nullptr) {
+#if KVMESH_SIMD
+    for (; i + kW <= H; i += kW) vstore(s + i, vadd(vload(x + i), vload(res + i)));
+#endif
+    for (; i < H; ++i) s[i] = from_f<T>(to_f(x[i]) + to_f(res[i]));
+    v = s;
+  }
+  float ss = 0.0f;
+  i = 0;
+#if KVMESH_SIMD
+  vf acc = vzero();
+  for (; i + kW <= H; i += kW) {
+    const vf a = vload(v + i);
+    acc = vfmadd(a, a, acc);
+  }
+  ss = vhsum(acc);
+#endif
+  for (; i < H; ++i) ss += to_f(v[i]) * to_f(v[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  i = 0;
+#if KVMESH_SIMD
+  const vf vinv = vset1(inv);
+  for (; i + kW <= H; i += kW) {
+    vstore(o + i, vmul(vload(w + i), vround(vmul(vload(v + i), vinv), static_cast<const T*>(nullptr))));
+  }
+#endif
+  for (; i < H; ++i) o[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(v[i]) * inv)));
+}
+
+// SiLU(g) * u of one row of I; sigmoid(x) from e = exp(-|x|) <= 1 (exp_nonpos): 1 / (1 + e) for
+// x >= 0, e / (1 + e) below. bf16 rounds the SiLU before the product (torch's two ops).
+template <typename T>
+inline void silu_row(const T* g, const T* u, T* o, int64_t I) {
+  int64_t i = 0;
+#if KVMESH_SIMD
+  const vf one = vset1(1.0f);
+  for (; i + kW <= I; i += kW) {
+    const vf v = vload(g + i);
+    const vf e = vexp_nonpos(vneg_abs(v));                        // exp(-|v|)
+    const vf sig = vdiv(vselect_ge0(v, one, e), vadd(one, e));
+    vstore(o + i, vmul(vround(vmul(v, sig), static_cast<const T*>(nullptr)), vload(u + i)));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float v = to_f(g[i]), e = exp_nonpos(-std::fabs(v));
+    o[i] = from_f<T>(to_f(from_f<T>(v * ((v >= 0.0f ? 1.0f : e) / (1.0f + e)))) * to_f(u[i]));
+  }
+}
+
+}  // namespace
 
 // ---- RMSNorm (+ residual) and RoPE: one pass each, no temporaries ----------------------------
 // Small batches (a decode step) run inline on the calling thread: a parallel region per op costs
 // more than the op there, and far more when other processes hold the cores.
 
-// (norm(x [+ residual]), x [+ residual]): y = w * (v * (1 / sqrt(mean(v^2) + eps))), float32.
 std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                                     const c10::optional<torch::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
-              "rms_norm: x must be contiguous float32 [T, H]");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == torch::kFloat &&
+  TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.is_contiguous(),
+              "rms_norm: x must be contiguous float32 or bfloat16 [T, H]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
-              "rms_norm: weight must be contiguous float32 [H]");
+              "rms_norm: weight must be contiguous [H] in x's dtype");
   const int64_t T = x.size(0), H = x.size(1);
   const bool has_res = residual.has_value();
   if (has_res) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kFloat &&
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                     residual->is_contiguous(),
-                "rms_norm: residual must be contiguous float32 shaped like x");
+                "rms_norm: residual must be contiguous, shaped like x, in its dtype");
   }
   torch::Tensor out = torch::empty_like(x);
   torch::Tensor sum = has_res ? torch::empty_like(x) : x;
-  const float* xp = x.data_ptr<float>();
-  const float* rp = has_res ? residual->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* sp = has_res ? sum.data_ptr<float>() : nullptr;
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* v = xp + t * H;
-      if (has_res) {
-        float* s = sp + t * H;
-        const float* r = rp + t * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) s[i] = v[i] + r[i];
-        v = s;
+  auto go = [&](auto tag) {
+    using E = decltype(tag);
+    const E* xp = x.data_ptr<E>();
+    const E* rp = has_res ? residual->data_ptr<E>() : nullptr;
+    const E* wp = weight.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    E* sp = has_res ? sum.data_ptr<E>() : nullptr;
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rms_row<E>(xp + t * H, rp ? rp + t * H : nullptr, wp, op + t * H, sp ? sp + t * H : nullptr, H, feps);
       }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += v[i] * v[i];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + feps);
-      float* o = op + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (v[i] * inv);
-    }
-  });
+    });
+  };
+  if (x.scalar_type() == torch::kFloat) go(float{}); else go(bf16{});
   return {out, sum};
 }
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 // NeoX RoPE of one [T, heads, D] tensor (unit stride along D) into a new contiguous one:
-// x1 * cos - x2 * sin | x2 * cos + x1 * sin, rounded as torch's separate ops round (no FMA).
-static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& positions,
-                              const torch::Tensor& cos_sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat && x.stride(2) == 1,
-              "rotary_embedding: q / k must be float32 [T, heads, D] with unit stride along D");
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D, "rotary_embedding: head_dim does not match the table");
-  torch::Tensor out = torch::empty({T, NH, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int64_t* pp = positions.data_ptr<int64_t>();
-  const float* cs = cos_sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t s0 = x.stride(0), s1 = x.stride(1), P = cos_sin.size(0);
+// x1 * cos - x2 * sin | x2 * cos + x1 * sin, rounded as torch's separate ops round (no FMA);
+// bf16 is widened, rotated in float32 and rounded once (the reference's upcast).
+template <typename E>
+static void rope_rows(const E* xp, const int64_t* pp, const float* cs, E* op, int64_t T, int64_t NH, int64_t D,
+                      int64_t s0, int64_t s1, int64_t P) {
+  const int64_t half = D / 2;
   at::parallel_for(0, T, 128, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t pos = pp[t];
@@ -87,18 +139,45 @@ static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& posit
       const float* c = cs + pos * D;
       const float* sn = c + half;
       for (int64_t h = 0; h < NH; ++h) {
-        const float* a = xp + t * s0 + h * s1;
-        float* o = op + (t * NH + h) * D;
+        const E* a = xp + t * s0 + h * s1;
+        E* o = op + (t * NH + h) * D;
+        int64_t i = 0;
+#if KVMESH_SIMD
+        if constexpr (!std::is_same_v<E, float>) {
+          for (; i + kW <= half; i += kW) {
+            const vf x1 = vload(a + i), x2 = vload(a + i + half), vc = vload(c + i), vs = vload(sn + i);
+            vstore(o + i, vsub(vmul(x1, vc), vmul(x2, vs)));
+            vstore(o + i + half, vadd(vmul(x2, vc), vmul(x1, vs)));
+          }
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = a[i + half];
-          const float p1 = x1 * c[i], p2 = x2 * sn[i], p3 = x2 * c[i], p4 = x1 * sn[i];
-          o[i] = p1 - p2;
-          o[i + half] = p3 + p4;
+        for (int64_t j = i; j < half; ++j) {
+          const float x1 = to_f(a[j]), x2 = to_f(a[j + half]);
+          const float p1 = x1 * c[j], p2 = x2 * sn[j], p3 = x2 * c[j], p4 = x1 * sn[j];
+          o[j] = from_f<E>(p1 - p2);
+          o[j + half] = from_f<E>(p3 + p4);
         }
       }
     }
   });
+}
+
+static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin) {
+  TORCH_CHECK(x.dim() == 3 && float_or_bf16(x) && x.stride(2) == 1,
+              "rotary_embedding: q / k must be float32 or bfloat16 [T, heads, D] with unit stride along D");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D, "rotary_embedding: head_dim does not match the table");
+  torch::Tensor out = torch::empty({T, NH, D}, x.options());
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* cs = cos_sin.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat) {
+    rope_rows<float>(x.data_ptr<float>(), pp, cs, out.data_ptr<float>(), T, NH, D, x.stride(0), x.stride(1),
+                     cos_sin.size(0));
+  } else {
+    rope_rows<bf16>(x.data_ptr<bf16>(), pp, cs, out.data_ptr<bf16>(), T, NH, D, x.stride(0), x.stride(1),
+                    cos_sin.size(0));
+  }
   return out;
 }
 #pragma GCC pop_options
@@ -110,40 +189,67 @@ std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, cons
               "rotary_embedding: positions must be contiguous int64 [T] matching q and k");
   TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous(),
               "rotary_embedding: cos_sin must be contiguous float32 [positions, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_embedding: q and k must share a dtype");
   return {rope_one(q, positions, cos_sin), rope_one(k, positions, cos_sin)};
 }
 
 // ---- SiLU(gate) * up of a fused [T, 2I] gate|up projection, in one pass --------------------------
-// sigmoid(x) from e = exp(-|x|) <= 1 (exp_nonpos): 1 / (1 + e) for x >= 0, e / (1 + e) below.
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "silu_and_mul: x must be float32 [T, 2I] with unit stride along the last dim");
+  TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be float32 or bfloat16 [T, 2I] with unit stride along the last dim");
   const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
   torch::Tensor out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+  auto go = [&](auto tag) {
+    using E = decltype(tag);
+    const E* xp = x.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) silu_row<E>(xp + t * stride, xp + t * stride + I, op + t * I, I);
+    });
+  };
+  if (x.scalar_type() == torch::kFloat) go(float{}); else go(bf16{});
+  return out;
+}
+
+// ---- KV-cache write: each token's K and V rows into their slots, -1 skipped ----------------------
+void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                    torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "write_kv_cache: key / value must be [T, KVH, D] with unit stride along D");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == key.size(1) &&
+                  k_cache.size(3) == key.size(2),
+              "write_kv_cache: caches must be contiguous [num_blocks, block_size, KVH, D] matching key");
+  TORCH_CHECK(float_or_bf16(key) && value.scalar_type() == key.scalar_type() &&
+                  k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type(),
+              "write_kv_cache: key, value and caches must share one dtype, float32 or bfloat16");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+                  slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
+              "write_kv_cache: slot_mapping must be contiguous int64 [T]");
+  const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {  // checked before anything is written
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < slots, "write_kv_cache: slot ", sp[t], " outside the cache");
+  }
+  const int64_t bytes = D * key.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = key.element_size();
+  const int64_t ks0 = key.stride(0) * es, ks1 = key.stride(1) * es, vs0 = value.stride(0) * es,
+                vs1 = value.stride(1) * es, row = KVH * bytes;
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * stride;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-#if KVMESH_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      for (; i + 8 <= I; i += 8) {
-        const __m256 v = _mm256_loadu_ps(g + i);
-        const __m256 e = exp_nonpos8(_mm256_or_ps(v, sign));            // exp(-|v|)
-        const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(v, zero, _CMP_GE_OQ));
-        const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(v, sig), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < I; ++i) {
-        const float v = g[i], e = exp_nonpos(-std::fabs(v));
-        o[i] = v * ((v >= 0.0f ? 1.0f : e) / (1.0f + e)) * u[i];
+      if (sp[t] < 0) continue;   // a padding token
+      for (int64_t h = 0; h < KVH; ++h) {
+        std::memcpy(kc + sp[t] * row + h * bytes, kp + t * ks0 + h * ks1, bytes);
+        std::memcpy(vc + sp[t] * row + h * bytes, vp + t * vs0 + h * vs1, bytes);
       }
     }
   });
-  return out;
 }
+
+// The instruction-set path of this build: "avx512_bf16", "avx512", "avx2" or "portable".
+std::string isa() { return kvmesh::isa_name(); }

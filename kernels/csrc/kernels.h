@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 // attention.cpp
@@ -16,5 +17,8 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
 std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
                                             const torch::Tensor& k, const torch::Tensor& cos_sin);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
+void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                    torch::Tensor& v_cache, const torch::Tensor& slot_mapping);
+std::string isa();
 // sampling.cpp
 torch::Tensor argmax_rows(const torch::Tensor& x);

@@ -55,4 +55,4 @@ def unavailable_reason() -> str | None:
 
 
 def build_key() -> str:
-    return cpu_kernels.build_key(SOURCES, HEADERS)
+    return cpu_kernels.build_key(None, SOURCES, HEADERS)

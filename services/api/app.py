@@ -39,6 +39,7 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")
 # OpenAI routes are open (--admin-api-key, else --api-key).
 ADMIN_PATHS = ("/reset_prefix_cache",)
 _JSON = b"application/json"
+LOADING_RETRY_AFTER_S = 5     # Retry-After of a request answered 503 while the model loads
 
 
 def _force_json_body(scope: Scope) -> Scope:
@@ -88,11 +89,15 @@ class ServerState:
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
+        """What a route serves with; a 503 while the server cannot serve (checked before anything
+        else about the request: during loading no model name is known yet)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.load_error:
+            raise APIError(503, self.load_error, code="load_failed")
         if self.engine is None or not self.ready:
-            raise APIError(503, "the model is still loading", code="not_ready",
-                           headers={"Retry-After": "5"})
+            raise APIError(503, "model is loading", code="not_ready",
+                           headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
         return ServingContext(self.engine, self.model_name or "", self.max_model_len,
                               self.tool_parser)
 
@@ -199,10 +204,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         logger.exception("unhandled error")
         return error_json(500, "internal server error")
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != state.model_name:
+    def serving(model: str | None) -> ServingContext:
+        """The context for a request naming `model`: 503 while loading, then 404 for a model
+        this server does not serve."""
+        ctx = state.context()
+        if model is not None and model != ctx.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
                            param="model")
+        return ctx
 
     @app.get("/health", responses=error_responses(503))
     async def health():
@@ -227,38 +236,35 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         body = state.metrics.render() if state.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", responses=error_responses(401))
+    @app.get("/v1/models", responses=error_responses(401, 503))
     async def models():
-        data = []
-        if state.model_name:
-            data.append({"id": state.model_name, "object": "model", "created": state.created,
-                         "owned_by": "kvmesh", "max_model_len": state.max_model_len})
-        return {"object": "list", "data": data}
+        ctx = state.context()
+        return {"object": "list", "data": [
+            {"id": ctx.model_name, "object": "model", "created": state.created,
+             "owned_by": "kvmesh", "max_model_len": ctx.max_model_len}]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        ctx = serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
-        return await create_completion(state.context(), body, request)
+        return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        ctx = serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
-        return await create_chat_completion(state.context(), body, request)
+        return await create_chat_completion(ctx, body, request)
 
     @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 429, 503))
     async def embeddings(body: EmbeddingRequest, request: Request):
-        check_model(body.model)
+        ctx = serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
-        ctx = state.context()
         return await create_embedding(ctx, body, request, state.pooling,
                                       ctx.engine.engine.loaded.config.hidden_size)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model)
-        ctx = state.context()
+        ctx = serving(body.model)
         if body.messages is not None:
             ids = await off_loop(message_chars(body.messages), apply_template, ctx.tokenizer,
                                  body.messages, body.add_generation_prompt)
@@ -271,8 +277,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model)
-        ctx = state.context()
+        ctx = serving(body.model)
         vocab = ctx.engine.engine.vocab_size
         bad = [t for t in body.tokens if t >= vocab]
         if bad:

@@ -25,16 +25,19 @@ from kvmesh.api import tool_parsers
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.gc_freeze import freeze_after_startup
+from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
-                                  parse_args_with_config)
+                                  field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
+from kvmesh.common.startup import startup_phase
 from kvmesh.common.preload import loaded_allocator, reexec_with_allocator
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.limits import RequestLimits
 from kvmesh.index import serve as kv_publishing
+from kvmesh.kernels.ops import keep_triton_out
 from kvmesh.engine.pooling_params import POOLING_TYPES, PoolingParams
 
 logger = logging.getLogger("kvmesh.serve")
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--api-key is unset (also from KVMESH_ADMIN_API_KEY or --admin-api-key-file; "
                    "default: the --api-key)")
     p.add_argument("--admin-api-key-file", default=None)
-    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
+    p.add_argument("--cache-salt-from", default=field_default(CacheSaltSource, "kind"),
+                   metavar="none|api-key|header:NAME",
                    help="isolate the prefix cache per tenant: salt every request's blocks with "
                    "an HMAC of its Bearer key or of this header's value (a client's cache_salt "
                    "is appended, never replaces it); the router needs the same value")
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     p.add_argument("--tool-call-parser", default="auto", choices=tool_parsers.CHOICES,
                    help="how tool calls are read from the model's output: hermes "
                    "(<tool_call>...</tool_call>), llama3_json, mistral ([TOOL_CALLS]); auto: "
@@ -78,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="send OpenTelemetry traces here (e.g. http://127.0.0.1:4318); also the "
                    "standard OTEL_EXPORTER_OTLP_* / OTEL_TRACES_* variables. Default: tracing off")
-    p.add_argument("--pooling", default="last", choices=POOLING_TYPES,
+    p.add_argument("--pooling", default=field_default(PoolingParams, "pooling"), choices=POOLING_TYPES,
                    help="/v1/embeddings: pool the hidden states after the final norm by the last "
                    "token or the mean of all tokens (L2-normalised)")
     _add_limit_args(p)
@@ -141,7 +146,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     """Build the engine off the event loop, then warm it up on the loop."""
     from kvmesh.engine.engine import LLMEngine
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, kv_connector=kv_publishing.kv_connector(args))
         metrics = EngineMetrics(engine.model_name, engine)
         engine.add_observer(metrics)
         async_engine = AsyncLLMEngine(
@@ -158,7 +163,8 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         state.tool_parser = tool_parsers.get_tool_parser(args.tool_call_parser,
                                                          engine.tokenizer.chat_template)
         state.engine = async_engine
-        asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
+        with startup_phase("warm-up", "a one-token generation"):
+            asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
         frozen = freeze_after_startup()       # NOTE: no full-heap GC pauses while serving
         state.ready = True
         logger.info("ready: model %s, max_model_len %d (%d start-up objects frozen out of the "
@@ -206,13 +212,13 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         limits = limits_from_args(args)
         zmq_events = kv_publishing.kv_events_config(args)
         config = dataclasses.replace(engine_config_from_args(args),
-                                     enable_kv_events=bool(args.redis_url) or zmq_events is not None,
-                                     kv_share_url=args.redis_url if args.kv_share else None)
+                                     enable_kv_events=bool(args.redis_url) or zmq_events is not None)
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
         return 2
+    keep_triton_out(config.device, config.attention_backend)
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2
@@ -236,7 +242,9 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     app = create_app(state, lifespan=make_lifespan(state, config, args))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False))
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        access_log=not args.disable_uvicorn_access_log))
+    keep_access_log_clean()
     state.stop_server = lambda: setattr(server, "should_exit", True)
     run_until_signal(server)
     return 1 if state.engine_error else 0

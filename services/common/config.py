@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "none", "gguf", "auto")   # EngineConfig.quantization; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,13 +25,24 @@ class EngineConfig:
     model: str | None = None               # HF directory or .gguf file; None: built-in SmolLM2
     served_model_name: str | None = None   # name in the API; default from the model
     tokenizer: str | None = None           # tokenizer directory overriding the model's own
-    dtype: str = "auto"                    # float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"                    # the checkpoint's; float32 (and GGUF) in bfloat16 where the device computes it natively (CUDA, AVX512-BF16, AMX), else float32
     device: str = "auto"
     attention_backend: str = "auto"        # auto | triton | cpu | reference
+    # GGUF weights: None / "none" dequantized to dtype at load; "gguf" served as their blocks
+    # (kernels/quant: ~1/5 of the memory, slower than bf16 here); "auto": blocks where it can
+    quantization: str | None = None
     max_model_len: int | None = None       # default: the model's context length
     block_size: int = 16
     num_kv_blocks: int | None = None       # explicit GPU KV block count; default from memory
-    kv_cache_memory_fraction: float = 0.1  # share of free device memory for the KV cache when num_kv_blocks is unset
+    kv_cache_memory_fraction: float = 0.1  # CPU: share of free host memory for the KV cache when num_kv_blocks is unset
+    # CUDA: share of the device's total memory this engine may use (weights, activations, CUDA
+    # graphs and the KV cache, which gets what is left); vLLM's --gpu-memory-utilization
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False            # CUDA: no CUDA graphs (vLLM's --enforce-eager)
+    # CUDA: decode batch sizes captured as CUDA graphs (a decode step is padded to the next one);
+    # None: vLLM's default list up to max_cudagraph_capture_size (vLLM's compilation_config names)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None  # None: min(max_num_seqs, 512)
     swap_space: float = 1.0                # GiB of CPU memory for swap preemption
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -41,7 +53,6 @@ class EngineConfig:
     seed: int = 0
     hash_seed: str = "kvmesh"              # prefix-hash seed; engines and router must agree
     enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
-    kv_share_url: str | None = None        # Redis holding other pods' KV bytes (--kv-share redis)
     cpu_threads: int | None = None         # torch CPU threads (per rank); None: torch's default (all cores; cores / N with tensor parallelism)
     tensor_parallel_size: int = 1          # ranks (one per device) the model is split over; 1: no worker processes
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
@@ -60,6 +71,8 @@ class EngineConfig:
                 raise ValueError(msg)
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, got {self.quantization!r}")
         need(self.attention_backend in ("auto", "triton", "cpu", "reference"),
              f"attention_backend must be auto, triton, cpu or reference, got {self.attention_backend!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -70,6 +83,17 @@ class EngineConfig:
              f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         need(0.0 < self.kv_cache_memory_fraction <= 0.95,
              f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cudagraph_capture_sizes is not None:
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(self.cudagraph_capture_sizes))
+            need(len(self.cudagraph_capture_sizes) > 0 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                for n in self.cudagraph_capture_sizes),
+                 "cudagraph_capture_sizes must be a non-empty list of integers >= 1 (use "
+                 f"--enforce-eager for no CUDA graphs), got {list(self.cudagraph_capture_sizes)}")
+        need(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
+             f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
@@ -105,45 +129,107 @@ _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs) -> EngineConfig:
     """EngineConfig from vLLM-style keyword arguments; unknown names are a clear error."""
+    compilation = kwargs.pop("compilation_config", None)
     unknown = sorted(set(kwargs) - _ENGINE_FIELDS)
     if unknown:
         raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(_ENGINE_FIELDS))}")
+                         f"known: {', '.join(sorted(_ENGINE_FIELDS | {'compilation_config'}))}")
+    if compilation is not None:
+        kwargs.update(_compilation_fields(compilation, kwargs))
     if isinstance(kwargs.get("dynamic_weights"), dict):
         kwargs["dynamic_weights"] = DynamicPriorityWeights(**kwargs["dynamic_weights"])
     return EngineConfig(model=model, **kwargs)
 
 
+def field_default(cls: type, name: str) -> object:
+    """The default of dataclass `cls`'s field `name`: the one home a flag's default is read from."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+def add_field_flag(group, cls: type, *names: str, field_name: str | None = None, **kwargs) -> None:
+    """add_argument for a flag that sets dataclass field `field_name` (default: the flag's long
+    name, dashes as underscores); its default is the field's, never a second literal."""
+    dest = field_name or names[0].removeprefix("--").replace("-", "_")
+    group.add_argument(*names, dest=dest, default=field_default(cls, dest), **kwargs)
+
+
+# NOTE: vLLM's compilation_config keys that kvmesh implements (its CUDA-graph sizes)
+_COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def _compilation_fields(compilation: object, kwargs: dict) -> dict:
+    """The engine fields a vLLM-style `compilation_config` mapping sets; the direct keyword and
+    the mapping's key are exclusive, as in vLLM."""
+    if not isinstance(compilation, dict):
+        raise ValueError(f"compilation_config must be a mapping, got {_describe(compilation)}")
+    unknown = sorted(set(compilation) - set(_COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config: unsupported key(s) {', '.join(unknown)}; "
+                         f"kvmesh reads {', '.join(_COMPILATION_KEYS)}")
+    both = sorted(k for k in compilation if k in kwargs)
+    if both:
+        raise ValueError(f"{both[0]} and compilation_config.{both[0]} are mutually exclusive")
+    return dict(compilation)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names)."""
+    """Engine flags shared by `kvmesh serve` and `kvmesh generate` (vLLM's names); each default is
+    EngineConfig's."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "cpu", "reference"))
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.1)
-    g.add_argument("--swap-space", type=float, default=1.0, help="GiB of CPU swap space")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES)
-    g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--hash-seed", default="kvmesh")
-    g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch CPU threads (default: all cores); 1 when processes share few cores")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
+
+    def flag(*names: str, **kwargs) -> None:
+        add_field_flag(g, EngineConfig, *names, **kwargs)
+
+    flag("--model", help="HF model directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    flag("--served-model-name")
+    flag("--tokenizer", help="tokenizer directory (default: the model's)")
+    flag("--dtype", choices=DTYPES,
+         help="auto: the checkpoint's dtype, a float32 one (or GGUF) in bfloat16 where the device "
+              "computes bf16 natively (CUDA; x86 with AVX512-BF16 or AMX), float32 elsewhere")
+    flag("--quantization", choices=tuple(q for q in QUANTIZATIONS if q),
+         help="GGUF weights: none (default) dequantizes them to --dtype at load; gguf serves them as "
+              "their quantized blocks (about 1/5 of the memory; slower than bf16 on the CPUs measured, "
+              "docs/KERNELS.md); auto: blocks where the quantized kernels can run")
+    flag("--device")
+    flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
+    flag("--max-model-len", type=int)
+    flag("--block-size", type=int)
+    flag("--num-kv-blocks", type=int)
+    flag("--kv-cache-memory-fraction", type=float,
+         help="CPU: share of free host memory for the KV cache")
+    flag("--gpu-memory-utilization", type=float,
+         help="CUDA: share of the device's memory for weights, activations, CUDA graphs and the "
+              "KV cache (which gets the rest)")
+    flag("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no CUDA graphs)")
+    flag("--cudagraph-capture-sizes", type=int, nargs="+", metavar="N",
+         help="CUDA: decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to "
+              "--max-cudagraph-capture-size)")
+    flag("--max-cudagraph-capture-size", type=int,
+         help="CUDA: largest default capture size (default: min(max-num-seqs, 512))")
+    flag("--swap-space", type=float, help="GiB of CPU swap space")
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    flag("--max-num-seqs", type=int)
+    flag("--max-num-batched-tokens", type=int)
+    flag("--scheduling-policy", choices=POLICIES)
+    flag("--preemption-mode", choices=PREEMPTION_MODES)
+    flag("--seed", type=int)
+    flag("--hash-seed")
+    flag("--cpu-threads", type=int,
+         help="torch CPU threads (default: all cores); 1 when processes share few cores")
+    flag("--tensor-parallel-size", "-tp", type=int,
+         help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(ns).items() if k in _ENGINE_FIELDS}
+    if values.get("cudagraph_capture_sizes") is not None:
+        values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
     return EngineConfig(**values)
 
 
@@ -178,13 +264,13 @@ def config_file_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Act
     """Every key a config file may set: long flag name without dashes ("max-num-seqs") -> action.
 
     Not settable: --help, --config itself, the negative spelling of a boolean (--no-X: write
-    "X": false) and flags that are not a single value.
+    "X": false) and flags taking a fixed number of values (a "+" list takes a JSON / YAML list).
     """
     out: dict[str, argparse.Action] = {}
     for action in parser._actions:
         if action.dest == "config" or not isinstance(action, _FLAG_ACTIONS):
             continue
-        if isinstance(action, argparse._StoreAction) and action.nargs is not None:
+        if isinstance(action, argparse._StoreAction) and action.nargs not in (None, "+"):
             continue
         names = [s for s in action.option_strings if s.startswith("--")]
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -205,6 +291,12 @@ def _coerce(action: argparse.Action, key: str, value: object, where: str) -> obj
             return value
         return action.const if value else action.default
     nullable = action.default is None
+    if action.nargs == "+" and value is not None:       # a list flag: each item as the flag's type
+        if not isinstance(value, list) or not value:
+            raise bad("a non-empty list" + (" or null" if nullable else ""))
+        item = argparse._StoreAction(action.option_strings, action.dest, type=action.type,
+                                     choices=action.choices, default=0)
+        return [_coerce(item, f"{key}[{i}]", v, where) for i, v in enumerate(value)]
     if value is None:
         if nullable:
             return None

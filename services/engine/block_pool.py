@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""LLMEngine: add_request / step / abort. step() is schedule -> run -> output stage -> observers."""
+"""LLMEngine: add_request / step / abort. step() is vLLM V1's: schedule -> execute -> update from
+the output (the scheduler's update_from_output, then the output stage), then the observers."""
 from __future__ import annotations
 
 import logging
@@ -9,25 +10,27 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.common.startup import startup_phase
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.fingerprint import model_fingerprint
-from kvmesh.engine.kv_connector import KVConnector, make_kv_connector
+from kvmesh.engine.kv_connector import KVConnector, KVConnectorContext, KVConnectorFactory
 from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.gpu_memory import kv_cache_bytes, log_kv_budget, profile_device_memory
 from kvmesh.engine.memory import free_memory
-from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes
+from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes, kv_block_layout
+from kvmesh.engine.runner_options import runner_options
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
 from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
-from kvmesh.engine.outputs import CompletionOutput, RequestOutput
-from kvmesh.engine.prompt_logprobs import record_prompt_logprobs
-from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sched_output import SchedulerStats
+from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.structured.manager import StructuredOutputManager
-from kvmesh.index.events import KVEventBatch
+from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.kernels.linear import packed_copy_bytes
 
 if TYPE_CHECKING:
@@ -41,16 +44,40 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 kv_connector: KVConnectorFactory | None = None) -> None:
+        """`kv_connector` builds the store of other pods' KV blocks (`--kv-share`; e.g.
+        `kvmesh.index.kv_bytes.redis_kv_connector(url)`); None: no cross-pod KV bytes."""
         self.executor: "TPExecutor | None" = None   # tensor parallelism: the worker processes
+        self.kv_share: KVConnector | None = None
         try:
-            self._init(config, loaded)
+            self._init(config, loaded, kv_connector)
         except BaseException:
             self.shutdown()
+            if self.kv_share is not None:       # NOTE: built before the cache: nobody owns it yet
+                self.kv_share.close()
             raise
 
-    def _init(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+    def _init(self, config: EngineConfig, loaded: LoadedModel | None,
+              kv_connector: KVConnectorFactory | None) -> None:
         self.config = config
+        self._load_model(loaded, kv_connector is not None)
+        num_gpu_blocks, num_cpu_blocks = self._size_kv_cache()
+        self.kv_share = self._build_connector(kv_connector)
+        self._build_cache_and_runner(num_gpu_blocks, num_cpu_blocks)
+        self._build_scheduler_and_processors()
+        self.last_stats = SchedulerStats()
+        self.num_steps = 0
+        # tracing, metrics, the prefix-index publisher: see observers.py
+        self.observers: list[EngineObserver] = []
+        logger.info("engine ready: model=%s dtype=%s device=%s tensor_parallel=%d kv_blocks=%d "
+                    "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
+                    self.loaded.device, config.tensor_parallel_size, num_gpu_blocks,
+                    num_gpu_blocks * config.block_size, num_cpu_blocks, self.max_model_len)
+
+    def _load_model(self, loaded: LoadedModel | None, kv_share: bool) -> None:
+        """The weights, in this process or (tensor parallelism) in the executor's workers."""
+        config = self.config
         tp = config.tensor_parallel_size
         threads = config.cpu_threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 else None)
         if threads is not None:
@@ -61,21 +88,28 @@ class LLMEngine:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own shards: pass the model "
                                  "path in the config, not a loaded model")
-            if config.kv_share_url:
+            if kv_share:
                 raise ValueError("--kv-share is not supported with --tensor-parallel-size > 1")
             from kvmesh.engine.parallel.executor import TPExecutor  # noqa: PLC0415
             self.executor, self.loaded = TPExecutor.launch(config)
         else:
             self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                               config.attention_backend, config.tokenizer)
-        mc = self.loaded.config
-        # NOTE: a rank holds only its KV heads: blocks are counted from per-rank bytes
-        kv_heads = self.loaded.plan.local_kv_heads if self.loaded.plan else mc.num_key_value_heads
+                                               config.attention_backend, config.tokenizer,
+                                               quantization=config.quantization or "none")
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
+
+    def _local_kv_heads(self) -> int:
+        # NOTE: a rank holds only its KV heads: blocks are counted from per-rank bytes
+        plan = self.loaded.plan
+        return plan.local_kv_heads if plan else self.loaded.config.num_key_value_heads
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        """(GPU blocks, CPU swap blocks); sets block_bytes and max_model_len, which must fit."""
+        config, mc = self.config, self.loaded.config
         self.block_size = config.block_size
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
-                                          kv_heads, mc.head_dim, self.loaded.dtype)
+                                          self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
         num_gpu_blocks = self._num_gpu_blocks()
         capacity = num_gpu_blocks * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -90,38 +124,58 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
         self.max_model_len = max_len
-        num_cpu_blocks = int(config.swap_space * (1 << 30)) // self.block_bytes
+        return num_gpu_blocks, int(config.swap_space * (1 << 30)) // self.block_bytes
+
+    def _build_cache_and_runner(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The block bookkeeping (KVCacheManager) and the runner holding the cache tensors
+        (it offers computed prompt blocks to the connector)."""
+        config, mc = self.config, self.loaded.config
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
                                          enable_events=config.enable_kv_events)
-        if self.executor is not None:
-            self.runner = self.executor.make_runner(self.loaded, config.block_size, num_gpu_blocks,
-                                                    num_cpu_blocks, config.seed)
-        else:
-            self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers, kv_heads,
-                                      mc.head_dim, config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                      self.loaded.dtype, self.loaded.device, seed=config.seed)
-        # NOTE: the connector names bytes by the runner's block layout, so the runner comes first
-        # NOTE: KV bytes are named by the loaded weights' fingerprint, not the served name
-        self.kv_share: KVConnector | None = make_kv_connector(
-            config, lambda: model_fingerprint(self.loaded.model, repr(mc)),
-            str(self.loaded.dtype).removeprefix("torch."), self.runner.block_layout)
-        self.scheduler = Scheduler(config, self.kv_manager, max_len, self.block_bytes,
-                                   kv_connector=self.kv_share)
+        kv_gib = num_gpu_blocks * self.block_bytes / (1 << 30)
+        with startup_phase("allocating the KV cache", f"{num_gpu_blocks} blocks, {kv_gib:.2f} "
+                           f"GiB; swap space {config.swap_space:g} GiB"):
+            if self.executor is not None:
+                self.runner = self.executor.make_runner(self.loaded, config.block_size,
+                                                        num_gpu_blocks, num_cpu_blocks, config.seed)
+            else:
+                self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers,
+                                          self._local_kv_heads(), mc.head_dim, config.block_size,
+                                          num_gpu_blocks, num_cpu_blocks, self.loaded.dtype,
+                                          self.loaded.device, seed=config.seed,
+                                          kv_connector=self.kv_share,
+                                          options=runner_options(config, self.loaded.device,
+                                                                 self.loaded.attention_backend,
+                                                                 self.max_model_len))
+
+    def _build_connector(self, factory: KVConnectorFactory | None) -> KVConnector | None:
+        """--kv-share: the store of other pods' KV blocks (None: no cross-pod KV bytes).
+
+        NOTE: the connector names bytes by the block layout the runner will hold and by the
+        loaded weights' fingerprint, not the served name."""
+        if factory is None:
+            return None
+        mc = self.loaded.config
+        layout = kv_block_layout(mc.num_hidden_layers, self.config.block_size,
+                                 self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
+        return factory(KVConnectorContext(model_fingerprint(self.loaded.model, repr(mc)),
+                                          str(self.loaded.dtype).removeprefix("torch."), layout))
+
+    def _build_scheduler_and_processors(self) -> None:
+        """The scheduler with what it consults (structured outputs, the connector), the input
+        processor before it and the output processor after it."""
+        vocab_size = self.loaded.config.vocab_size
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        self.vocab_size = mc.vocab_size
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, max_len)
-        self.structured = StructuredOutputManager(self.tokenizer.hf, mc.vocab_size,
+        self.vocab_size = vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer.hf, vocab_size,
                                                   self.eos_token_ids)
+        self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len,
+                                   self.block_bytes, kv_connector=self.kv_share,
+                                   structured=self.structured)
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self.output = OutputProcessor(self.scheduler, self._groups)
-        self.last_stats = SchedulerStats()
-        self.num_steps = 0
-        # tracing, metrics, the prefix-index publisher: see observers.py
-        self.observers: list[EngineObserver] = []
-        logger.info("engine ready: model=%s dtype=%s device=%s tensor_parallel=%d kv_blocks=%d "
-                    "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
-                    self.loaded.device, tp, num_gpu_blocks, capacity, num_cpu_blocks, max_len)
 
     def check_health(self) -> None:
         """Raise if the engine can no longer step (a tensor-parallel worker died)."""
@@ -139,13 +193,25 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         device = self.loaded.device
-        # NOTE: on CPU the projections' reordered weight copies (kernels.linear) are built on the
-        # first forward, after this: their bytes are not the KV cache's to take.
-        free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
-        if self.executor is not None:
-            free = self.executor.kv_free_memory(free, device)
-        blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
         max_len = cfg.max_model_len or self.loaded.config.max_position_embeddings
+        if device.type == "cuda" and self.executor is None:
+            # vLLM's rule: a share of the device's memory, less weights, activations and graphs
+            mc, opts = self.loaded.config, runner_options(cfg, device, self.loaded.attention_backend,
+                                                          max_len)
+            mem = profile_device_memory(
+                self.loaded.model, mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
+                mc.head_dim, self.loaded.dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
+                max(opts.decode_pad_sizes, default=0))
+            free = kv_cache_bytes(mem, cfg.gpu_memory_utilization)
+            blocks = free // self.block_bytes
+            log_kv_budget(mem, cfg.gpu_memory_utilization, blocks, cfg.block_size)
+        else:
+            # NOTE: on CPU the projections' reordered weight copies (kernels.linear) are built on
+            # the first forward, after this: their bytes are not the KV cache's to take.
+            free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
+            if self.executor is not None:
+                free = self.executor.kv_free_memory(free, device)
+            blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
         # NOTE: no point holding more than every sequence at full length.
         wanted = cfg.max_num_seqs * _cdiv(max_len, cfg.block_size)
         blocks = min(blocks, wanted)
@@ -219,73 +285,53 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step, as vLLM V1's: schedule, execute, update from the output; then the report."""
         t_start = time.monotonic()
-        failed = self._fail_broken_grammars()
         sched = self.scheduler.schedule()
-        sched.grammar = self.structured.bitmask(sched)
         t_scheduled = time.monotonic()
         result = self.runner.execute(sched)
         t_executed = time.monotonic()
-        if self.kv_share is not None:
-            self._share_prompt_blocks(sched)
-        for rid, (first, entries) in result.prompt_logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
-                record_prompt_logprobs(req, first, entries)
-        pooled = self._finish_pooled(result.pooled)
+        outputs = self._update(sched, result)
+        if self.observers:           # NOTE: without observers this check is the whole cost
+            self._report(sched, result, outputs, t_start, t_scheduled, t_executed)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's results into the requests (the scheduler), then into the clients'
+        outputs (the output stage), then the step's stats."""
         touched = self.scheduler.update_from_output(sched, result)
-        for req in self.structured.accept(touched):
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        outputs = failed + pooled + self.output.process(touched)
+        outputs = self._fail_broken_grammars()
+        outputs += self.output.process(touched, result.pooled)
         self.scheduler.end_step(sched)
         self.last_stats = sched.stats
         self.num_steps += 1
-        self._learn_prefill_rate(sched.num_scheduled_tokens, result.model_time_s)
-        if self.observers:           # NOTE: without observers this check is the whole cost
-            report = StepReport(self.num_steps, t_start, t_scheduled, t_executed,
-                                time.monotonic(), result.sample_window, sched, outputs,
-                                self.kv_manager.take_event_batch(), self.load())
-            for obs in self.observers:
-                obs.on_step(report)
         return outputs
 
     def _fail_broken_grammars(self) -> list[RequestOutput]:
-        """Finish (as aborted) the requests whose grammar failed to compile: their final output.
+        """The final outputs (finish_reason "abort") of the requests whose grammar failed to
+        compile.
 
         NOTE: the input processor parsed every spec, so a compile failing after that is xgrammar's
-        internal error; the request ends with finish_reason "abort" instead of waiting forever."""
+        internal error; the request ends instead of waiting forever (the scheduler skips it)."""
         outputs = []
         for request_id, error in self.structured.take_failed():
-            group = self._groups.pop(request_id, None)
-            if group is None:
+            out = self.output.fail(request_id, f"grammar compile failed: {error}")
+            if out is None:
                 continue
             logger.error("request %s: its grammar failed to compile: %s", request_id, error)
-            self.scheduler.abort_requests([r.request_id for r in group.samples])
-            for req in group.samples:
-                req.stop_reason = f"grammar compile failed: {error}"
-            outputs.append(self.output.final_output(group))
+            outputs.append(out)
             for obs in self.observers:
                 obs.on_request_aborted(request_id)
         return outputs
 
-    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
-        """Finish the embeddings requests whose prefill completed this step (their blocks are
-        freed now; nothing is sampled for them) and build their outputs."""
-        outputs = []
-        for rid, vector in pooled.items():
-            group = self._groups.pop(rid, None)     # NOTE: pooled requests are n == 1
-            if group is None:
-                continue
-            req = group.samples[0]
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            metrics = {"arrival_time": req.arrival_time}
-            if req.first_scheduled_time is not None:
-                metrics["first_scheduled_time"] = req.first_scheduled_time
-            outputs.append(RequestOutput(
-                rid, group.prompt, req.prompt_token_ids,
-                [CompletionOutput(0, "", [], None, req.finish_reason)], True,
-                max(req.num_cached_tokens, 0), metrics, embedding=vector))
-        return outputs
+    def _report(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                outputs: list[RequestOutput], t_start: float, t_scheduled: float,
+                t_executed: float) -> None:
+        report = StepReport(self.num_steps, t_start, t_scheduled, t_executed, time.monotonic(),
+                            result.sample_window, sched, outputs,
+                            self.kv_manager.take_event_batch(), self.load())
+        for obs in self.observers:
+            obs.on_step(report)
 
     # ---- observers -----------------------------------------------------------------------
     def add_observer(self, observer: EngineObserver) -> None:
@@ -299,28 +345,6 @@ class LLMEngine:
     def load(self) -> LoadSnapshot:
         s = self.scheduler
         return LoadSnapshot(len(s.running), len(s.waiting), len(s.swapped), self.kv_manager.usage)
-
-    def _share_prompt_blocks(self, sched) -> None:
-        """--kv-share: offer the full blocks of every prompt completed this step to other pods.
-
-        NOTE: runs before update_from_output, while each ScheduledRequest still names its blocks
-        (a request may finish, and free them, in this very step)."""
-        bs = self.block_size
-        for sr in sched.scheduled:
-            req = sr.request
-            if not sr.sample or req.num_output_tokens or req.sample_index:
-                continue                  # only a prompt's first completion; forks share it
-            # NOTE: the scheduler's hasher has hashed every full prompt block since add_request
-            for i in range(req.num_prompt_tokens // bs):
-                h = req.block_hashes[i]
-                if self.kv_share.wants(h):
-                    self.kv_share.save(h, self.runner.block_data(sr.block_ids[i]))
-
-    def _learn_prefill_rate(self, tokens: int, seconds: float) -> None:
-        if tokens >= 64 and seconds > 0:
-            rate = tokens / seconds
-            s = self.scheduler
-            s.recompute_tokens_per_s = 0.8 * s.recompute_tokens_per_s + 0.2 * rate
 
     # ---- cache control -------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

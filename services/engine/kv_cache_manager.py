@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from kvmesh.index.events import KVEventBatch, KVEventSequencer
+from kvmesh.common.kv_events import KVEventBatch, KVEventSequencer
 from kvmesh.engine.block_pool import BlockPool, KVCacheStats
 
 __all__ = ["KVCacheManager", "KVCacheStats", "swap_blocks_from_gib"]

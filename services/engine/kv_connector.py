@@ -3,13 +3,15 @@
     Scheduler.add_request ─────▶ connector.prefetch(req_id, hashes)   fetched in the background
     Scheduler._remote_blocks ──▶ connector.lookup(req_id, hashes)  what has arrived, never waits
     Scheduler (admitted/ended) ▶ connector.release(req_id)
-    LLMEngine._share_prompt_blocks ─▶ connector.wants(h) / connector.save(h, bytes)
+    ModelRunner.execute ───────▶ connector.save_computed_prompts(scheduled, ...)   after the forward
+                                  pass: wants(h) / save(h, bytes) for each completed prompt block
     its owner, when done ─────▶ connector.close()
 
 Both sides key blocks by the chained block hash, which pins the whole prefix (cache salt
 included), so bytes found under a hash are exactly what this engine would compute. Today's one
-implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`);
-`make_kv_connector` picks it from the engine config.
+implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`). The
+engine never imports an implementation: whoever builds it (the server) passes a
+`KVConnectorFactory`, which the engine calls once with what only it knows (`KVConnectorContext`).
 
 NOTE: every call runs on the engine thread, so an implementation must never raise on a store
 outage (answer "nothing found" and drop saves) and must do all network I/O off that thread: a
@@ -17,14 +19,13 @@ store that accepts connections and never answers must not stall a step.
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.common.config import EngineConfig
+    from kvmesh.engine.sched_output import ScheduledRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,25 @@ class KVConnector(ABC):
     def save(self, block_hash: bytes, data: bytes) -> None:
         """Offer one computed block's bytes to the store; never blocks the caller."""
 
+    def save_computed_prompts(self, scheduled: Iterable[ScheduledRequest], block_size: int,
+                              read_block: Callable[[int], bytes]) -> None:
+        """Offer the full blocks of every prompt whose KV the step just computed to the store
+        (the blocks it wants; `read_block(block id)` gives one block's bytes). The runner
+        calls it after the forward pass (vLLM's worker side of a connector saves there too).
+
+        NOTE: only a prompt's first completion is offered: its n > 1 forks share the blocks.
+        It runs before the step's results come back to the scheduler, while each
+        ScheduledRequest still names its blocks (a request may finish, and free them, then)."""
+        for sr in scheduled:
+            req = sr.request
+            if not sr.sample or req.num_output_tokens or req.sample_index:
+                continue
+            # NOTE: the scheduler's hasher has hashed every full prompt block since add_request
+            for i in range(req.num_prompt_tokens // block_size):
+                h = req.block_hashes[i]
+                if self.wants(h):
+                    self.save(h, read_block(sr.block_ids[i]))
+
     @abstractmethod
     def close(self) -> None:
         """Stop background work and release connections."""
@@ -80,14 +100,13 @@ class KVConnector(ABC):
         return KVConnectorStats()
 
 
-def make_kv_connector(config: EngineConfig, fingerprint: Callable[[], str], dtype: str,
-                      block_layout: tuple[int, ...]) -> KVConnector | None:
-    """The connector `config` asks for (None without --kv-share). `fingerprint` names the loaded
-    weights (called only with --kv-share); `block_layout` is the runner's shape of one block plus
-    item size: bytes are only shared between identical weights and layouts."""
-    if not config.kv_share_url:
-        return None
-    from kvmesh.index.kv_bytes import RedisKVStore  # noqa: PLC0415 (only --kv-share needs redis)
+@dataclass(frozen=True, slots=True)
+class KVConnectorContext:
+    """What a connector learns from the engine that builds it: bytes are only shared between
+    identical weights and block layouts."""
+    model: str                      # fingerprint of the loaded weights (not the served name)
+    dtype: str                      # KV-cache dtype, e.g. "float32"
+    block_layout: tuple[int, ...]   # the runner's shape of one block, plus the item size
 
-    return RedisKVStore(config.kv_share_url, fingerprint(), dtype, block_layout,
-                        password=os.environ.get("KVMESH_REDIS_PASSWORD"))
+
+KVConnectorFactory = Callable[[KVConnectorContext], KVConnector]

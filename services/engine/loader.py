@@ -4,11 +4,12 @@
           └─ .gguf: metadata -> ModelConfig;     block or float tensors;    tokenizer (cached conversion)
                          └────────── model built on the meta device, weights assigned ──────────┘
 
-GGUF quantization (`quantization`, vLLM's name): "auto" serves a GGUF file's block-format tensors
-as they are ("gguf": QuantizedLinear / QuantizedEmbedding over kvmesh.kernels.quant) when it
-can, i.e. on CPU, one rank, and with the quantized kernels built here; otherwise it dequantizes
-every tensor to `dtype` as before, saying why in the log. "gguf" insists (ValueError where it
-cannot); "none" always dequantizes (the comparison baseline). `quant_activations`: "float"
+GGUF quantization (`quantization`, vLLM's name; `--quantization`): "none", the default,
+dequantizes every tensor to `dtype` at load (the block kernels are still slower than bf16 GEMMs
+on the CPUs measured: docs/KERNELS.md). "gguf" serves a GGUF file's block-format tensors as they
+are (QuantizedLinear / QuantizedEmbedding over kvmesh.kernels.quant: about a fifth of the
+memory), a ValueError where it cannot (not CPU, tensor parallelism, kernels not built); "auto"
+does so where it can and otherwise dequantizes, saying why in the log. `quant_activations`: "float"
 (default: float32 activations, log-probs within ~1e-5 of the dequantized model) or "int8"
 (per-32-block int8 activations, faster, ~0.1 mean |log-prob| difference on the built-in model:
 see docs/KERNELS.md).
@@ -31,12 +32,15 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 from torch import nn
 
-from kvmesh.common.model_files import BUILTIN_MODEL_NAME, ModelFileNotFoundError, builtin_model_path
+from kvmesh.common.model_files import (BUILTIN_MODEL_NAME, ModelFileNotFoundError, builtin_model_path,
+                                       cache_dir)
+from kvmesh.common.startup import startup_phase
 from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
 from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
@@ -76,44 +80,108 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def device_computes_bf16(device: torch.device) -> bool:
+    """Whether `device` has bfloat16 arithmetic in hardware: CUDA (Ampere on), or an x86 CPU with
+    AVX512-BF16 or AMX (elsewhere a bf16 GEMM is float32 work plus conversions)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and bool(native_bf16_flags())
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device,
+                  checkpoint: torch.dtype | None = None, *, native_bf16: bool | None = None) -> torch.dtype:
+    """The dtype to serve in. `auto` as vLLM resolves it: the checkpoint's dtype (`checkpoint`,
+    from config.json; None: unknown, or a GGUF file's dequantized weights, taken as float32),
+    with a float32 checkpoint served in bfloat16 where the device computes it natively
+    (`native_bf16`, default: `device_computes_bf16`) and in float32 on a CPU that does not (on a
+    GPU without bf16: float16). A float16 checkpoint on the CPU likewise becomes bfloat16 or
+    float32: the CPU kernels compute neither in float16."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = device_computes_bf16(device) if native_bf16 is None else native_bf16
+        ckpt = checkpoint or torch.float32
+        if device.type == "cuda":
+            if ckpt == torch.float32 or (ckpt == torch.bfloat16 and not native):
+                return torch.bfloat16 if native else torch.float16
+            return ckpt
+        if ckpt in (torch.float32, torch.float16):
+            return torch.bfloat16 if native else torch.float32
+        return ckpt
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
 
 
+def checkpoint_dtype(hf_config: dict) -> torch.dtype | None:
+    """The dtype an HF config.json says its weights are stored in (`torch_dtype`, or `dtype` from
+    transformers 4.56 on); None when it names none this loader knows."""
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return _DTYPES.get(str(name).removeprefix("torch.")) if name else None
+
+
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", attention_backend: str = "auto",
                tokenizer_path: str | os.PathLike | None = None, tp=None,
-               load_tokenizer: bool = True, quantization: str | None = "auto",
+               load_tokenizer: bool = True, quantization: str | None = "none",
                quant_activations: str = "float") -> LoadedModel:
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
     TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
     tokenizer (and importing transformers: a worker process starts faster). `quantization`
     ("auto", "gguf", "none"/None) and `quant_activations` ("int8", "float"): see the module doc."""
-    builtin = path is None
     p = _model_path(path)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    backend = resolve_backend(attention_backend, dev)
+    backend = _resolve_backend(attention_backend, dev)
+    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
+        return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer,
+                     quantization, quant_activations)
 
+
+# NOTE: a first build measured 30-60 s on an idle 8-core machine, ~3 min on a busy 2-core one.
+CPU_KERNELS_BUILD_ESTIMATE_S = 60.0
+
+
+def _resolve_backend(requested: str, dev: torch.device) -> str:
+    """resolve_backend, with the C++ CPU kernels it may use built (once per machine) or loaded
+    first, as a start-up phase of their own."""
+    from kvmesh.kernels import cpu_kernels  # noqa: PLC0415
+    if dev.type != "cpu" or requested not in ("auto", "cpu") or not cpu_kernels.enabled():
+        return resolve_backend(requested, dev)
+    where = cache_dir() / "cpu-kernels"
+    try:
+        cached = any((where / cpu_kernels.build_key()).glob("*.so"))
+    except OSError:
+        cached = False
+    if cached:
+        phase = startup_phase("loading CPU kernels", f"cached in {where}")
+    else:
+        phase = startup_phase("building CPU kernels", f"once per machine, usually about "
+                              f"{CPU_KERNELS_BUILD_ESTIMATE_S:.0f} s; cached in {where}",
+                              CPU_KERNELS_BUILD_ESTIMATE_S)
+    with phase:
+        cpu_kernels.load()
+    return resolve_backend(requested, dev)
+
+
+def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, backend: str,
+          tokenizer_path: str | os.PathLike | None, tp, load_tokenizer: bool,
+          quantization: str | None, quant_activations: str) -> LoadedModel:
     if p.is_dir():
-        config, files, tok_dir = _open_hf_dir(p)
+        config, files, tok_dir, stored = _open_hf_dir(p)
         name = p.name
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
         gguf = GGUFFile(p)
         config = ModelConfig.from_hf_config(gguf.hf_config())
         tok_dir = None
         name = BUILTIN_MODEL_NAME if builtin else p.stem
+        stored = None       # dequantized to float32 whatever the file's quantization
     else:
         raise ValueError(f"unsupported model path {p}: expected an HF directory (config.json, "
                          "*.safetensors, tokenizer.json) or a .gguf file")
+    dt = resolve_dtype(dtype, dev, stored)
+    if dtype == "auto":
+        log.info("dtype auto: %s checkpoint served in %s on %s%s", _dtype_name(stored or torch.float32),
+                 _dtype_name(dt), dev.type, _bf16_reason(dev))
     if tokenizer_path is not None:
         # NOTE: an explicit tokenizer directory overrides the model's own (--tokenizer).
         tok_dir = Path(tokenizer_path).expanduser()
@@ -166,7 +234,7 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
     choice = "none" if quantization is None else str(quantization).lower()
     if choice not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; use auto, gguf or none "
-                         "(a GGUF file is served quantized by default)")
+                         "(none, the default, dequantizes a GGUF file)")
     if activations not in ACTIVATIONS:
         raise ValueError(f"unsupported quantized activations {activations!r}; use "
                          f"{' or '.join(ACTIVATIONS)}")
@@ -260,8 +328,23 @@ def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: Qua
     setattr(parent, child, replacement)
 
 
-def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
-    """(config, weight files, tokenizer directory) of an HF model directory."""
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bf16_reason(device: torch.device) -> str:
+    if device.type != "cpu":
+        return ""
+    flags = native_bf16_flags()
+    if flags:
+        return f" (bf16 native: {', '.join(flags)})"
+    if not onednn_allows_bf16():
+        return " (ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512-BF16: bf16 not native)"
+    return " (no AVX512-BF16 or AMX: bf16 not native)"
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path, torch.dtype | None]:
+    """(config, weight files, tokenizer directory, stored dtype) of an HF model directory."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelFileNotFoundError(f"no config.json in model directory {path}")
@@ -275,7 +358,7 @@ def _open_hf_dir(path: Path) -> tuple[ModelConfig, list[Path], Path]:
                                 "(.bin / .pth checkpoints are not supported; re-save with safe_serialization)")
     if not (path / "tokenizer.json").is_file():
         raise ModelFileNotFoundError(f"missing tokenizer.json in model directory {path}")
-    return config, files, path
+    return config, files, path, checkpoint_dtype(cfg)
 
 
 def _safetensors_weights(files: list[Path], rules: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -5,18 +5,24 @@ head_dim]; each layer's attention reads its K/V views through the step's block t
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from kvmesh.engine.kv_connector import KVConnector
+from kvmesh.engine.cuda_graphs import CudaGraphs, padded_size
+from kvmesh.engine.input_batch import BatchInput, InputBatch
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.logit_bias import apply_logit_bias
 from kvmesh.engine.pooling import PoolSpan, pool
 from kvmesh.engine.prompt_logprobs import (PromptLogprobSpan, compute_prompt_logprobs,
                                            prompt_logprob_span, span_passes)
+from kvmesh.engine.runner_options import RunnerOptions
 from kvmesh.engine.sampler import Sampler, SamplingRow
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
-from kvmesh.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger("kvmesh.engine")
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -26,11 +32,23 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
+def kv_block_layout(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[int, ...]:
+    """Shape of one block across layers, K and V, plus the item size: names shared KV bytes
+    (ModelRunner.block_data's layout)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (num_layers, 2, block_size, num_kv_heads, head_dim, itemsize)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int,
                  head_dim: int, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+                 dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 kv_connector: KVConnector | None = None,
+                 options: RunnerOptions | None = None) -> None:
         self.model = model
+        # --kv-share: offered each completed prompt's blocks after the forward pass
+        self.kv_connector = kv_connector
         self.block_size = block_size
         self.device = device
         shape = (num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim)
@@ -42,13 +60,29 @@ class ModelRunner:
         self.swap_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
                                       pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
         self.sampler = Sampler(generator=torch.Generator().manual_seed(seed))
+        opts = options or RunnerOptions()
+        self.options = opts
+        self.input_batch = InputBatch(block_size, device, opts.max_num_seqs,
+                                      max(opts.max_num_tokens, max(opts.decode_pad_sizes, default=0)),
+                                      -(-opts.max_model_len // block_size))
+        self.pad_sizes = list(opts.decode_pad_sizes)
+        self.cuda_graphs: CudaGraphs | None = None
+        if opts.cuda_graphs and device.type == "cuda" and self.pad_sizes:
+            self.cuda_graphs = CudaGraphs(self.input_batch, self._forward, opts.max_model_len)
+            report = self.cuda_graphs.capture(self.pad_sizes)
+            # NOTE: a size that failed to capture runs eagerly, unpadded
+            self.pad_sizes = report.captured
+            logger.info("CUDA graphs: captured %d decode batch sizes %s in %.1f s, %.1f MiB%s",
+                        len(report.captured), report.captured, report.seconds,
+                        report.memory_bytes / 2**20,
+                        f"; failed: {sorted(report.failed)}" if report.failed else "")
 
     # ---- block movement ------------------------------------------------------------------
     @property
     def block_layout(self) -> tuple[int, ...]:
         """Shape of one block across layers, K and V, plus the item size: names shared KV bytes."""
-        layers, two, _, block_size, kv_heads, head_dim = self.kv_cache.shape
-        return (layers, two, block_size, kv_heads, head_dim, self.kv_cache.element_size())
+        layers, _, _, block_size, kv_heads, head_dim = self.kv_cache.shape
+        return kv_block_layout(layers, block_size, kv_heads, head_dim, self.kv_cache.dtype)
 
     def block_data(self, block: int) -> bytes:
         """One block's K/V of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim])."""
@@ -91,29 +125,25 @@ class ModelRunner:
         if not out.scheduled:
             return ModelRunnerOutput(sampled={}, logprobs={})
         t0 = time.perf_counter()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        batch = self.input_batch
+        batch.begin()
+        sample_rows: list[int] = []
         rows: list[SamplingRow] = []
         row_ids: list[str] = []
         lp_spans: list[PromptLogprobSpan] = []
         pool_spans: list[PoolSpan] = []
         for sr in out.scheduled:
             req = sr.request
-            end = sr.start + sr.num_tokens
+            first = batch.add(req.request_id, req.all_token_ids, sr.start, sr.num_tokens,
+                              sr.block_ids)
             if req.sampling_params.prompt_logprobs is not None:
-                span = prompt_logprob_span(sr, len(input_ids))
+                span = prompt_logprob_span(sr, first)
                 if span is not None:
                     lp_spans.append(span)
             if req.pooling is not None:
-                pool_spans.append(PoolSpan(sr, len(input_ids)))
-            input_ids.extend(req.all_token_ids[sr.start:end])
-            positions.extend(range(sr.start, end))
-            query_lens.append(sr.num_tokens)
-            seq_lens.append(end)
-            tables.append(sr.block_ids)
+                pool_spans.append(PoolSpan(sr, first))
             if sr.sample and req.pooling is None:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(first + sr.num_tokens - 1)
                 samples = [req, *sr.fork_children]
                 rows.append(SamplingRow(
                     params=req.sampling_params,
@@ -125,13 +155,23 @@ class ModelRunner:
                 ))
                 row_ids.append(req.request_id)
         passes = [rng for span in lp_spans for rng in span_passes(span)]
-        hidden, logits = self.run_model(ModelInput(input_ids, positions, query_lens, seq_lens,
-                                                   tables, sample_rows, passes))
+        pad = None
+        if self.pad_sizes and batch.num_tokens == batch.num_seqs:
+            pad = padded_size(self.pad_sizes, batch.num_seqs)
+        graphs = self.cuda_graphs
+        replay = pad is not None and graphs is not None and graphs.can_replay(pad)
+        step = batch.finish(sample_rows, passes, pad_to=pad, full_width=replay)
+        if replay:
+            hidden, logits = graphs.replay(step)
+        else:
+            hidden, logits = self.run_model(step)
         prompt_lps = (compute_prompt_logprobs(self.model.compute_logits, hidden, lp_spans)
                       if lp_spans else {})
         pooled = pool(hidden, pool_spans) if pool_spans else {}
         if not rows:
-            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=time.perf_counter() - t0,
+            model_time_s = time.perf_counter() - t0
+            self._save_computed_prompts(out)
+            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=model_time_s,
                                      prompt_logprobs=prompt_lps, pooled=pooled)
         apply_logit_bias(logits, [r.params for r in rows])
         if out.grammar is not None:
@@ -139,24 +179,36 @@ class ModelRunner:
         s0 = time.monotonic()
         result = self.sampler(logits, rows)
         s1 = time.monotonic()
+        model_time_s = time.perf_counter() - t0
+        self._save_computed_prompts(out)
         return ModelRunnerOutput(
             sampled=dict(zip(row_ids, result.token_ids)),
             logprobs=dict(zip(row_ids, result.logprobs)),
-            model_time_s=time.perf_counter() - t0,
+            model_time_s=model_time_s,
             sample_window=(s0, s1),
             prompt_logprobs=prompt_lps,
             pooled=pooled,
         )
 
-    def run_model(self, step: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward pass: the hidden states [T, hidden] and the float32 logits of
-        `step.sample_rows` (None when there are none, and on a tensor-parallel rank other than 0)."""
-        meta = AttentionMetadata.build(step.query_lens, step.seq_lens, step.block_tables,
-                                       self.block_size, self.device)
-        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not step.sample_rows:
-            return hidden, None
-        return hidden, self.model.compute_logits(
-            hidden[torch.tensor(step.sample_rows, device=self.device)])
+    def _save_computed_prompts(self, out: SchedulerOutput) -> None:
+        """--kv-share: the forward pass wrote the step's KV; offer the completed prompts' blocks
+        (their copies are not part of model_time_s, the measured prefill rate)."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_computed_prompts(out.scheduled, self.block_size,
+                                                    self.block_data)
+
+    def run_model(self, step: BatchInput | ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager forward pass: the hidden states [T, hidden] and the float32 logits of the
+        step's sample rows (None when there are none, and on a tensor-parallel rank other than
+        0). A `ModelInput` (a tensor-parallel worker's step) is laid into the batch first."""
+        if isinstance(step, ModelInput):
+            step = self.input_batch.from_model_input(step)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if not step.sample_list:
+            return hidden[:step.num_tokens], None
+        return hidden[:step.num_tokens], self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+
+    def _forward(self, step: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a CUDA graph captures: the forward and the LM head over `step.sample_rows`."""
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        return hidden, self.model.compute_logits(hidden.index_select(0, step.sample_rows))

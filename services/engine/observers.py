@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from kvmesh.index.events import KVEventBatch
+    from kvmesh.common.kv_events import KVEventBatch
     from kvmesh.engine.outputs import RequestOutput
     from kvmesh.engine.request import Request
     from kvmesh.engine.sched_output import SchedulerOutput

@@ -1,5 +1,6 @@
 """The engine's output stage: detokenize each new token, check every stop condition in one place,
-finish stopped requests through the scheduler, build the RequestOutputs.
+finish stopped requests through the scheduler, build the RequestOutputs (those of finished
+embeddings requests, and the final ones of requests whose grammar failed to compile, too).
 
 vLLM V1's output processor, with the token stops (EOS, stop_token_ids, length) moved here too:
 the scheduler only appends sampled tokens.
@@ -92,8 +93,12 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.groups = groups       # the engine's live requests by id (add_request fills it)
 
-    def process(self, touched: list[Request]) -> list[RequestOutput]:
-        """touched: the requests that got exactly one new token this step, in step order."""
+    def process(self, touched: list[Request],
+                pooled: dict[str, list[float]] | None = None) -> list[RequestOutput]:
+        """The step's outputs: first the embeddings requests in `pooled` (request id -> vector;
+        the scheduler finished them), then the groups of `touched`, the requests that got
+        exactly one new token this step, in step order."""
+        outputs = self._pooled_outputs(pooled) if pooled else []
         group_ids: dict[str, None] = {}
         for req in touched:
             group = self.groups.get(req.parent_id)
@@ -103,7 +108,6 @@ class OutputProcessor:
                 self.scheduler.finish_request(req, *stop)
             if group is not None:
                 group_ids[group.request_id] = None
-        outputs = []
         for gid in group_ids:
             group = self.groups[gid]
             outputs.append(self._make_output(group))
@@ -111,9 +115,33 @@ class OutputProcessor:
                 del self.groups[gid]
         return outputs
 
-    def final_output(self, group: RequestGroup) -> RequestOutput:
-        """The output of a group the engine finished outside a step's tokens (already popped)."""
+    def fail(self, request_id: str, stop_reason: str) -> RequestOutput | None:
+        """Abort a live request that cannot go on (its grammar failed to compile): its samples
+        finish through the scheduler with `stop_reason`; returns its final output (None: it had
+        already ended)."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        self.scheduler.abort_requests([r.request_id for r in group.samples])
+        for req in group.samples:
+            req.stop_reason = stop_reason
         return self._make_output(group)
+
+    def _pooled_outputs(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
+        outputs = []
+        for rid, vector in pooled.items():
+            group = self.groups.pop(rid, None)     # NOTE: pooled requests are n == 1
+            if group is None:
+                continue
+            req = group.samples[0]
+            metrics = {"arrival_time": req.arrival_time}
+            if req.first_scheduled_time is not None:
+                metrics["first_scheduled_time"] = req.first_scheduled_time
+            outputs.append(RequestOutput(
+                rid, group.prompt, req.prompt_token_ids,
+                [CompletionOutput(0, "", [], None, req.finish_reason)], True,
+                max(req.num_cached_tokens, 0), metrics, embedding=vector))
+        return outputs
 
     @staticmethod
     def _make_output(group: RequestGroup) -> RequestOutput:

@@ -148,17 +148,36 @@ class Sampler:
         if masked[0]:
             logits[masked] = float("-inf")
 
-        token_ids: list[list[int]] = [[] for _ in rows]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        # NOTE: every draw (one per sample, rows in order) as one device tensor; the tokens and
+        # the requested logprobs then reach the host in one transfer (`to_host`).
+        num = [r.num_samples for r in rows]
+        first = [0] * len(rows)
+        for i in range(1, len(rows)):
+            first[i] = first[i - 1] + num[i - 1]
+        total = first[-1] + num[-1] if rows else 0
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if greedy:
-            best = argmax(logits if len(greedy) == len(rows) else logits[greedy]).tolist()
-            for i, tok in zip(greedy, best):
-                token_ids[i] = [tok] * rows[i].num_samples
         randomized = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if randomized:
-            for i, toks in zip(randomized, self._sample(logits[randomized], [rows[i] for i in randomized])):
-                token_ids[i] = toks
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, rows, token_ids))
+        best = (argmax(logits if len(greedy) == len(rows) else logits[greedy])
+                if greedy else None)
+        if not randomized and total == len(rows):
+            draws = best                                   # greedy, one sample a row: as is
+        else:
+            draws = torch.empty(total, dtype=torch.long, device=logits.device)
+            if greedy:
+                at = [first[i] + k for i in greedy for k in range(num[i])]
+                reps = torch.tensor([num[i] for i in greedy], device=logits.device)
+                draws[torch.tensor(at, device=logits.device)] = best.to(torch.long).repeat_interleave(reps)
+            if randomized:
+                at = [first[i] + k for i in randomized for k in range(num[i])]
+                draws[torch.tensor(at, device=logits.device)] = self._sample(
+                    logits[randomized], [rows[i] for i in randomized])
+        lp = _logprob_tensors(raw, rows, draws, first)
+        host = to_host([draws, *lp.tensors])
+        flat = host[0]
+        token_ids = [flat[first[i]:first[i] + num[i]] for i in range(len(rows))]
+        return SamplerOutput(token_ids=token_ids, logprobs=lp.assemble(rows, token_ids, host[1:]))
 
     def _penalize(self, logits: torch.Tensor, sub: list[SamplingRow], idx: list[int]) -> None:
         # NOTE: prompts are only binned for rows that use the repetition penalty (long prompts).
@@ -169,8 +188,9 @@ class Sampler:
             [r.params.frequency_penalty for r in sub],
             [r.params.repetition_penalty for r in sub])
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[int]]:
-        """logits: [Rr, V] of non-greedy rows. Returns num_samples tokens per row."""
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits: [Rr, V] of non-greedy rows. Returns [D] tokens: each row's num_samples draws,
+        rows in order (on the logits' device)."""
         device = logits.device
         vocab = logits.shape[1]
         temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
@@ -194,12 +214,7 @@ class Sampler:
             if g is not None:
                 q[d] = _exponential(1, vocab, g, device)[0]
         q.clamp_min_(_TINY)
-        chosen = (probs[draw_rows] / q).argmax(dim=-1).tolist()
-
-        out: list[list[int]] = [[] for _ in rows]
-        for row, tok in zip(draw_rows, chosen):
-            out[row].append(tok)
-        return out
+        return (probs[draw_rows] / q).argmax(dim=-1)
 
 
 def _exponential(num: int, vocab: int, generator: torch.Generator | None,
@@ -246,46 +261,83 @@ def _min_tokens_mask(rows: list[SamplingRow], vocab: int) -> tuple[list[int], li
     return row_idx, tok_idx
 
 
-def _logprobs(raw: torch.Tensor, rows: list[SamplingRow],
-              token_ids: list[list[int]]) -> list[list[dict[int, Logprob]] | None]:
-    """Logprobs of the RAW logits (before penalties and temperature, vLLM's default).
-    rank = 1 + the number of tokens with a strictly higher logprob, so ties share a rank."""
-    out: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
+def to_host(tensors: list[torch.Tensor]) -> list[list]:
+    """Each tensor's values as a (flat) list, in ONE device-to-host transfer: on CUDA they are
+    packed into one float64 buffer (exact for token ids, ranks and float32 log-probs), copied
+    without blocking into pinned memory, and waited for once; on CPU they are read as they are."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.reshape(-1).tolist() for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    values = host.tolist()
+    out, at = [], 0
+    for t in tensors:
+        n = t.numel()
+        part = values[at:at + n]
+        out.append([int(v) for v in part] if not t.is_floating_point() else part)
+        at += n
+    return out
+
+
+@dataclass(slots=True)
+class _LogprobTensors:
+    """The requested logprobs of one step, on the device until `to_host`."""
+    want: list[int]                          # rows that asked for logprobs
+    k: int                                   # top-k width computed (the largest asked)
+    tensors: list[torch.Tensor]              # chosen lp [D'], chosen rank [D'], top lp / id / rank [W, k]
+    vocab: int = 0
+
+    def assemble(self, rows: list[SamplingRow], token_ids: list[list[int]],
+                 host: list[list]) -> list[list[dict[int, Logprob]] | None]:
+        out: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
+        if not self.want:
+            return out
+        chosen_lp_l, chosen_rank_l, top_lp, top_id, top_rank = host
+        k = self.k
+        d = 0
+        for w, i in enumerate(self.want):
+            num_top = min(rows[i].params.logprobs, self.vocab)
+            base = w * k
+            per_sample: list[dict[int, Logprob]] = []
+            for tok in token_ids[i]:
+                entry = {tok: Logprob(tok, chosen_lp_l[d], chosen_rank_l[d])}
+                for j in range(num_top):
+                    t = top_id[base + j]
+                    if t not in entry:
+                        entry[t] = Logprob(t, top_lp[base + j], top_rank[base + j])
+                per_sample.append(entry)
+                d += 1
+            out[i] = per_sample
+        return out
+
+
+def _logprob_tensors(raw: torch.Tensor, rows: list[SamplingRow], draws: torch.Tensor,
+                     first: list[int]) -> _LogprobTensors:
+    """Logprobs of the RAW logits (before penalties and temperature, vLLM's default) of the drawn
+    tokens and the top-k, as device tensors. rank = 1 + the number of tokens with a strictly
+    higher logprob, so ties share a rank."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
-        return out
+        return _LogprobTensors(want, 0, [])
     lp = torch.log_softmax(at_least_float32(raw[want]), dim=-1)   # [W, V]
     vocab = lp.shape[1]
-
-    draw_w = [w for w, i in enumerate(want) for _ in token_ids[i]]
-    draw_tok = [t for i in want for t in token_ids[i]]
-    w_t = torch.tensor(draw_w, dtype=torch.long, device=lp.device)
-    tok_t = torch.tensor(draw_tok, dtype=torch.long, device=lp.device)
-    chosen_lp = lp[w_t, tok_t]                                        # [D]
-    chosen_rank = (lp[w_t] > chosen_lp[:, None]).sum(dim=-1) + 1      # [D]
-
+    device = lp.device
+    draw_w = [w for w, i in enumerate(want) for _ in range(rows[i].num_samples)]
+    draw_at = [first[i] + s for i in want for s in range(rows[i].num_samples)]
+    w_t = torch.tensor(draw_w, dtype=torch.long, device=device)
+    tok_t = draws[torch.tensor(draw_at, dtype=torch.long, device=device)].to(torch.long)
+    chosen_lp = lp[w_t, tok_t]                                        # [D']
+    chosen_rank = (lp[w_t] > chosen_lp[:, None]).sum(dim=-1) + 1      # [D']
     k = min(max(rows[i].params.logprobs for i in want), vocab)
-    top_lp_l: list[list[float]] = [[] for _ in want]
-    top_id_l: list[list[int]] = [[] for _ in want]
-    top_rank_l: list[list[int]] = [[] for _ in want]
     if k > 0:
         top_lp, top_id = lp.topk(k, dim=-1)                           # [W, k], sorted
         # Every token strictly above a top-k value is itself in the top-k.
         top_rank = (top_lp[:, None, :] > top_lp[:, :, None]).sum(dim=-1) + 1
-        top_lp_l, top_id_l, top_rank_l = top_lp.tolist(), top_id.tolist(), top_rank.tolist()
-
-    d = 0
-    chosen_lp_l, chosen_rank_l = chosen_lp.tolist(), chosen_rank.tolist()
-    for w, i in enumerate(want):
-        num_top = min(rows[i].params.logprobs, vocab)
-        per_sample: list[dict[int, Logprob]] = []
-        for tok in token_ids[i]:
-            entry = {tok: Logprob(tok, chosen_lp_l[d], chosen_rank_l[d])}
-            for j in range(num_top):
-                t = top_id_l[w][j]
-                if t not in entry:
-                    entry[t] = Logprob(t, top_lp_l[w][j], top_rank_l[w][j])
-            per_sample.append(entry)
-            d += 1
-        out[i] = per_sample
-    return out
+    else:
+        top_lp = torch.empty(0, device=device)
+        top_id = top_rank = torch.empty(0, dtype=torch.long, device=device)
+    return _LogprobTensors(want, k, [chosen_lp, chosen_rank, top_lp, top_id, top_rank], vocab)

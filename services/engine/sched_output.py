@@ -74,7 +74,7 @@ class SchedulerOutput:
     preempted_ids: list[str]
     stats: SchedulerStats
     kv_loads: list[bytes] = field(default_factory=list)   # data of the "load" block ops
-    # structured outputs: allowed tokens of the constrained sampling rows (engine fills it)
+    # structured outputs: allowed tokens of the constrained sampling rows (None: no row is)
     grammar: GrammarBitmask | None = None
 
     @property

@@ -8,7 +8,7 @@ scheduler -> KVCacheManager -> BlockPool.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvmesh.common.block_hash import BlockHasher
 from kvmesh.common.config import EngineConfig
@@ -18,8 +18,12 @@ from kvmesh.engine.sched_policy import Policy, make_policy
 from kvmesh.engine.request import FINISHED_STATUSES as _FINISHED, Logprob, Request, RequestStatus
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
                                         SchedulerStats)
-from kvmesh.engine.preemption import Preemption, count_scheduled
+from kvmesh.engine.preemption import Preemptor
+from kvmesh.engine.prompt_logprobs import record_prompt_logprobs
 from kvmesh.engine.step_state import StepState
+
+if TYPE_CHECKING:
+    from kvmesh.engine.structured.manager import StructuredOutputManager
 
 _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copies",
                 "prefix_queries", "prefix_hits")
@@ -34,7 +38,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Scheduler(Preemption):
+def _count_scheduled(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> None:
+    """Add (sign +1) or take back (-1, a victim's tokens) one scheduled request's counts."""
+    if sr.is_decode:
+        stats.num_decode_reqs += sign
+    else:
+        stats.num_prefill_reqs += sign
+        if not sr.sample:
+            stats.num_chunked_prefills += sign
+    stats.num_scheduled_tokens += sign * sr.num_tokens
+
+
+class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
@@ -44,17 +59,19 @@ class Scheduler(Preemption):
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
         kv_connector: KVConnector | None = None,   # cross-pod KV blocks (--kv-share redis)
+        # structured outputs: the step's grammar bitmask and each new token's acceptance
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.block_bytes = block_bytes
         self.clock = clock
         self.policy = policy or make_policy(config)
         self.kv_connector = kv_connector
+        self.structured = structured
         # NOTE: the one place block hashes come from: every request gets this hasher at
-        # add_request and extends its own block_hashes as tokens are appended; the prefix cache,
-        # the connector and the engine's block sharing only read them. Nobody needs hashes
+        # add_request and extends its own block_hashes as tokens are appended; the prefix cache
+        # and the connector (prefetch, lookups, saves) only read them. Nobody needs hashes
         # with prefix caching off and no connector.
         self.block_hasher: BlockHasher | None = (
             BlockHasher(kv.block_size, config.hash_seed)
@@ -77,10 +94,10 @@ class Scheduler(Preemption):
         # NOTE: block counters at the end of the last step: every block operation, aborts
         # between steps and frees at finish included, is counted in exactly one step's stats.
         self._kv_mark = self._kv_counters()
-        # NOTE: the auto preemption mode compares these two rates; the engine refines them
-        # from measured prefill throughput.
-        self.recompute_tokens_per_s = config.recompute_tokens_per_s
-        self.swap_bytes_per_s = config.swap_bytes_per_s
+        # NOTE: the auto preemption mode compares the two rates; update_from_output refines
+        # the prefill rate from each step's measured forward pass.
+        self.preemptor = Preemptor(kv, block_bytes, config.recompute_tokens_per_s,
+                                   config.swap_bytes_per_s)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -154,7 +171,10 @@ class Scheduler(Preemption):
         self._schedule_swapped(st)
         self._schedule_waiting(st)
         self._commit(st)
-        return st.output()
+        out = st.output()
+        if self.structured is not None:
+            out.grammar = self.structured.bitmask(out)
+        return out
 
     def _schedule_running(self, st: StepState) -> None:
         """1) Running requests, best first. When blocks run out, the worst running request is
@@ -298,6 +318,33 @@ class Scheduler(Preemption):
         self._schedule_tokens(req, num_new, st)
         return True
 
+    def _preempt(self, victim: Request, st: StepState) -> None:
+        """Evict a running request (vLLM's _preempt_request): the preemptor swaps out or frees
+        its blocks, and it joins the swapped queue or, to be computed again, the waiting one."""
+        self.running.remove(victim)
+        if self.preemptor.evict(victim, st, self.config.preemption_mode) == RequestStatus.SWAPPED:
+            self.swapped.append(victim)
+        else:
+            self._join(self.waiting, victim)
+
+    def _preempt_for(self, req: Request, need: int, st: StepState, need_seat: bool = False) -> None:
+        """Priority policy: evict strictly lower-priority running requests, worst first, but
+        only if together they can make room (`need` more blocks, and a max_num_seqs seat when
+        need_seat). Their scheduled tokens go back to the step's budget."""
+        victims = [r for r in reversed(self.running) if r.priority > req.priority]
+        held = sum(len(self.kv.get_block_ids(v.request_id)) for v in victims)
+        if not victims or self.kv.num_free_blocks + held < need:
+            return
+        for victim in victims:
+            sr = st.scheduled.pop(victim.request_id, None)
+            if sr is not None:
+                st.budget += sr.num_tokens
+                _count_scheduled(st.stats, sr, -1)
+            self._preempt(victim, st)
+            seated = not need_seat or len(self.running) < self.config.max_num_seqs
+            if seated and self.kv.num_free_blocks >= need:
+                break
+
     def _commit(self, st: StepState) -> None:
         """The scheduled tokens will be computed by this step's forward pass."""
         for sr in st.scheduled.values():
@@ -394,7 +441,7 @@ class Scheduler(Preemption):
         else:
             sr.start, sr.num_tokens, sr.block_ids = start, num_new, table
             sr.sample, sr.fork_children = sample, children
-        count_scheduled(st.stats, sr, +1)
+        _count_scheduled(st.stats, sr, +1)
         st.scheduled[rid] = sr
         st.budget -= num_new
 
@@ -405,11 +452,18 @@ class Scheduler(Preemption):
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens and fork n > 1 samples; the output stage then checks the stops
-        and finishes requests (finish_request), and end_step closes the step's stats.
+        """The step's results into the requests (vLLM's update_from_output): prompt log-probs
+        are recorded, finished embeddings requests finish, sampled tokens are appended (n > 1
+        samples fork), each constrained sample's grammar accepts its token, and the prefill
+        rate is refined. The output stage then checks the stops and finishes requests
+        (finish_request), and end_step closes the step's stats.
 
         Returns the requests that got a new token, in step order.
         """
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(result.prompt_logprobs)
+        if result.pooled:
+            self._finish_pooled(result.pooled)
         now = self.clock()
         touched: list[Request] = []
         sampled, all_logprobs = result.sampled, result.logprobs
@@ -424,7 +478,26 @@ class Scheduler(Preemption):
                 self._start_forks(sr, tokens, logprobs, now, touched)
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
+        if self.structured is not None:
+            for req in self.structured.accept(touched):
+                self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self.preemptor.learn_prefill_rate(out.stats.num_scheduled_tokens, result.model_time_s)
         return touched
+
+    def _record_prompt_logprobs(
+            self, chunks: dict[str, tuple[int, list[dict[int, Logprob]]]]) -> None:
+        for rid, (first, entries) in chunks.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                record_prompt_logprobs(req, first, entries)
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> None:
+        """Embeddings requests end with their prefill (nothing is sampled): finished now, their
+        blocks freed; the output stage builds their outputs from `pooled`."""
+        for rid in pooled:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
 
     def _start_forks(self, sr: ScheduledRequest, tokens: list[int],
                      logprobs: list[dict[int, Logprob]] | None, now: float,

@@ -24,12 +24,21 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvmesh.common.block_hash import hash_hex
-from kvmesh.engine.kv_connector import KVConnector, KVConnectorStats
+from kvmesh.engine.kv_connector import (KVConnector, KVConnectorContext, KVConnectorFactory,
+                                        KVConnectorStats)
 from kvmesh.index.breaker import CircuitBreaker
 from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import KeySpace
 
 logger = logging.getLogger("kvmesh.index.kv_bytes")
+
+
+def redis_kv_connector(redis_url: str, password: str | None = None) -> KVConnectorFactory:
+    """The factory an engine takes (`LLMEngine(..., kv_connector=...)`) for a `RedisKVStore` at
+    `redis_url`, keyed by the engine's weights, dtype and block layout."""
+    def build(ctx: KVConnectorContext) -> RedisKVStore:
+        return RedisKVStore(redis_url, ctx.model, ctx.dtype, ctx.block_layout, password=password)
+    return build
 
 
 class RedisKVStore(KVConnector):

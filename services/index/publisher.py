@@ -30,7 +30,7 @@ from redis.retry import Retry
 
 from kvmesh.common.block_hash import hash_hex
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.layout import (CLEAR_POD, PURGE_DEAD_PODS, KeySpace, block_member,
                                  pod_block_member)

@@ -6,15 +6,23 @@ import argparse
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from prometheus_client import CollectorRegistry
+
+from kvmesh.index.kv_bytes import redis_kv_connector
 from kvmesh.index.metrics import KVShareCollector, PublisherCollector, ZmqPublisherCollector
 from kvmesh.index.publisher import KVEventPublisher, publish_engine_state
 from kvmesh.index.zmq_events import KVEventsConfig, ZmqKVEventPublisher
 
-if TYPE_CHECKING:     # NOTE: both import torch; the server hands them in at run time
-    from kvmesh.api.metrics import EngineMetrics
+if TYPE_CHECKING:     # NOTE: imports torch; the server hands the engine in at run time
     from kvmesh.engine.async_engine import AsyncLLMEngine
+    from kvmesh.engine.kv_connector import KVConnectorFactory
+
+
+class MetricsSink(Protocol):
+    """Where the publishers' collectors go: the server's metrics (a layer above this one)."""
+    registry: CollectorRegistry
 
 logger = logging.getLogger("kvmesh.index.serve")
 
@@ -41,6 +49,13 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
     return KVEventsConfig.parse(getattr(args, "kv_events_config", None))
 
 
+def kv_connector(args: argparse.Namespace) -> KVConnectorFactory | None:
+    """--kv-share redis: the engine's store of other pods' KV blocks (None: off)."""
+    if not getattr(args, "kv_share", None):
+        return None
+    return redis_kv_connector(args.redis_url, password=os.environ.get("KVMESH_REDIS_PASSWORD"))
+
+
 def default_pod_id(args: argparse.Namespace) -> str:
     """--pod-id, else $POD_NAME, else host:port.
 
@@ -60,7 +75,7 @@ def _advertise_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{args.port}"
 
 
-def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: EngineMetrics) -> None:
+def attach(async_engine: AsyncLLMEngine, args: argparse.Namespace, metrics: MetricsSink) -> None:
     """An ENGINE_HOOK: with --redis-url, publish after every step; clear the pod's entries on exit.
     With --kv-events-config, also publish every step's events over ZMQ."""
     zmq_config = kv_events_config(args)

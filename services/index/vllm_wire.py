@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUMS = {"gpu": "GPU", "cpu": "CPU"}          # kvmesh tier -> vLLM medium

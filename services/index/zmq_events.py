@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
-from kvmesh.index.events import KVEventBatch
+from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.index.vllm_wire import END_SEQ, encode_batch, seq_bytes, seq_from_bytes
 
 logger = logging.getLogger("kvmesh.index.zmq_events")

@@ -5,8 +5,10 @@
 
 A backend that refuses the connection is marked unhealthy and the request goes to one other
 backend: a request is re-sent only when it provably never reached a backend (the connection was
-never made), so no request is ever delivered twice. A backend that took the request and then
-failed answers the client 502. Backend responses, errors included, pass through with their status.
+never made) or provably died there (the connection broke before an answer and the backend now
+refuses new connections: its process is gone), so no request ever runs twice. A backend that took
+the request and then failed any other way answers the client 502; so does a stream the client
+already receives. Backend responses, errors included, pass through with their status.
 A client that goes away before its non-streaming answer closes the backend connection, which
 aborts the request on the engine. With Redis unreachable the kv-aware strategy falls back to
 least-loaded.
@@ -53,9 +55,44 @@ _PASS_BACK = ("content-type", "x-request-id", "retry-after")
 # close after the request was written (ReadError, RemoteProtocolError) is ambiguous: the backend
 # may have read the body and started generating, so re-sending could run the request twice.
 _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# NOTE: ... unless the backend's process is gone. A read error on a request the backend took,
+# followed by a refused connection to the same address, means its process died (the kernel closed
+# its sockets; nothing listens there now) and the request died with it: it can never be answered
+# and never run again there, so it is sent once to another backend. Any other outcome of the probe
+# (it connects, it times out) keeps the rule: 502, not re-sent.
+_LOST_WITH_PROCESS = (httpx.NetworkError, httpx.RemoteProtocolError)
 _MAX_RETRIES = 1
+PROBE_LINGER_S = 1.0     # how long an accepted probe must stay open to count as a live backend
 _DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
+
+
+async def process_gone(url: str, timeout_s: float, linger_s: float = PROBE_LINGER_S) -> bool:
+    """Whether nothing serves at `url` any more: a new TCP connection is refused, or is accepted
+    and then reset or closed within `linger_s` without a byte sent.
+
+    NOTE: a process being killed still holds its listening socket for a moment after its
+    connections broke (the kernel closes them one by one): the probe is then accepted into the
+    listener's backlog and reset as the listener closes. A live HTTP server keeps an idle new
+    connection open for seconds (uvicorn's keep-alive timeout is 5 s)."""
+    u = httpx.URL(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(u.host, port), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    try:
+        return await asyncio.wait_for(reader.read(1), linger_s) == b""
+    except TimeoutError:
+        return False            # still open: something serves there
+    except OSError:             # reset
+        return True
+    finally:
+        writer.close()
+        with suppress(OSError):
+            await writer.wait_closed()
 
 
 class _Release:
@@ -293,9 +330,20 @@ class RouterState:
                 self.metrics.client_disconnects.inc()
                 return Response(status_code=499)
             except httpx.HTTPError as e:
-                # NOTE: the request may have reached the backend: never re-sent (see _NEVER_SENT).
                 b.in_flight -= 1
                 self._backend_failed(b, e)
+                # NOTE: the request may have reached the backend: re-sent only when the backend's
+                # process is provably gone, and the request with it (see _LOST_WITH_PROCESS).
+                if (isinstance(e, _LOST_WITH_PROCESS) and len(tried) < _MAX_RETRIES
+                        and await process_gone(b.url, self.cfg.connect_timeout_s)):
+                    logger.warning("backend %s died holding a request (%s; it now refuses "
+                                   "connections): re-sending it to another backend", b.url,
+                                   type(e).__name__)
+                    tried.add(b.url)
+                    self.metrics.retries.inc()
+                    continue
+                logger.warning("backend %s failed before answering (%s): not re-sent (it may "
+                               "still run the request)", b.url, type(e).__name__)
                 return error_json(502, f"backend {b.url} failed before answering "
                                   f"({type(e).__name__}); the request was not retried "
                                   "because the backend may have received it", "backend_failed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.common.cache_salt import CacheSaltSource
+from kvmesh.common.config import EngineConfig, field_default
 from kvmesh.router.backends import BACKEND_KINDS, parse_backend
 from kvmesh.router.routing_policy import STRATEGIES, PolicyConfig
 
@@ -21,8 +22,10 @@ class RouterConfig:
     strategy: str = "kv-aware"
     model: str | None = None                # model path or name, for the tokenizer
     tokenizer: str | None = None            # tokenizer directory (overrides model)
-    block_size: int = 16                    # must equal the engines' --block-size
-    hash_seed: str = "kvmesh"               # must equal the engines' hash seed
+    # NOTE: the engines' own defaults, so a router and engines started without either flag agree
+    block_size: int = field_default(EngineConfig, "block_size")    # must equal the engines'
+    hash_seed: str = field_default(EngineConfig, "hash_seed")      # must equal the engines'
+
     api_key: str | None = None              # clients must send "Authorization: Bearer KEY"
     cache_salt_from: str = "none"           # none | api-key | header:NAME: the engines' value
     expose_route_headers: bool = False      # x-kvmesh-backend / -route-reason on responses

@@ -6,9 +6,12 @@ import logging
 import os
 import sys
 
+from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
+from kvmesh.common.config import add_field_flag
+from kvmesh.router.backends import BACKEND_KINDS
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.routing_policy import STRATEGIES
 
@@ -18,6 +21,10 @@ logger = logging.getLogger("kvmesh.router")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh router",
                                 description="KV-aware OpenAI-compatible router over kvmesh or vLLM engines")
+
+    def flag(*names: str, **kwargs) -> None:      # a RouterConfig field: its default is the field's
+        add_field_flag(p, RouterConfig, *names, **kwargs)
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--redis-url", required=True, help="the shared prefix index, redis://host:port/db "
@@ -28,42 +35,43 @@ def build_parser() -> argparse.ArgumentParser:
                        "backend's kind")
     where.add_argument("--discover-headless-service", metavar="NAME",
                        help="resolve this DNS name (a headless Service) for engine pod IPs")
-    p.add_argument("--backend-port", type=int, default=8000, help="engine port for discovered IPs")
-    p.add_argument("--backend-kind", choices=("kvmesh", "vllm"), default="kvmesh",
-                   help="the engines' software: kvmesh engines publish to --redis-url themselves; "
-                   "for vllm engines the router follows their ZMQ KV events (started with vLLM's "
-                   "--kv-events-config) and writes them to --redis-url (default: kvmesh)")
-    p.add_argument("--kv-events-port", type=int, default=5557,
-                   help="vLLM backends' KV event PUB port, on each backend's host (default: 5557)")
-    p.add_argument("--kv-events-replay-port", type=int, default=5558,
-                   help="vLLM backends' KV event replay port; 0: none (default: 5558)")
-    p.add_argument("--kv-events-topic", default="kv-events",
-                   help="vLLM backends' KV event topic (default: kv-events)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="kv-aware")
-    p.add_argument("--model", default=None, help="model path (HF dir or .gguf) or the built-in "
-                   "model's name: the tokenizer the engines use (default: built-in)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (overrides --model)")
+    flag("--backend-port", type=int, help="engine port for discovered IPs")
+    flag("--backend-kind", choices=BACKEND_KINDS,
+         help="the engines' software: kvmesh engines publish to --redis-url themselves; "
+         "for vllm engines the router follows their ZMQ KV events (started with vLLM's "
+         "--kv-events-config) and writes them to --redis-url (default: %(default)s)")
+    flag("--kv-events-port", type=int,
+         help="vLLM backends' KV event PUB port, on each backend's host (default: %(default)s)")
+    flag("--kv-events-replay-port", type=int,
+         help="vLLM backends' KV event replay port; 0: none (default: %(default)s)")
+    flag("--kv-events-topic",
+         help="vLLM backends' KV event topic (default: %(default)s)")
+    flag("--strategy", choices=STRATEGIES)
+    flag("--model", help="model path (HF dir or .gguf) or the built-in "
+         "model's name: the tokenizer the engines use (default: built-in)")
+    flag("--tokenizer", help="tokenizer directory (overrides --model)")
     p.add_argument("--served-model-name", default=None,
                    help="model name for requests that name none (default: from --model)")
-    p.add_argument("--block-size", type=int, default=16, help="must equal the engines' value")
-    p.add_argument("--hash-seed", default="kvmesh", help="must equal the engines' value")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
-                   "(also from --api-key-file or $KVMESH_API_KEY)")
+    flag("--block-size", type=int, help="must equal the engines' value")
+    flag("--hash-seed", help="must equal the engines' value")
+    flag("--api-key", help="require 'Authorization: Bearer KEY' "
+         "(also from --api-key-file or $KVMESH_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="FILE")
-    p.add_argument("--expose-route-headers", action="store_true",
-                   help="add x-kvmesh-backend and x-kvmesh-route-reason to responses "
-                        "(diagnostics; they reveal backend addresses and cache hits)")
-    p.add_argument("--cache-salt-from", default="none", metavar="none|api-key|header:NAME",
-                   help="must equal the engines' value: per-tenant cache salt, so prefix hits "
-                   "are looked up in the tenant's own blocks")
-    p.add_argument("--session-header", default=None, metavar="NAME",
-                   help="sticky routing by this header's value, e.g. X-Session-Id")
-    p.add_argument("--namespace", default=None, help="Redis key space (default $POD_NAMESPACE)")
-    p.add_argument("--service", default=None, help="Redis key space (default $KVMESH_SERVICE)")
-    p.add_argument("--lookup-timeout", type=float, default=0.25, metavar="SECONDS",
-                   help="a prefix lookup slower than this routes its request by load "
-                        "(reason fallback-slow-lookup)")
+    flag("--expose-route-headers", action="store_true",
+         help="add x-kvmesh-backend and x-kvmesh-route-reason to responses "
+         "(diagnostics; they reveal backend addresses and cache hits)")
+    flag("--cache-salt-from", metavar="none|api-key|header:NAME",
+         help="must equal the engines' value: per-tenant cache salt, so prefix hits "
+         "are looked up in the tenant's own blocks")
+    flag("--session-header", metavar="NAME",
+         help="sticky routing by this header's value, e.g. X-Session-Id")
+    flag("--namespace", help="Redis key space (default $POD_NAMESPACE)")
+    flag("--service", help="Redis key space (default $KVMESH_SERVICE)")
+    flag("--lookup-timeout", field_name="lookup_timeout_s", type=float, metavar="SECONDS",
+         help="a prefix lookup slower than this routes its request by load "
+         "(reason fallback-slow-lookup)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     return p
 
 
@@ -78,7 +86,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=resolve_api_key(args.api_key, args.api_key_file),
         expose_route_headers=args.expose_route_headers, cache_salt_from=args.cache_salt_from,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
-        lookup_timeout_s=args.lookup_timeout,
+        lookup_timeout_s=args.lookup_timeout_s,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
 
 
@@ -106,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415
 
     from kvmesh.router.app import create_app  # noqa: PLC0415
-    run_until_signal(uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
-                                    port=args.port, log_level=args.log_level.lower()))
+    config = uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
+                            port=args.port, log_level=args.log_level.lower(),
+                            access_log=not args.disable_uvicorn_access_log)
+    keep_access_log_clean()
+    run_until_signal(config)
     return 0
 
 

@@ -81,3 +81,101 @@ def test_cuda_is_refused_cleanly_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         offline_throughput.main(["--device", "cuda"])
     assert e.value.code == 2
+
+
+def test_decode_bandwidth_keeps_a_batch_running_through_a_long_prefill(model_cache, capsys):
+    """64 prompts of 256 tokens take 8+ steps to prefill under the 2048-token budget: the first
+    sequences must not finish their outputs before the last prompts are prefilled (they did,
+    and the script exited, at --batch 256 on a GPU)."""
+    decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache),
+                           "--batch", "64", "--context", "256", "--steps", "1", "--copy-mib", "16"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].strip("| ").split(" | ")
+    assert row[:2] == ["64", "256"]
+
+
+def test_the_prefill_bound_covers_the_engine_schedule():
+    # each step prefills at least budget - batch tokens: 64 x 256 / (2048 - 64) -> 9, plus one
+    assert decode_bandwidth.prefill_steps_bound(64, 256, 2048) == 10
+    assert decode_bandwidth.prefill_steps_bound(1, 512, 2048) == 2
+
+
+def test_decode_bandwidth_refuses_a_budget_the_batch_would_fill(capsys):
+    with pytest.raises(SystemExit) as e:
+        decode_bandwidth.main(["--batch", "8", "--max-num-batched-tokens", "8"])
+    assert e.value.code == 2
+    assert "--max-num-batched-tokens (8) must exceed --batch (8)" in capsys.readouterr().err
+
+
+def test_hf_static_runs_generate_on_plain_sdpa_and_hf_cb_on_paged(model_cache, capsys, monkeypatch):
+    """What each transformers system asks for when it runs. NOTE: transformers here (5.24) maps
+    "paged|sdpa" to sdpa by itself, so the failure seen with 5.17 on a GPU ("paged|sdpa was
+    called without a paged attention cache") cannot happen here: the test records the requests."""
+    import transformers
+
+    requested: list[str] = []          # every attention implementation asked for, in order
+    at_generate: list[str] = []        # the last one asked for, at each generate() call
+    real_load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def load(*a, **kw):
+        requested.append(kw.get("attn_implementation"))
+        model = real_load(*a, **kw)
+        real_set, real_generate = model.set_attn_implementation, model.generate
+
+        def set_attn(impl, *sa, **skw):
+            requested.append(impl)
+            return real_set(impl, *sa, **skw)
+
+        def generate(*ga, **gkw):
+            at_generate.append(requested[-1])
+            return real_generate(*ga, **gkw)
+        model.set_attn_implementation, model.generate = set_attn, generate
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    # NOTE: hf-cb is not run here: transformers sizes its paged cache from free memory, more than
+    # this shared machine has; the switch it makes is checked on the loaded model below.
+    offline_throughput.main(["--model", "random-tiny", "--model-cache", str(model_cache),
+                             "--num-requests", "3", "--scale", "40", "--systems", "kvmesh,hf-static"])
+    assert "greedy outputs identical for 3/3 requests" in capsys.readouterr().out
+    assert requested == ["sdpa", "sdpa"]                      # the load, then hf-static's switch
+    assert len(at_generate) >= 2 and set(at_generate) == {"sdpa"}   # warm-up and timed run
+    model = offline_throughput.load_hf_model(str(model_cache / "random-tiny"), "float32", "cpu")
+    offline_throughput.use_hf_attention(model, "hf-cb")
+    assert requested[-1] == "paged|sdpa"
+
+
+def test_models_writes_the_builtin_tokenizer_to_a_directory(tmp_path, smollm, capsys):
+    from benchmarks import models
+
+    tok = tmp_path / "tok"
+    models.main(["--write-tokenizer", str(tok)])
+    assert sorted(f.name for f in tok.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tok / name).read_bytes() == (models.builtin_tokenizer_dir() / name).read_bytes()
+    assert capsys.readouterr().out == f"wrote tokenizer.json, tokenizer_config.json to {tok}\n"
+
+
+def test_benchmarks_run_a_random_model_without_the_builtin_gguf(tmp_path, smollm, capsys,
+                                                              monkeypatch):
+    from benchmarks import models
+    from kvmesh.common import model_files
+
+    tok = tmp_path / "tok"
+    models.main(["--write-tokenizer", str(tok)])
+    monkeypatch.setattr(model_files, "builtin_model_path",
+                        lambda: (_ for _ in ()).throw(FileNotFoundError("no built-in GGUF here")))
+    cache = tmp_path / "models"                # a fresh cache: the random model is built here
+    with pytest.raises(FileNotFoundError):
+        ensure_random_model("random-tiny", cache)
+    decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(cache), "--tokenizer",
+                           str(tok), "--batch", "2", "--context", "8", "--steps", "1",
+                           "--copy-mib", "16"])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 2 | 8 |")
+    assert (cache / "random-tiny" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    offline_throughput.main(["--model", "random-tiny", "--model-cache", str(cache), "--tokenizer",
+                             str(tok), "--num-requests", "2", "--scale", "40", "--systems", "kvmesh"])
+    assert "# model: random-tiny" in capsys.readouterr().out
+
+
+def test_a_tokenizer_directory_without_tokenizer_json_is_refused(model_cache, tmp_path):
+    with pytest.raises(SystemExit, match="--tokenizer must be a directory with a tokenizer.json"):
+        resolve_model("random-tiny", model_cache, tmp_path)

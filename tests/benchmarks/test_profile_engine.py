@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks import profile_engine
 
 
-def test_profile_reports_each_part_of_the_step(capsys):
-    profile_engine.main(["--workload", "prefill-heavy", "--num-requests", "1", "--threads", "2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_profile_reports_each_part_of_the_step(capsys, dtype):
+    profile_engine.main(["--workload", "prefill-heavy", "--num-requests", "1", "--threads", "2", "--dtype", dtype])
     out = capsys.readouterr().out
     # one request: 513 prompt tokens in two chunks (budget 512), then 38 more decode steps
-    assert re.search(r"# prefill-heavy \(cpu backend\): 1 requests, 513 prompt / 39 output tokens, 40 steps", out)
+    assert re.search(rf"# prefill-heavy \(cpu backend, {dtype}\): 1 requests, 513 prompt / 39 output tokens, "
+                     r"40 steps", out)
     rows = dict(re.findall(r"^\| (\w[\w ]*?) \| ([\d.]+) \|", out, re.M))
     for part in ("gemm", "attention", "kv_write", "norm", "rope", "activation", "lm_head",
                  "sampling", "runner_input", "scheduler", "output"):

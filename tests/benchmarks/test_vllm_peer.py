@@ -216,3 +216,21 @@ def test_vllm_needs_the_cpu_device(capsys):
 def test_random_model_is_an_hf_directory_the_peer_can_load(model_cache):
     path = ensure_random_model("random-tiny", model_cache)
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def test_kvmesh_runs_once_per_dtype_side_by_side(model_cache, capsys):
+    offline_throughput.main([
+        "--model", "random-tiny", "--model-cache", str(model_cache), "--num-requests", "2",
+        "--scale", "40", "--systems", "kvmesh", "--threads", "2", "--max-num-seqs", "8",
+        "--dtype", "float32,bfloat16"])
+    out = capsys.readouterr().out
+    assert "float32, bfloat16 on cpu" in out
+    assert "| kvmesh-float32 | 2 |" in out and "| kvmesh-bfloat16 | 2 |" in out
+    assert "kvmesh-float32 / kvmesh-bfloat16:" in out
+
+
+def test_an_unknown_dtype_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        offline_throughput.main(["--systems", "kvmesh", "--dtype", "float32,int8"])
+    assert e.value.code == 2
+    assert "--dtype: unknown dtype(s) ['int8']" in capsys.readouterr().err

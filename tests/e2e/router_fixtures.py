@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import redis
 from processes import RedisServer, free_port
+from servers import with_float32
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -107,7 +108,8 @@ def start_cluster(log_dir: Path, num_engines: int = 3, engine_args: tuple[str, .
             engines.append(_spawn(f"pod-{i}", [
                 "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url", rs.url,
                 "--pod-id", f"pod-{i}", "--advertise-url", f"http://127.0.0.1:{port}",
-                "--log-level", "warning", *engine_args], port, log_dir, engine_threads))
+                "--log-level", "warning", *with_float32(engine_args)], port, log_dir,
+                engine_threads))
         rport = free_port()
         router = _spawn("router", [
             "router", "--host", "127.0.0.1", "--port", str(rport), "--redis-url", rs.url,

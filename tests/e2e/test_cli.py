@@ -14,7 +14,7 @@ def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 def test_generate_prints_the_greedy_answer_as_text_and_json():
     res = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "12", "--json",
-              "--num-kv-blocks", "64")
+              "--num-kv-blocks", "64", "--dtype", "float32")
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert result["text"] == "The capital of France is Paris."

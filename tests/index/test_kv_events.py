@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kvmesh.index.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+from kvmesh.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                      KVEventSequencer, event_from_dict)
 
 H0, H1 = bytes(range(32)), bytes(range(1, 33))

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.index.breaker import CircuitBreaker
-from kvmesh.index.events import BlockStored, KVEventBatch
+from kvmesh.common.kv_events import BlockStored, KVEventBatch
 from kvmesh.index.kv_bytes import RedisKVStore
 from kvmesh.index.layout import PURGE_DEAD_PODS, KeySpace
 from kvmesh.index.metrics import KVShareCollector, PublisherCollector

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.index.kv_bytes import redis_kv_connector
 
 NEW = 12
 TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the "
@@ -13,8 +14,8 @@ TEXT = ("The history of the Roman Empire spans many centuries, from the founding
 
 
 def make_engine(smollm, url: str | None, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=512, kv_share_url=url, **kw),
-                     loaded=smollm)
+    return LLMEngine(EngineConfig(num_kv_blocks=64, max_model_len=512, **kw), loaded=smollm,
+                     kv_connector=None if url is None else redis_kv_connector(url))
 
 
 def run(engine: LLMEngine, prompt, salt=None):

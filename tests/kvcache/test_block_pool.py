@@ -1,7 +1,7 @@
 """BlockPool: allocation order, ref counts, LRU eviction, prefix-cache registration, events."""
 import pytest
 
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.block_pool import BlockPool
 
 H = [bytes([i]) * 32 for i in range(10)]

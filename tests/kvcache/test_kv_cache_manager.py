@@ -2,7 +2,7 @@
 import pytest
 
 from kvmesh.common.block_hash import hash_prompt_blocks
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import KVCacheManager, swap_blocks_from_gib
 
 BS = 4

@@ -12,7 +12,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from kvmesh.common.block_hash import BlockHasher
-from kvmesh.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams

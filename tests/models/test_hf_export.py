@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvmesh.common.hf_export import builtin_hf_dir, gguf_to_hf_dir
+from kvmesh.engine.hf_export import builtin_hf_dir, gguf_to_hf_dir
 
 
 @pytest.fixture(scope="module")

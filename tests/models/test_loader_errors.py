@@ -161,15 +161,60 @@ def test_builtin_missing_package_says_how_to_install(monkeypatch):
 
 def test_dtype_and_device_choice():
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("float16", cpu) == torch.float16
+    assert resolve_dtype("float32", cpu) == torch.float32
     with pytest.raises(ValueError, match=r"unsupported dtype 'int8'"):
         resolve_dtype("int8", cpu)
     if not torch.cuda.is_available():
         assert loader.resolve_device("auto") == cpu
         with pytest.raises(ValueError, match="CUDA is not available"):
             loader.resolve_device("cuda")
+
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("device, checkpoint, native, want", [
+    ("cpu", F32, True, BF16),        # a float32 checkpoint in bf16 where the CPU computes it (AVX512-BF16 / AMX)
+    ("cpu", F32, False, F32),        # and in float32 where it does not (AVX2)
+    ("cpu", None, True, BF16),       # unknown / GGUF (dequantized to float32)
+    ("cpu", None, False, F32),
+    ("cpu", BF16, False, BF16),      # a bf16 checkpoint stays bf16
+    ("cpu", F16, True, BF16),        # no float16 kernels on the CPU
+    ("cpu", F16, False, F32),
+    ("cpu", torch.float64, False, torch.float64),
+    ("cuda", F32, True, BF16),
+    ("cuda", F32, False, F16),
+    ("cuda", F16, True, F16),
+    ("cuda", BF16, False, F16),      # a GPU without bf16
+])
+def test_auto_dtype_is_the_checkpoints_with_float32_in_bf16_where_native(device, checkpoint, native, want):
+    assert resolve_dtype("auto", torch.device(device), checkpoint, native_bf16=native) == want
+
+
+def test_auto_on_this_cpu_follows_its_bf16_flags(tiny_dir, caplog):
+    from kvmesh.kernels.cpu_features import native_bf16_flags
+    flags = native_bf16_flags()
+    assert json.loads((tiny_dir / "config.json").read_text()).get("dtype", "float32") == "float32"
+    with caplog.at_level("INFO", logger="kvmesh.engine.loader"):
+        loaded = load_model(str(tiny_dir), device="cpu")
+    want = torch.bfloat16 if flags else torch.float32
+    assert loaded.dtype == want and loaded.model.model.embed_tokens.weight.dtype == want
+    reason = f"bf16 native: {', '.join(flags)}" if flags else "no AVX512-BF16 or AMX: bf16 not native"
+    assert f"dtype auto: float32 checkpoint served in {str(want)[6:]} on cpu ({reason})" in caplog.text
+
+
+def test_native_bf16_flags_and_checkpoint_dtype():
+    from kvmesh.kernels.cpu_features import native_bf16_flags
+    assert native_bf16_flags(frozenset({"avx2", "fma"})) == ()
+    assert native_bf16_flags(frozenset({"avx512f", "avx512_bf16"})) == ("avx512_bf16",)
+    assert native_bf16_flags(frozenset({"amx_bf16", "avx512_bf16"})) == ("avx512_bf16", "amx_bf16")
+    assert loader.checkpoint_dtype({"torch_dtype": "bfloat16"}) == torch.bfloat16
+    assert loader.checkpoint_dtype({"dtype": "float16"}) == torch.float16
+    assert loader.checkpoint_dtype({"torch_dtype": "torch.float32"}) == torch.float32
+    assert loader.checkpoint_dtype({}) is None
+    assert loader.checkpoint_dtype({"torch_dtype": "int4"}) is None
 
 
 def test_model_config_parsing():
@@ -190,3 +235,18 @@ def test_model_config_parsing():
     with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
         ModelConfig.from_hf_config({**base, "model_type": "llama",
                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_a_onednn_isa_cap_below_avx512_bf16_makes_bf16_not_native(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on a wide CPU: oneDNN computes as an AVX2 CPU would, so kvmesh
+    treats bf16 as not native there (auto serves float32, bf16 GEMMs run as float32)."""
+    from kvmesh.engine.loader import _bf16_reason, resolve_dtype
+    from kvmesh.kernels import cpu_features
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert cpu_features.native_bf16_flags() == ("avx512_bf16",)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_features.native_bf16_flags() == ()
+    assert cpu_features.native_bf16_flags(frozenset({"avx512_bf16"})) == ("avx512_bf16",)   # given flags: as they are
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert _bf16_reason(torch.device("cpu")) == " (ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512-BF16: bf16 not native)"

@@ -14,7 +14,6 @@ Three levels:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import os
 import random
@@ -35,6 +34,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model, read_model_config
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.model_runner import kv_block_bytes
+from kvmesh.index.kv_bytes import redis_kv_connector
 from kvmesh.engine.parallel.executor import TPExecutor, WorkerDiedError
 from kvmesh.engine.parallel.group import TPGroup
 from kvmesh.engine.parallel.plan import make_plan, validate_tensor_parallel
@@ -413,7 +413,7 @@ def test_what_a_tensor_parallel_engine_refuses_before_starting_anything(qwen2_gq
     with pytest.raises(ValueError, match="a tensor-parallel engine loads its own shards"):
         LLMEngine(cfg, loaded=load_model(str(path), dtype="float32", device="cpu"))
     with pytest.raises(ValueError, match=r"--kv-share is not supported with --tensor-parallel-size > 1"):
-        LLMEngine(dataclasses.replace(cfg, kv_share_url="redis://127.0.0.1:1/0"))
+        LLMEngine(cfg, kv_connector=redis_kv_connector("redis://127.0.0.1:1/0"))
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         EngineConfig(tensor_parallel_size=0)
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before

@@ -9,7 +9,7 @@ import openai
 import pytest
 import redis
 
-from kvmesh.index.events import BlockStored, KVEventSequencer
+from kvmesh.common.kv_events import BlockStored, KVEventSequencer
 from kvmesh.index.publisher import KVEventPublisher
 from kvmesh.router.app import create_app
 from kvmesh.router.config import RouterConfig

@@ -1,6 +1,7 @@
 """Exactly-once delivery through the router: a request is re-sent only when it never reached a
-backend, a backend that read it and died answers the client 502, and a client that leaves before
-its non-streaming answer cancels the request on the backend."""
+backend or died with the backend's process (its address refuses connections after the break), a
+backend that read it and broke the connection but still listens answers the client 502, and a
+client that leaves before its non-streaming answer cancels the request on the backend."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ class ReadsThenCloses:
     connection, counts it as delivered, and closes without answering: a backend that dies
     after it took the request."""
 
-    def __init__(self) -> None:
+    def __init__(self, die: bool = False, listener_outlives_s: float = 0.0) -> None:
+        self.die = die          # after the first request, stop listening (a killed process)
+        self.listener_outlives_s = listener_outlives_s   # ... this long after the connection
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -49,6 +52,8 @@ class ReadsThenCloses:
                     if not chunk:
                         break
                     data += chunk
+                if not data:        # connected and left without a request (a probe)
+                    continue
                 head, _, body = data.partition(b"\r\n\r\n")
                 if head.startswith(b"GET"):      # health checks pass
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -63,6 +68,15 @@ class ReadsThenCloses:
                         break
                     body += chunk
                 self.delivered.append(body)
+                if self.die:
+                    # NOTE: as when the kernel closes a killed process's sockets: the listener
+                    # goes first, or just after the connection (a probe in between is accepted
+                    # into the backlog, then reset)
+                    if self.listener_outlives_s:
+                        conn.close()
+                        time.sleep(self.listener_outlives_s)
+                    self._stop = True
+                    self.sock.close()
 
     def close(self) -> None:
         self._stop = True
@@ -103,6 +117,31 @@ def test_a_backend_that_read_the_request_and_died_is_not_retried(good):
     finally:
         router.stop()
         bad.close()
+
+
+@pytest.mark.parametrize("listener_outlives_s", [0.0, 0.3], ids=["refused", "accepted-then-reset"])
+def test_a_request_that_died_with_its_backends_process_is_sent_once_to_another(good,
+                                                                               listener_outlives_s):
+    """The backend read the request, then its process died (its listener closed, before the
+    router's probe, which is refused, or after it, which resets the probe): the request can never
+    be answered there and goes to the other backend; every client request is answered once and
+    delivered to the good backend once."""
+    dead = ReadsThenCloses(die=True, listener_outlives_s=listener_outlives_s)
+    router = _router([dead.url, good.url])
+    try:
+        replies = [httpx.post(f"{router.url}/v1/completions",
+                              json={"model": "m", "prompt": f"once {i}"}, timeout=10)
+                   for i in range(2)]
+        assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+        assert [r.json()["choices"][0]["text"] for r in replies] == ["good", "good"]
+        # (which request round-robin sends to the dead backend depends on the ports' order)
+        assert len(dead.delivered) == 1
+        assert sorted(b["prompt"] for _, b in good.server.config.app.state.requests) == \
+            ["once 0", "once 1"]
+        assert "kvmesh_router_retries_total 1.0" in httpx.get(f"{router.url}/metrics").text
+    finally:
+        router.stop()
+        dead.close()
 
 
 def test_a_refused_connection_is_retried_once_and_never_twice():

@@ -218,3 +218,21 @@ def test_logprobs_only_for_rows_that_ask():
     assert [e.rank for e in entry.values()] == [1, 2, 3, 4, 5]
     assert [e.logprob for e in entry.values()] == top5.values.tolist()
     assert list(out.logprobs[2][0]) == [int(logits[2].argmax())]
+
+
+def test_to_host_reads_every_tensor_once():
+    from kvmesh.engine.sampler import to_host
+    ids = torch.tensor([3, 1, 2])
+    lps = torch.tensor([[-0.5, -1.25]])
+    assert to_host([ids, lps]) == [[3, 1, 2], [-0.5, -1.25]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs CUDA: the packed pinned-memory transfer runs only on a GPU")
+def test_to_host_packs_one_transfer_exactly_on_cuda():
+    from kvmesh.engine.sampler import to_host
+    ids = torch.tensor([262143, 0, 7], device="cuda")
+    lps = torch.tensor([-1e-7, -23.456789], device="cuda")
+    out = to_host([ids, lps])
+    assert out[0] == [262143, 0, 7] and all(type(v) is int for v in out[0])
+    assert out[1] == lps.cpu().tolist()

@@ -32,11 +32,23 @@ class ServerProcess:
             raise AssertionError(f"server did not exit on SIGTERM:\n{self.log()[-3000:]}")
 
 
+def with_float32(args) -> tuple[str, ...]:
+    """`args` plus `--dtype float32` unless they name a dtype.
+
+    NOTE: these servers' tests compare exact answers (with transformers' float32 forward, or one
+    server's with another's); `--dtype auto` picks bfloat16 on CPUs with AVX512-BF16 or AMX, where
+    a near-tie may flip. The default dtype is covered by test_server_startup and
+    test_server_loading, which start `kvmesh serve` as a new user does."""
+    args = tuple(args)
+    return args if any(a == "--dtype" or a.startswith("--dtype=") for a in args) else (*args, "--dtype", "float32")
+
+
 def start_server(tmp_path, *args: str, ready_timeout: float = 120.0,
                  env: dict[str, str] | None = None) -> ServerProcess:
     """`env` adds variables to the server's environment (e.g. a PYTHONPATH with a fault)."""
     port = free_port()
     log_path = str(tmp_path / f"server-{port}.log")
+    args = with_float32(args)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -1,7 +1,7 @@
 """kvmesh's router in front of two REAL vLLM engines (vLLM's CPU build), `make test-vllm`.
 
 Both engines run `vllm serve` on the built-in model converted to an HF directory
-(kvmesh.common.hf_export), with prefix caching and vLLM's own ZMQ KV-event publisher; the router
+(kvmesh.engine.hf_export), with prefix caching and vLLM's own ZMQ KV-event publisher; the router
 runs with `--backend-kind vllm`. Shared-prefix requests must land on the engine that holds the
 prefix (its own `vllm:prefix_cache_hits` counter proves it), and greedy output through the router
 must equal kvmesh's own engine on the same weights.
@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from kvmesh.common.hf_export import builtin_hf_dir
+from kvmesh.engine.hf_export import builtin_hf_dir
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
 
 from processes import RedisServer, free_port

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.loader import LoadedModel, load_model, read_model_config, resolve_device
+from kvmesh.engine.input_batch import BatchInput
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.parallel.group import DEFAULT_TIMEOUT_S, TPGroup
@@ -95,7 +96,8 @@ class TPExecutor:
             executor._expect(Started, STARTUP_TIMEOUT_S)
             executor.group.connect("127.0.0.1", store.port, device, timeout, store=store)
             loaded = load_model(config.model, config.dtype, device, config.attention_backend,
-                                config.tokenizer, tp=executor.group)
+                                config.tokenizer, tp=executor.group,
+                                quantization=config.quantization or "none")
             executor.worker_free_memory = [m.free_memory for m in executor._expect(Ready, STARTUP_TIMEOUT_S)]
         except BaseException:
             executor.shutdown()
@@ -217,9 +219,10 @@ class DriverRunner(ModelRunner):
         self._pending_ops.extend(ops)
         super().apply_block_ops(ops)
 
-    def run_model(self, step: ModelInput):
+    def run_model(self, step: BatchInput | ModelInput):
         ops, self._pending_ops = self._pending_ops, []
-        self.executor.send_step(Step(ops, step))
+        sent = step.to_model_input() if isinstance(step, BatchInput) else step
+        self.executor.send_step(Step(ops, sent))
         return super().run_model(step)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

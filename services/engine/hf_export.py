@@ -1,6 +1,6 @@
 """A GGUF model as a Hugging Face directory, converted once and cached: what other engines load.
 
-    from kvmesh.common.hf_export import builtin_hf_dir
+    from kvmesh.engine.hf_export import builtin_hf_dir
     path = builtin_hf_dir()          # ~/.cache/kvmesh/<gguf key>-hf-float32/
 
 vLLM (and anything else that reads HF checkpoints) cannot load the built-in Q4_1 GGUF; this
