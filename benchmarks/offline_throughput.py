@@ -389,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16; or a comma list to run kvmesh once per dtype, side by "
                         "side (kvmesh-float32, kvmesh-bfloat16, ...; vLLM and transformers get the first)")
+    p.add_argument("--quantization", default="none",
+                   help="kvmesh's GGUF quantization (load_model's): auto, gguf (blocks), none "
+                   "(dequantized to --dtype), or a comma list to run kvmesh once per value, side "
+                   "by side (gguf,none)")
+    p.add_argument("--quant-activations", default="float", choices=("float", "int8"),
+                   help="how the quantized GEMM takes the activations")
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
     p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
@@ -426,9 +432,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvmesh.engine.loader import load_model
     model_path = resolve_model(args.model, Path(args.model_cache), args.tokenizer)
-    loads = {d: load_model(model_path, dtype=d, device=args.device, tokenizer_path=args.tokenizer)
-             for d in dtypes}
-    loaded = loads[dtypes[0]]
+    quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    loads = {}
+    for d in dtypes:
+        for q in quants:
+            rss = _rss_bytes()
+            loads[d, q] = load_model(model_path, dtype=d, device=args.device, tokenizer_path=args.tokenizer,
+                                     quantization=q, quant_activations=args.quant_activations)
+            print(f"# kvmesh {d} quantization={q}: {_weight_bytes(loads[d, q].model) / 1e6:.1f} MB of "
+                  f"weights ({loads[d, q].quantization or 'float'}), RSS +{(_rss_bytes() - rss) / 1e6:.1f} MB at load")
+    loaded = loads[dtypes[0], quants[0]]
     reqs, summary = build_requests(loaded.tokenizer, args)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
@@ -446,12 +459,14 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    runs = [(kvmesh_name(n, d, len(dtypes) > 1), n, d) if s == "kvmesh" else (s, 1, dtypes[0])
+    runs = [(kvmesh_name(n, d, len(dtypes) > 1) + (f"-{q}" if len(quants) > 1 else ""), n, d, q)
+            if s == "kvmesh" else (s, 1, dtypes[0], None)
             for s in systems for d in (dtypes if s == "kvmesh" else dtypes[:1])
-            for n in (tp_sizes if s == "kvmesh" else [1])]
-    for system, tp, dtype in runs:
+            for n in (tp_sizes if s == "kvmesh" else [1])
+            for q in (quants if s == "kvmesh" else [None])]
+    for system, tp, dtype, q in runs:
         if system.startswith("kvmesh"):
-            wall, cpu, outs, note = run_kvmesh(loads[dtype], reqs, args, tp, model_path)
+            wall, cpu, outs, note = run_kvmesh(loads[dtype, q], reqs, args, tp, model_path)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         else:
@@ -483,6 +498,17 @@ def main(argv: list[str] | None = None) -> None:
                       f"({base.output_per_cpu_s / r.output_per_cpu_s:.2f}x per CPU second); "
                       f"greedy outputs identical for {agreement(outputs[base.system], outputs[r.system])} requests")
     print(f"# load average at end: {os.getloadavg()}")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters plus GGUF-block buffers (a tied head's shared bytes once)."""
+    from kvmesh.engine.layers.quantized import quantized_bytes
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model)
 
 
 if __name__ == "__main__":

@@ -74,16 +74,17 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def build_key(path: str | None = None) -> str:
+def build_key(path: str | None = None, sources: tuple[Path, ...] = SOURCES,
+              headers: tuple[Path, ...] = HEADERS) -> str:
     h = hashlib.sha256()
-    for src in (*SOURCES, *HEADERS):
+    for src in (*sources, *headers):
         h.update(src.read_bytes())
     h.update(" ".join(_flags(path)).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())
     # NOTE: the sources' folder too: ninja's build file names sources by path, so two installs
     # with equal sources in one cache would rebuild each other's library on every load.
-    h.update(str(SOURCES[0].parent.resolve()).encode())
+    h.update(str(sources[0].parent.resolve()).encode())
     return h.hexdigest()[:16]
 
 
@@ -140,9 +141,20 @@ def unavailable_reason(path: str | None = None) -> str | None:
 
 
 def _build(path: str | None):
+    # NOTE: one module name per path: two extensions of one name cannot share a process.
+    name = NAME if path is None else f"{NAME}_{path}"
+    return build_extension(name, "cpu-kernels", SOURCES, HEADERS, path)
+
+
+def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...],
+                    path: str | None = None):
+    """Compile (or load the cached build of) one extension: `sources` for `path` (None: native)
+    into `<cache>/<subdir>/<key>/`, under the build lock below. Other kernel folders
+    (kernels/quant) build through here, so every C++ extension shares the flags, the key and the
+    lock."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "cpu-kernels" / build_key(path)
+    build_dir = cache_dir() / subdir / build_key(path, sources, headers)
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
     # wait here and then load the result. torch's builder has a lock of its own, a plain file
@@ -155,8 +167,6 @@ def _build(path: str | None):
         if stale.exists():
             log.warning("removing %s, left by a C++ kernels build that did not finish", stale)
             stale.unlink()
-        # NOTE: one module name per path: two extensions of one name cannot share a process.
-        name = NAME if path is None else f"{NAME}_{path}"
-        return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources],
                                   extra_cflags=list(_flags(path)), extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir), verbose=False)

@@ -21,9 +21,13 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The built-in SmolLM2-135M-Instruct, loaded once (float32, CPU) and shared by engines."""
+    """The built-in SmolLM2-135M-Instruct, loaded once (float32, CPU) and shared by engines.
+
+    Dequantized (quantization="none"): the tests that share it compare with transformers' float32
+    load of the same file token for token; serving the blocks is tested in
+    tests/models/test_gguf_quantized.py."""
     from kvmesh.engine.loader import load_model
-    return load_model(None, dtype="float32", device="cpu")
+    return load_model(None, dtype="float32", device="cpu", quantization="none")
 
 
 @pytest.fixture(scope="session")

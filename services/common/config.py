@@ -9,6 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "none", "gguf", "auto")   # EngineConfig.quantization; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class EngineConfig:
     dtype: str = "auto"                    # the checkpoint's; float32 (and GGUF) in bfloat16 where the device computes it natively (CUDA, AVX512-BF16, AMX), else float32
     device: str = "auto"
     attention_backend: str = "auto"        # auto | triton | cpu | reference
+    # GGUF weights: None / "none" dequantized to dtype at load; "gguf" served as their blocks
+    # (kernels/quant: ~1/5 of the memory, slower than bf16 here); "auto": blocks where it can
+    quantization: str | None = None
     max_model_len: int | None = None       # default: the model's context length
     block_size: int = 16
     num_kv_blocks: int | None = None       # explicit GPU KV block count; default from memory
@@ -67,6 +71,8 @@ class EngineConfig:
                 raise ValueError(msg)
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, got {self.quantization!r}")
         need(self.attention_backend in ("auto", "triton", "cpu", "reference"),
              f"attention_backend must be auto, triton, cpu or reference, got {self.attention_backend!r}")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -185,6 +191,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--dtype", choices=DTYPES,
          help="auto: the checkpoint's dtype, a float32 one (or GGUF) in bfloat16 where the device "
               "computes bf16 natively (CUDA; x86 with AVX512-BF16 or AMX), float32 elsewhere")
+    flag("--quantization", choices=tuple(q for q in QUANTIZATIONS if q),
+         help="GGUF weights: none (default) dequantizes them to --dtype at load; gguf serves them as "
+              "their quantized blocks (about 1/5 of the memory; slower than bf16 on the CPUs measured, "
+              "docs/KERNELS.md); auto: blocks where the quantized kernels can run")
     flag("--device")
     flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
     flag("--max-model-len", type=int)

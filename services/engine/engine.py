@@ -94,7 +94,8 @@ class LLMEngine:
             self.executor, self.loaded = TPExecutor.launch(config)
         else:
             self.loaded = loaded or load_model(config.model, config.dtype, config.device,
-                                               config.attention_backend, config.tokenizer)
+                                               config.attention_backend, config.tokenizer,
+                                               quantization=config.quantization or "none")
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
 

@@ -1,8 +1,18 @@
 """load_model: an HF directory or a GGUF file -> model on its device and dtype + tokenizer.
 
     path ─┬─ dir:   config.json -> ModelConfig;  *.safetensors -> weights;  tokenizer.json
-          └─ .gguf: metadata -> ModelConfig;     dequantized tensors;       tokenizer (cached conversion)
+          └─ .gguf: metadata -> ModelConfig;     block or float tensors;    tokenizer (cached conversion)
                          └────────── model built on the meta device, weights assigned ──────────┘
+
+GGUF quantization (`quantization`, vLLM's name; `--quantization`): "none", the default,
+dequantizes every tensor to `dtype` at load (the block kernels are still slower than bf16 GEMMs
+on the CPUs measured: docs/KERNELS.md). "gguf" serves a GGUF file's block-format tensors as they
+are (QuantizedLinear / QuantizedEmbedding over kvmesh.kernels.quant: about a fifth of the
+memory), a ValueError where it cannot (not CPU, tensor parallelism, kernels not built); "auto"
+does so where it can and otherwise dequantizes, saying why in the log. `quant_activations`: "float"
+(default: float32 activations, log-probs within ~1e-5 of the dequantized model) or "int8"
+(per-32-block int8 activations, faster, ~0.1 mean |log-prob| difference on the built-in model:
+see docs/KERNELS.md).
 
 Every user-facing failure is a FileNotFoundError / ValueError naming the file and the problem.
 
@@ -29,8 +39,11 @@ from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
+from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantized_bytes
 from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
+from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
+from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
 
 if TYPE_CHECKING:
     from kvmesh.prompt.tokenizer import Tokenizer
@@ -55,6 +68,7 @@ class LoadedModel:
     device: torch.device
     attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "cpu" / "triton")
     plan: TPPlan | None = None  # tensor-parallel: this rank's share (config stays the full model's)
+    quantization: str | None = None  # "gguf": block-format tensors served as blocks; None: all float
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -109,15 +123,18 @@ def checkpoint_dtype(hf_config: dict) -> torch.dtype | None:
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", attention_backend: str = "auto",
                tokenizer_path: str | os.PathLike | None = None, tp=None,
-               load_tokenizer: bool = True) -> LoadedModel:
+               load_tokenizer: bool = True, quantization: str | None = "none",
+               quant_activations: str = "float") -> LoadedModel:
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
     TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
-    tokenizer (and importing transformers: a worker process starts faster)."""
+    tokenizer (and importing transformers: a worker process starts faster). `quantization`
+    ("auto", "gguf", "none"/None) and `quant_activations` ("int8", "float"): see the module doc."""
     p = _model_path(path)
     dev = resolve_device(device)
     backend = _resolve_backend(attention_backend, dev)
     with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
-        return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer)
+        return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer,
+                     quantization, quant_activations)
 
 
 # NOTE: a first build measured 30-60 s on an idle 8-core machine, ~3 min on a busy 2-core one.
@@ -147,7 +164,8 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
 
 
 def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, backend: str,
-          tokenizer_path: str | os.PathLike | None, tp, load_tokenizer: bool) -> LoadedModel:
+          tokenizer_path: str | os.PathLike | None, tp, load_tokenizer: bool,
+          quantization: str | None, quant_activations: str) -> LoadedModel:
     if p.is_dir():
         config, files, tok_dir, stored = _open_hf_dir(p)
         name = p.name
@@ -187,17 +205,60 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
         with torch.device("meta"):
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
+    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt)
     if p.is_dir():
         weights = _safetensors_weights(files, rules)
     else:
-        weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads)
+        weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
+                               keep_quantized=quant == "gguf", activations=quant_activations)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
+    if quant is not None:
+        log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights as blocks",
+                 p.name, quant_activations, quantized_bytes(model) / 1e6)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
-                       dtype=dt, device=dev, attention_backend=backend, plan=plan)
+                       dtype=dt, device=dev, attention_backend=backend, plan=plan,
+                       quantization=quant)
+
+
+QUANTIZATIONS = ("auto", "gguf", "none")
+
+
+def resolve_quantization(quantization: str | None, activations: str, path: Path,
+                         device: torch.device, plan: TPPlan | None,
+                         dtype: torch.dtype = torch.float32) -> str | None:
+    """"gguf" when `path`'s block tensors are to be served as blocks, else None (dequantized)."""
+    choice = "none" if quantization is None else str(quantization).lower()
+    if choice not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; use auto, gguf or none "
+                         "(none, the default, dequantizes a GGUF file)")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unsupported quantized activations {activations!r}; use "
+                         f"{' or '.join(ACTIVATIONS)}")
+    if choice == "none":
+        return None
+    if path.is_dir():
+        if choice == "gguf":
+            raise ValueError(f"quantization 'gguf' needs a .gguf file, got the directory {path}")
+        return None
+    why = None
+    if device.type != "cpu":
+        why = f"the quantized kernels run on CPU only (device {device})"
+    elif plan is not None:
+        why = "tensor parallelism shards dequantized tensors"
+    elif dtype == torch.float64:
+        why = "the quantized kernels compute in float32, the model is float64"
+    elif not kernels_available():
+        why = f"the quantized kernels are unavailable here: {quant_unavailable_reason()}"
+    if why is None:
+        return "gguf"
+    if choice == "gguf":
+        raise ValueError(f"cannot serve {path.name} quantized: {why}; use quantization 'none'")
+    log.warning("%s: serving GGUF tensors dequantized to float: %s", path.name, why)
+    return None
 
 
 def read_model_config(path: str | os.PathLike | None = None) -> ModelConfig:
@@ -218,9 +279,10 @@ def _model_path(path: str | os.PathLike | None) -> Path:
     return p
 
 
-def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                    dtype: torch.dtype, device: torch.device, source: Path | str = "<weights>") -> None:
-    """Put each (HF name, tensor) into the (meta-device) model; name what is missing or misshapen."""
+    """Put each (HF name, tensor) into the (meta-device) model; name what is missing or misshapen.
+    A QuantizedWeight replaces its nn.Linear / nn.Embedding by the quantized module."""
     expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens
     tied = getattr(model.config, "tie_word_embeddings", False)
     seen: set[str] = set()
@@ -236,6 +298,10 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             raise ValueError(f"shape mismatch for tensor {name} in {source}: checkpoint has "
                              f"{tuple(tensor.shape)}, the config implies {want}")
         module_name, _, leaf = name.rpartition(".")
+        if isinstance(tensor, QuantizedWeight):
+            _assign_quantized(model, module_name, leaf, tensor, dtype, source)
+            seen.add(name)
+            continue
         param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
         setattr(model.get_submodule(module_name), leaf, param)
         seen.add(name)
@@ -244,6 +310,22 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"missing tensors in {source}: {shown}")
     model.tie_weights()
+
+
+def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: QuantizedWeight,
+                      dtype: torch.dtype, source: Path | str) -> None:
+    """Swap the module holding `weight` for its quantized twin (the bias, if any, moves along)."""
+    module = model.get_submodule(module_name)
+    parent_name, _, child = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if leaf == "weight" and isinstance(module, nn.Linear):
+        replacement: nn.Module = QuantizedLinear(weight, module.bias)
+    elif leaf == "weight" and isinstance(module, nn.Embedding):
+        replacement = QuantizedEmbedding(weight, dtype)
+    else:
+        raise ValueError(f"tensor {module_name}.{leaf} in {source} is {weight.format} blocks, "
+                         f"but {type(module).__name__} cannot hold a quantized weight")
+    setattr(parent, child, replacement)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

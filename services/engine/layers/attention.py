@@ -15,8 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvmesh.engine.layers.linear import fused_weights
-from kvmesh.kernels.linear import linear
+from kvmesh.engine.layers.linear import fused_weights, linear
 from kvmesh.kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, num_kv_heads, head_dim]) x 2

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from kvmesh.engine.layers.attention import KVCache
+from kvmesh.engine.layers.linear import linear
+from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from kvmesh.engine.layers.rope import build_cos_sin_cache
 from kvmesh.engine.model_config import ModelConfig
-from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.precision import at_least_float32
 
@@ -64,7 +65,12 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share embed_tokens' weight with lm_head when the config says so (call after assigning)."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            embed = self.model.embed_tokens
+            if isinstance(embed, QuantizedEmbedding):
+                # NOTE: a GGUF embedding served as blocks: the head multiplies the same bytes
+                self.lm_head = QuantizedLinear.tied_to(embed)
+            else:
+                self.lm_head.weight = embed.weight
 
     def _build_rope_caches(self, device) -> dict[str, torch.Tensor]:
         c = self.config

@@ -1,8 +1,21 @@
-"""Fusing separate HF projections (q/k/v, gate/up) into one matmul, keeping HF parameter names."""
+"""The layers' one entry to a projection: `linear` (dense or GGUF-quantized weight) and the fusing
+of separate HF projections (q/k/v, gate/up) into one matmul, keeping HF parameter names."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kvmesh.engine.layers.quantized import QuantizedLinear
+from kvmesh.kernels import linear as dense
+from kvmesh.kernels.quant import QuantizedWeight, concat, quant_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ b): the quantized GEMM for GGUF blocks, `kvmesh.kernels.linear` otherwise."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight, bias)
+    return dense.linear(x, weight, bias)
 
 
 def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
@@ -17,6 +30,8 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
     `.to(dtype)`) is noticed by its data pointer and the buffer is rebuilt. Meta weights are
     not fused (returns None, None).
     """
+    if any(isinstance(lin, QuantizedLinear) for lin in linears):
+        return _fused_quantized(module, linears, attr)
     ws = [lin.weight for lin in linears]
     cached = getattr(module, attr, None)
     if cached is not None:
@@ -42,4 +57,34 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
                 lin.bias = nn.Parameter(bias[lo:hi], requires_grad=lin.bias.requires_grad)
             lo = hi
     setattr(module, attr, (weight, bias, tuple(lin.weight.data_ptr() for lin in linears)))
+    return weight, bias
+
+
+def _fused_quantized(module: nn.Module, linears: tuple[nn.Module, ...],
+                     attr: str) -> tuple[QuantizedWeight | None, torch.Tensor | None]:
+    """fused_weights for GGUF blocks: the rows of every projection in one buffer, each module's
+    bytes rebound to its slice (one copy in memory). (None, None) when they cannot share one GEMM:
+    a dense one among them, or different formats (a Q4_K_M file keeps attn_v in Q6_K)."""
+    if not all(isinstance(lin, QuantizedLinear) for lin in linears):
+        return None, None
+    ptrs = tuple(lin.qweight.data_ptr() for lin in linears)
+    cached = getattr(module, attr, None)
+    if cached is not None and cached[2] == ptrs:
+        return cached[0], cached[1]
+    weight = concat([lin.weight for lin in linears])
+    if weight is None:
+        return None, None
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                          else weight.data.new_zeros(lin.out_features, dtype=torch.float32)
+                          for lin in linears])
+    lo = 0
+    for lin in linears:
+        hi = lo + lin.out_features
+        lin.qweight = weight.data[lo:hi]
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
+        lo = hi
+    setattr(module, attr, (weight, bias, tuple(lin.qweight.data_ptr() for lin in linears)))
     return weight, bias

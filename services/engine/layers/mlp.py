@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.engine.layers.linear import fused_weights
+from kvmesh.engine.layers.linear import fused_weights, linear
 from kvmesh.kernels.cpu_ops import silu_and_mul
-from kvmesh.kernels.linear import linear
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 

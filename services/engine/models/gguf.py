@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvmesh.common.gguf_reader import open_gguf
+from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, format_name, is_supported
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ _PER_LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_FLOAT_TYPES = (0, 1, 30)       # F32, F16, BF16: loaded as float tensors, never kept as blocks
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -105,17 +107,33 @@ class GGUFFile:
 
     # ---------------------------------------------------------------------------- weights
 
-    def weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+    def weights(self, num_heads: int, num_kv_heads: int, keep_quantized: bool = False,
+                activations: str = "int8") -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF name, float32 tensor) for every tensor, dequantized and un-permuted; with
+        `keep_quantized`, 2-D tensors in a format the quantized kernels read come as
+        QuantizedWeight (their blocks, rows un-permuted), the others dequantized with a log line
+        per format."""
         from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
         from gguf.quants import dequantize  # noqa: PLC0415
 
         permuted = _ARCHITECTURES[self.arch][1]
+        fallback: set[int] = set()
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
                 continue
+            block_format = t.ggml_type not in _FLOAT_TYPES
+            if keep_quantized and block_format and len(t.shape) == 2:
+                if is_supported(t.ggml_type):
+                    yield name, self._quantized(t, name, num_heads, num_kv_heads, activations)
+                    continue
+                if t.ggml_type not in fallback:
+                    fallback.add(t.ggml_type)
+                    log.warning("GGUF %s: tensors in format %s (first: %s) are served dequantized "
+                                "(float32): the quantized kernels read %s", self.path.name,
+                                format_name(t.ggml_type), t.name,
+                                ", ".join(f[0] for f in FORMATS.values()))
             try:
                 qtype = GGMLQuantizationType(t.ggml_type)
                 arr = dequantize(t.data, qtype).reshape(t.shape)
@@ -130,6 +148,21 @@ class GGUFFile:
             if not arr.flags.writeable or not arr.flags.c_contiguous:
                 arr = np.array(arr, copy=True)
             yield name, torch.from_numpy(arr)
+
+    def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
+                   activations: str) -> QuantizedWeight:
+        # NOTE: a copy in process memory, not a view of the mmap: the file may be replaced while
+        # served, and a page-cache-backed weight would not show in the process's RSS.
+        data = torch.from_numpy(np.array(t.data, copy=True))
+        weight = QuantizedWeight(data, t.ggml_type, (t.shape[0], t.shape[1]), activations)
+        permuted = _ARCHITECTURES[self.arch][1]
+        heads = (num_heads if ".self_attn.q_proj." in name else
+                 num_kv_heads if ".self_attn.k_proj." in name else 0)
+        if permuted and heads:
+            # the same row order as unpermute_rows gives the float matrix; blocks stay whole
+            order = unpermute_rows(np.arange(t.shape[0]), heads)
+            weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        return weight
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

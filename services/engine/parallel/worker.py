@@ -50,7 +50,8 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
     group = TPGroup(rank, size)
     group.connect("127.0.0.1", port, device, timeout_s)
     loaded = load_model(config.model, config.dtype, device, config.attention_backend,
-                        config.tokenizer, tp=group, load_tokenizer=False)
+                        config.tokenizer, tp=group, load_tokenizer=False,
+                        quantization=config.quantization or "none")
     conn.send_bytes(encode(Ready(rank, free_memory(device))))
     init = decode(conn.recv_bytes())
     if isinstance(init, Shutdown):

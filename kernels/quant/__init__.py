@@ -1,0 +1,12 @@
+"""Weights served as GGUF blocks: the quantized linear layer's kernels (see docs/KERNELS.md).
+
+    weight.py   QuantizedWeight: the raw blocks of an [N, K] tensor, the supported formats
+    ops.py      quant_linear / embedding_rows / dequantize on the C++ kernels
+    build.py    builds csrc/ per machine through kernels.cpu_kernels' build machinery
+    csrc/       blocks.h (the block layouts), gemm.cpp (float and int8 activation paths)
+"""
+from kvmesh.kernels.quant.ops import ACTIVATIONS, dequantize, embedding_rows, kernels_available, quant_linear
+from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, concat, format_name, is_supported
+
+__all__ = ["ACTIVATIONS", "FORMATS", "QuantizedWeight", "concat", "dequantize", "embedding_rows",
+           "format_name", "is_supported", "kernels_available", "quant_linear"]

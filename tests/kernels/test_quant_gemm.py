@@ -1,0 +1,159 @@
+"""The quantized GEMM (kernels/quant) against the float32 matmul of the same dequantized weights.
+
+Float activations: equal to the float64 product of the gguf package's dequantized weights within
+float32 summation error (K ulps of |x| @ |W|^T). Int8 activations: equal, within the same
+rounding, to the product with the int8-rounded activations x_hat (computed here by the kernels'
+rule: per 32-block scale max|x| / 127, round half to even), hence within the exact int8 rounding
+error |x - x_hat| @ |W|^T of the float result.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize, quantize
+
+from kvmesh.kernels.quant import (QuantizedWeight, concat, dequantize, embedding_rows,
+                                  kernels_available, quant_linear)
+from kvmesh.kernels.quant import build
+from kvmesh.kernels.quant.ops import int8_isa
+
+pytestmark = pytest.mark.skipif(not kernels_available(),
+                                reason=f"quantized kernels unavailable: {build.unavailable_reason()}")
+
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]
+U = 2.0 ** -24    # float32 unit roundoff
+
+
+def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] blocks: gguf's own quantizer where it has one, else random bytes with small
+    positive fp16 scales (gguf has no K-quant quantizer; every bit pattern is a valid block)."""
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    qk, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // qk, size), dtype=np.uint8)
+    scales = np.float16(rng.uniform(1e-3, 1e-2, (n, k // qk, 2))).view(np.uint8)
+    if qtype == T.Q6_K:
+        raw[..., 208:210] = scales[..., :2]          # d is the block's last two bytes
+    else:
+        raw[..., 0:4] = scales.reshape(n, k // qk, 4)  # d, dmin
+    return raw.reshape(n, -1)
+
+
+def _weight(qtype: T, n: int, k: int, seed: int = 0, activations: str = "int8"):
+    raw = random_blocks(qtype, n, k, np.random.default_rng(seed))
+    ref = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    return QuantizedWeight(torch.from_numpy(raw.copy()), int(qtype), (n, k), activations), ref
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: per 32-block d = max|x| / 127, q = round_half_even(x / d)."""
+    b = x.view(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(b * inv) * d).view_as(x)
+
+
+SHAPES = [(1, 7, 256), (5, 33, 512), (6, 64, 768), (13, 1, 256)]   # (M, N, K): odd M and N
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_dequantize_equals_gguf(qtype):
+    w, ref = _weight(qtype, 9, 512)
+    # NOTE: to one rounding: a * q + c may be one fused multiply-add where gguf rounds twice
+    torch.testing.assert_close(dequantize(w), ref, rtol=2 * U, atol=0)
+    ids = torch.tensor([[8, 0], [3, 3]])
+    torch.testing.assert_close(embedding_rows(w, ids), ref[ids], rtol=2 * U, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_float_activations_equal_the_dequantized_matmul(qtype, shape):
+    m, n, k = shape
+    w, ref = _weight(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    y = quant_linear(x, w, activations="float")
+    exact = x.double() @ ref.double().T
+    bound = (k + 2) * U * (x.abs().double() @ ref.abs().double().T)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert ((y.double() - exact).abs() <= bound).all()
+    dense = x @ ref.T   # and so within float32 rounding of the dense float32 matmul
+    assert ((y - dense).abs().double() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_int8_activations_within_the_int8_rounding_error(qtype, shape):
+    m, n, k = shape
+    w, ref = _weight(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    y = quant_linear(x, w, activations="int8").double()
+    x_hat = int8_rounded(x)
+    rounding = (k + 4) * U * (x_hat.abs().double() @ ref.abs().double().T)
+    assert ((y - x_hat.double() @ ref.double().T).abs() <= rounding).all()
+    int8_error = (x - x_hat).abs().double() @ ref.abs().double().T
+    exact = x.double() @ ref.double().T
+    assert ((y - exact).abs() <= int8_error + rounding).all()
+    assert (int8_error > 0).any()       # the bound is not vacuous: x was really rounded
+
+
+def test_bias_leading_dims_and_zero_rows():
+    w, ref = _weight(T.Q4_1, 10, 256)
+    bias = torch.randn(10)
+    x = torch.randn(2, 3, 256)
+    y = quant_linear(x, w, bias, activations="float")
+    assert y.shape == (2, 3, 10)
+    torch.testing.assert_close(y, x @ ref.T + bias, rtol=1e-5, atol=1e-4)
+    assert quant_linear(torch.zeros(0, 256), w).shape == (0, 10)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quant_linear(x, w, activations="fp8")
+
+
+def test_concat_stacks_rows_and_refuses_mixed_formats():
+    a, ra = _weight(T.Q4_K, 4, 256, seed=1)
+    b, rb = _weight(T.Q4_K, 3, 256, seed=2)
+    both = concat([a, b])
+    assert both.shape == (7, 256)
+    torch.testing.assert_close(dequantize(both), torch.cat([ra, rb]), rtol=2 * U, atol=0)
+    c, _ = _weight(T.Q6_K, 3, 256, seed=3)
+    assert concat([a, c]) is None
+
+
+def test_weight_validates_its_bytes():
+    with pytest.raises(ValueError, match="unsupported GGUF quantization type Q5_0"):
+        QuantizedWeight(torch.zeros(1, 22, dtype=torch.uint8), int(T.Q5_0), (1, 32))
+    with pytest.raises(ValueError, match="K=100 is not a multiple of the block size 32"):
+        QuantizedWeight(torch.zeros(1, 18, dtype=torch.uint8), int(T.Q4_0), (1, 100))
+    with pytest.raises(ValueError, match=r"needs uint8 bytes of shape \(2, 36\)"):
+        QuantizedWeight(torch.zeros(2, 18, dtype=torch.uint8), int(T.Q4_0), (2, 64))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def test_int8_path_is_the_best_this_cpu_has():
+    """The int8 dot product is chosen at compile time (-march=native); the path built here must
+    be the best the CPU offers. The other paths are tested on the machines that have them."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags (not Linux x86): cannot tell which path to expect")
+    if {"avx512_vnni", "avx512vl", "avx2"} <= flags:
+        want = "avx512vnni"
+    elif {"avx_vnni", "avx2"} <= flags:
+        want = "avxvnni"
+    elif "avx2" in flags:
+        want = "avx2"
+    else:
+        want = "scalar"
+    print(f"int8 dot product on this CPU: {int8_isa()}")
+    assert int8_isa() == want

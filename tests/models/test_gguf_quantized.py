@@ -1,0 +1,229 @@
+"""GGUF files served as blocks (kernels/quant) against the same files served dequantized.
+
+Tiny random models are written here with the gguf package (GGUFWriter; gguf.quants.quantize for
+Q8_0 / Q4_0 / Q4_1, random valid blocks for the K formats, which gguf cannot quantize); the
+built-in SmolLM2 Q4_1 file is compared over a few hundred prompt tokens.
+"""
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+from torch import nn
+
+from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from kvmesh.engine.loader import load_model
+from kvmesh.kernels.quant import build, kernels_available
+
+pytestmark = pytest.mark.skipif(not kernels_available(),
+                                reason=f"quantized kernels unavailable: {build.unavailable_reason()}")
+
+VOCAB = 512
+
+
+def _blocks(qtype: T, arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    from tests.kernels.test_quant_gemm import random_blocks  # noqa: PLC0415
+    if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0):
+        return gguf.quants.quantize(arr, qtype)
+    return random_blocks(qtype, arr.shape[0], arr.shape[1], rng)
+
+
+def write_tiny_gguf(path, qtype: T, *, hidden: int, tied: bool, v_type: T | None = None) -> None:
+    """A 2-layer llama GGUF whose 2-D weights are `qtype` blocks (attn_v: `v_type` if given; the
+    token embedding Q8_0, as llama.cpp's quantizer keeps it for small models)."""
+    rng = np.random.default_rng(int(qtype))
+    heads, kv_heads, inter, layers = 4, 2, 2 * hidden, 2
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(VOCAB)
+    w.add_eos_token_id(2)
+
+    def add(name, shape, kind):
+        arr = (rng.standard_normal(shape) * (0.5 / np.sqrt(shape[-1]))).astype(np.float32)
+        if kind is None:
+            w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+        else:
+            w.add_tensor(name, _blocks(kind, arr * np.sqrt(shape[-1]), rng), raw_dtype=kind)
+
+    add("token_embd.weight", (VOCAB, hidden), T.Q8_0)
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (hidden,), None)
+        add(f"blk.{i}.attn_q.weight", (hidden, hidden), qtype)
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden), qtype)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden), v_type or qtype)
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden), qtype)
+        add(f"blk.{i}.ffn_norm.weight", (hidden,), None)
+        add(f"blk.{i}.ffn_gate.weight", (inter, hidden), qtype)
+        add(f"blk.{i}.ffn_up.weight", (inter, hidden), qtype)
+        add(f"blk.{i}.ffn_down.weight", (hidden, inter), qtype)
+    add("output_norm.weight", (hidden,), None)
+    if not tied:
+        add("output.weight", (VOCAB, hidden), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+CASES = [  # (format, hidden, tied, attn_v format)
+    (T.Q8_0, 64, False, None), (T.Q4_0, 64, True, None), (T.Q4_1, 64, False, None),
+    (T.Q4_K, 256, True, T.Q6_K), (T.Q5_K, 256, False, None), (T.Q6_K, 256, True, None),
+]
+
+
+@pytest.mark.parametrize("qtype,hidden,tied,v_type", CASES, ids=lambda c: getattr(c, "name", None))
+def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_type, tmp_path,
+                                                         paged_generate):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype, hidden=hidden, tied=tied, v_type=v_type)
+    quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf",
+                       quant_activations="float")
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False)     # none: the default
+    assert quant.quantization == "gguf" and dense.quantization is None
+    attn = quant.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, QuantizedLinear) and attn.q_proj.weight.format == qtype.name
+    assert isinstance(quant.model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(quant.model.lm_head, QuantizedLinear)
+    if tied:   # the head multiplies the embedding's own bytes
+        assert quant.model.lm_head.qweight.data_ptr() == quant.model.model.embed_tokens.qweight.data_ptr()
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in quant.model.modules())
+    dense_bytes = sum(p.numel() * p.element_size() for p in dense.model.parameters())
+    assert quantized_bytes(quant.model) < dense_bytes / 3
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 75))]
+    got = paged_generate(quant.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    ref = paged_generate(dense.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    for g, r in zip(got, ref):
+        scale = r["prompt_logits"].abs().max()
+        assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * scale
+        assert g["tokens"] == r["tokens"]
+    # the q/k/v GEMM is fused when the formats agree, and runs per projection when not (Q4_K_M)
+    assert (attn._qkv is None) == (v_type is not None)
+
+
+def test_unsupported_format_is_served_dequantized_with_a_log_line(tmp_path, caplog):
+    path = tmp_path / "tiny-q5_0.gguf"
+    write_tiny_gguf(path, T.Q4_0, hidden=64, tied=True, v_type=T.Q5_0)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization="auto")
+    assert ("tensors in format Q5_0 (first: blk.0.attn_v.weight) are served dequantized"
+            in caplog.text)
+    attn = loaded.model.model.layers[0].self_attn
+    assert type(attn.v_proj) is nn.Linear and isinstance(attn.q_proj, QuantizedLinear)
+
+
+def test_quantization_option(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, T.Q4_1, hidden=64, tied=True)
+    with pytest.raises(ValueError, match="unsupported quantization 'awq'; use auto, gguf or none"):
+        load_model(str(path), device="cpu", load_tokenizer=False, quantization="awq")
+    with pytest.raises(ValueError, match="unsupported quantized activations 'fp8'"):
+        load_model(str(path), device="cpu", load_tokenizer=False, quant_activations="fp8")
+    assert load_model(str(path), device="cpu", load_tokenizer=False).quantization is None   # the default
+    for none in (None, "none"):
+        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization=none)
+        assert loaded.quantization is None
+        assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    with caplog.at_level(logging.WARNING):
+        f64 = load_model(str(path), dtype=torch.float64, device="cpu", load_tokenizer=False,
+                         quantization="auto")
+    assert f64.quantization is None
+    assert "the quantized kernels compute in float32, the model is float64" in caplog.text
+    # fault injection: the kernels could not be built on this machine
+    monkeypatch.setitem(build._state, "ext", None)
+    monkeypatch.setitem(build._state, "why", "build failed: injected")
+    with pytest.raises(ValueError, match="cannot serve tiny.gguf quantized: the quantized kernels "
+                                         "are unavailable here: build failed: injected"):
+        load_model(str(path), device="cpu", load_tokenizer=False, quantization="gguf")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization="auto")
+    assert loaded.quantization is None
+    assert "tiny.gguf: serving GGUF tensors dequantized to float: the quantized kernels" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def builtin_pair():
+    quant = {a: load_model(None, "float32", device="cpu", load_tokenizer=False, quantization="gguf",
+                           quant_activations=a)
+             for a in ("float", "int8")}
+    dense = load_model(None, "float32", device="cpu", load_tokenizer=False, quantization="none")
+    return quant, dense
+
+
+def _logprobs(logits):
+    return torch.log_softmax(torch.as_tensor(logits).double(), -1)
+
+
+def test_builtin_q4_1_logprobs_and_greedy_against_dequantized(builtin_pair, paged_generate):
+    quant, dense = builtin_pair
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (96, 128, 80)]
+    ref = paged_generate(dense.model, prompts, 16, block_size=16, prefill_chunk=64, seed=2)
+    # NOTE: int8 activations lose ~0.1 nats a token on this model (measured 0.117): its hidden
+    # states have outlier channels, and a 32-block scaled to its outlier rounds the rest coarsely
+    for mode, bound in (("float", 1e-3), ("int8", 0.25)):
+        got = paged_generate(quant[mode].model, prompts, 16, block_size=16, prefill_chunk=64, seed=2)
+        diffs, same = [], 0
+        for p, gt, rf in zip(prompts, got, ref):
+            lp_g, lp_r = _logprobs(gt["prompt_logits"][:-1]), _logprobs(rf["prompt_logits"][:-1])
+            nxt = torch.tensor(p[1:])
+            diffs.append((lp_g.gather(1, nxt[:, None]) - lp_r.gather(1, nxt[:, None])).abs().flatten())
+        diff = torch.cat(diffs)
+        print(f"built-in Q4_1, {mode} activations: mean |log-prob difference| over {diff.numel()} "
+              f"prompt tokens = {diff.mean().item():.2e} (max {diff.max().item():.2e})")
+        assert diff.numel() >= 300 and diff.mean().item() <= bound
+        for gt, rf in zip(got, ref):
+            if gt["tokens"] == rf["tokens"]:
+                same += 1
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(gt["tokens"], rf["tokens"])) if a != b)
+            top2 = torch.as_tensor(rf["gen_logits"][first]).double().log_softmax(-1).topk(2).values
+            gap = (top2[0] - top2[1]).item()
+            print(f"  {mode}: greedy differs at token {first}: top-2 log-prob gap {gap:.2e}")
+            assert gap <= diff.max().item()        # a near-tie: below the measured error
+        # NOTE: int8 activations (not the default) move log-probs by up to ~0.6 nats here, so a
+        # near-tie may flip on any prompt: only the near-tie rule above holds for them
+        if mode == "float":
+            assert same >= 2, f"{mode}: greedy output identical on only {same} of 3 prompts"
+
+
+def test_builtin_weight_bytes(builtin_pair):
+    quant, dense = builtin_pair
+    q = quantized_bytes(quant["int8"].model) + sum(
+        p.numel() * p.element_size() for p in quant["int8"].model.parameters())
+    d = sum(p.numel() * p.element_size() for p in dense.model.parameters())
+    print(f"built-in model weights: {q / 1e6:.1f} MB as GGUF blocks, {d / 1e6:.1f} MB as float32")
+    assert q < d / 4
+
+
+def test_quantization_flag_reaches_the_engine(monkeypatch):
+    """`kvmesh serve --quantization gguf` (EngineConfig.quantization) serves the built-in GGUF as
+    blocks; the default dequantizes it; an unknown method is refused naming the choices."""
+    from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
+    from kvmesh.engine.engine import LLMEngine
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).quantization is None
+    config = engine_config_from_args(parser.parse_args(["--quantization", "gguf", "--dtype", "float32",
+                                                        "--num-kv-blocks", "16", "--max-model-len", "64"]))
+    engine = LLMEngine(config)
+    assert engine.loaded.quantization == "gguf"
+    assert isinstance(engine.loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, got 'awq'"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "awq"])
