@@ -2,10 +2,6 @@
 --model s3://...` answering the official openai client with the same tokens."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from servers import start_server  # tests/support
 from upload import upload
 
@@ -44,11 +40,10 @@ def test_llm_and_kvmesh_serve_load_an_s3_model(moto_server, s3_env, bucket, tiny
     assert f"{uri}: cached at {next(s3_env.glob('*/tiny-llama'))}" in log   # LLM fetched it first
 
 
-def test_kvmesh_serve_exits_2_naming_the_uri(moto_server, s3_env, bucket):
-    env = moto_server.env(KVMESH_MODEL_CACHE_DIR=str(s3_env))
-    proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--model", f"s3://{bucket}/absent"],
-                          env=dict(os.environ, **env), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
+def test_kvmesh_serve_exits_2_naming_the_uri(moto_server, s3_env, bucket, capsys):
+    from kvmesh.api.server import main
+
+    assert main(["--model", f"s3://{bucket}/absent"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"kvmesh serve: error: s3://{bucket}/absent: no model files under this prefix (none of "
         "config.json, *.safetensors, *.gguf, tokenizer*: is the prefix right?)")
