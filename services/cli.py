@@ -1,4 +1,4 @@
-"""The `kvmesh` command: generate (here), serve, router and operator (delegated)."""
+"""The `kvmesh` command: generate and fetch (here), serve, router and operator (delegated)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from kvmesh.common.storage import FetchOptions, fetch
+    from kvmesh.common.storage.cache import parse_size
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)    # "Found credentials in ..."
+    try:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        options = FetchOptions(
+            cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir else None,
+            max_bytes=parse_size(args.max_size) if args.max_size else None,
+            workers=args.workers, chunk_bytes=parse_size(args.chunk_size))
+        if options.chunk_bytes < 1:
+            raise ValueError("--chunk-size must be at least 1 byte")
+        print(fetch(args.uri, options).path)
+    except ValueError as e:          # FetchError is one: it names the URI, never a secret
+        print(f"kvmesh fetch: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvmesh.common.config import add_engine_args
 
@@ -56,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="also print the result as JSON")
+
+    fetch = sub.add_parser("fetch", help="fetch a model into the node cache and print its local path")
+    fetch.add_argument("uri", help="s3://bucket/prefix, hf://org/name[@revision], pvc://claim/path "
+                       "or a local path")
+    fetch.add_argument("--cache-dir", default=None, help="the model cache (default: "
+                       "$KVMESH_MODEL_CACHE_DIR, else $KVMESH_CACHE_DIR/models, i.e. "
+                       "~/.cache/kvmesh/models)")
+    fetch.add_argument("--max-size", default=None, help="bound the cache, e.g. 100G: least "
+                       "recently used models are evicted (default: $KVMESH_MODEL_CACHE_MAX_SIZE, "
+                       "else no bound)")
+    fetch.add_argument("--workers", type=int, default=8, help="parallel ranged reads (default: 8)")
+    fetch.add_argument("--chunk-size", default="16Mi", help="bytes one ranged read asks for "
+                       "(default: 16Mi)")
 
     sub.add_parser("serve", help="serve the OpenAI-compatible API (kvmesh serve --help)", add_help=False)
     sub.add_parser("router", help="run the KV-aware router (kvmesh router --help)", add_help=False)
@@ -84,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _cmd_generate(args)
+    if args.command == "fetch":
+        return _cmd_fetch(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

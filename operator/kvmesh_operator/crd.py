@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.common.storage import FetchError, is_uri, parse_source
+
 from . import schema as S
 
 
@@ -28,13 +30,34 @@ class SecretRef:
 
 
 @dataclass(frozen=True, slots=True)
+class FetchCredentials:
+    secret_name: str  # Secret in the service's namespace
+    keys: tuple[tuple[str, str], ...]  # (variable, key in the Secret), each set where the Secret has it
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCacheSpec:
+    host_path: str | None = None  # a node directory: engines on one node share what was fetched
+    claim_name: str | None = None  # or a PersistentVolumeClaim; neither: an emptyDir per pod
+    max_size: str | None = None  # KVMESH_MODEL_CACHE_MAX_SIZE (LRU eviction beyond it)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     source: str  # builtin | uri | pvc
-    uri: str | None  # absolute path inside the image (HF directory or .gguf) when source is uri
+    uri: str | None  # source uri: a path inside the image (HF directory or .gguf), s3:// or hf://
     pvc_claim: str | None  # claim mounted read-only at /models when source is pvc
     pvc_path: str  # model directory inside the claim
     served_name: str  # what clients send as `model`; the resource name by default
     tokenizer: str | None  # absolute path of a tokenizer directory, when not next to the weights
+    endpoint: str | None = None  # AWS_ENDPOINT_URL of an s3:// uri
+    credentials: FetchCredentials | None = None  # the fetch's Secret (s3:// / hf://)
+    cache: ModelCacheSpec = ModelCacheSpec()  # where an s3:// / hf:// model is fetched to
+
+    @property
+    def remote(self) -> bool:
+        """An s3:// / hf:// model: an init container fetches it before the engine starts."""
+        return self.source == "uri" and is_uri(self.uri or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +264,58 @@ def _secret(reader: _Reader, key: str) -> SecretRef | None:
     return SecretRef(name=name, key=sub.get("key"))
 
 
-def _local_path_problem(where: str, value: Any, what: str) -> str | None:
+_CREDENTIAL_KEYS = (("AWS_ACCESS_KEY_ID", "accessKeyIdKey"), ("AWS_SECRET_ACCESS_KEY", "secretAccessKeyKey"),
+                    ("AWS_SESSION_TOKEN", "sessionTokenKey"), ("HF_TOKEN", "hfTokenKey"))
+
+
+def _credentials(m: _Reader) -> FetchCredentials | None:
+    if not m.has("credentials"):
+        return None
+    c = m.sub("credentials")
+    if c.get("secretName") is None:
+        c.problems.append(f"{c.path}.secretName is required")
+        return None
+    return FetchCredentials(c.get("secretName"), tuple((var, c.get(key)) for var, key in _CREDENTIAL_KEYS))
+
+
+def _model_cache(m: _Reader, problems: list[str]) -> ModelCacheSpec:
+    if not m.has("cache"):
+        return ModelCacheSpec()
+    c = m.sub("cache")
+    cache = ModelCacheSpec(c.get("hostPath"), c.get("claimName"), c.get("maxSize"))
+    if cache.host_path is not None and cache.claim_name is not None:
+        problems.append("spec.model.cache takes hostPath or claimName, not both")
+    return cache
+
+
+def _model_uri_problems(model: ModelSpec) -> list[str]:
+    problems = []
+    if (model.uri or "").startswith(("s3://", "hf://")):
+        try:
+            parse_source(model.uri)
+        except FetchError as e:
+            problems.append(f"spec.model.uri {e}")
+    elif (problem := _local_path_problem("spec.model.uri", model.uri, "an HF-format directory or a .gguf "
+                                         "file inside the image", remote=True)) is not None:
+        problems.append(problem)
+    if (problem := _local_path_problem("spec.model.tokenizer", model.tokenizer, "a tokenizer directory")) is not None:
+        problems.append(problem)
+    fetch_fields = [f for f, v in (("credentials", model.credentials), ("endpoint", model.endpoint),
+                                   ("cache", model.cache != ModelCacheSpec())) if v]
+    if fetch_fields and not (model.uri or "").startswith(("s3://", "hf://")):
+        problems.append(f"spec.model.{', spec.model.'.join(fetch_fields)}: only for an s3:// or hf:// "
+                        "spec.model.uri (what the init container fetches)")
+    return problems
+
+
+def _local_path_problem(where: str, value: Any, what: str, remote: bool = False) -> str | None:
     """The engine and router open local files only (services/engine/loader.py): no ids, no URLs."""
     if not isinstance(value, str) or value.startswith("/"):
         return None
     kind = "a URL" if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) else "not an absolute path"
+    if remote:
+        return (f"{where} {value!r} is {kind}: it must be an absolute path to {what}, s3://bucket/prefix "
+                f"or hf://org/name[@revision] (or use source: pvc and a path under /models)")
     return (f"{where} {value!r} is {kind}: it must be an absolute path to {what}; Hugging Face ids and "
             f"URLs are not downloaded (bake the files into the image, or use source: pvc and a path under "
             f"/models)")
@@ -265,12 +335,10 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     model = ModelSpec(source=m.get("source"), uri=m.get("uri"),
                       pvc_claim=pvc.get("claimName") if pvc else None,
                       pvc_path=(pvc.get("path") if pvc else "") or "",
-                      served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"))
-    for where, value, what in (("spec.model.uri", model.uri, "an HF-format directory or a .gguf file inside "
-                                                             "the image"),
-                               ("spec.model.tokenizer", model.tokenizer, "a tokenizer directory")):
-        if (problem := _local_path_problem(where, value, what)) is not None:
-            problems.append(problem)
+                      served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"),
+                      endpoint=m.get("endpoint"), credentials=_credentials(m),
+                      cache=_model_cache(m, problems))
+    problems += _model_uri_problems(model)
     if model.source == "uri" and model.uri is None:
         problems.append("spec.model.uri is required when spec.model.source is uri")
     if model.source == "pvc" and model.pvc_claim is None:
@@ -350,6 +418,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     if vllm and gpus == 0 and isinstance(engine.block_size, int) and engine.block_size % 32:
         problems.append(f"spec.engine.blockSize {engine.block_size} does not suit runtime vllm on CPU: vLLM's CPU "
                         f"build takes multiples of 32 only (use 32 or 64, or GPUs)")
+    if vllm and (model.uri or "").startswith(("s3://", "hf://")):
+        problems.append("spec.engine.runtime vllm needs a spec.model.uri inside the image: s3:// and hf:// "
+                        "models are fetched for runtime kvmesh")
     if vllm and model.source == "builtin":
         problems.append("spec.engine.runtime vllm needs spec.model.source uri or pvc: the built-in model ships in "
                         "kvmesh's image only")

@@ -248,8 +248,9 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
+    pods = await _engine_pods(kube, svc) if svc.model.remote else []
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
-                                       [str(c) for c in conflicts]))
+                                       [str(c) for c in conflicts], pods))
     if auth is not None:
         patch.status["redisAuthChecksum"] = auth
     if conflicts:
@@ -257,6 +258,16 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         if not already:
             kopf.event(body, type="Warning", reason="NameConflict", message="; ".join(map(str, conflicts)))
         raise ChildConflict("; ".join(map(str, conflicts)))
+
+
+async def _engine_pods(kube: KubeClient, svc: crd.InferenceService) -> list[dict[str, Any]]:
+    """The engine pods (ModelReady reads their fetch); none when they cannot be listed."""
+    try:
+        return await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc))
+    except KubeError as err:
+        log.warning("cannot list the engine pods of %s/%s (ModelReady stays unknown): %s",
+                    svc.namespace, svc.name, err)
+        return []
 
 
 async def _running_checksum(kube: KubeClient, svc: crd.InferenceService, status: Any) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import API_VERSION, KIND
+from . import model_fetch as MF
 from . import runtimes as RT
 from .crd import InferenceService, SecretRef
 
@@ -303,6 +304,10 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                    "readOnly": True}})
+    if svc.model.remote:
+        mounts.append(MF.cache_mount())
+        volumes.append(MF.cache_volume(svc))
+        env += MF.fetch_env(svc)
     if not vllm:
         ca_mounts, ca_volumes = _redis_ca_volume(svc)
         mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
@@ -328,6 +333,8 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
                                        "whenUnsatisfiable": "ScheduleAnyway",
                                        "labelSelector": {"matchLabels": selector(svc, "engine")}}],
     }
+    if svc.model.remote:
+        pod_spec["initContainers"] = [MF.fetch_init_container(svc, CONTAINER_SECURITY)]
     if svc.gpu.node_selector:
         pod_spec["nodeSelector"] = dict(svc.gpu.node_selector)
     if svc.gpu.tolerations:
@@ -400,12 +407,19 @@ def build_router_deployment(svc: InferenceService, owner: Owner, redis_auth: str
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                   "readOnly": True}})
+    env = _common_env(svc) + _api_key_env(svc)
+    if svc.model.remote:
+        # NOTE: the router reads the tokenizer of an s3:// / hf:// model through the same cache
+        # (on a shared hostPath or claim, the copy an engine fetched)
+        mounts.append(MF.cache_mount())
+        volumes.append(MF.cache_volume(svc))
+        env += MF.fetch_env(svc)
     ca_mounts, ca_volumes = _redis_ca_volume(svc)
     mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     container = {
         "name": "router", "image": svc.router.image, "imagePullPolicy": svc.image_pull_policy,
         # NOTE: the router checks the same API key as the engines: the Service and Ingress point at it.
-        "args": router_args(svc), "env": _common_env(svc) + _api_key_env(svc),
+        "args": router_args(svc), "env": env,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": ready, "livenessProbe": alive,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},

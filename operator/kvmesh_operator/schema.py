@@ -34,6 +34,9 @@ QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numk
                     r"(\.[0-9]*)?)|(\.[0-9]+))))?$")
 DEFAULT_REDIS_IMAGE = "redis:7.4.1-alpine"
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# model.uri's remote sources, as kvmesh.common.storage.uri parses them (bucket names: AWS's rules)
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+HF_URI_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@.+)?$"
 REDIS_URL_PATTERN = r"^rediss?://.+"  # no unix:// or other schemes: the operator itself connects at deletion
 # NOTE: child names are <name>-engine, -router, -redis, -engine-config…: a resource named like a
 # child of another one (`foo-engine`) would collide with it (`foo`'s headless Service).
@@ -102,13 +105,37 @@ _TOLERATION = _obj("A toleration copied into the engine pods.", {
 
 SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     "model": _obj("Where the weights come from.", {
-        "source": _str("builtin (the image's bundled SmolLM2), uri (an absolute path inside the image) "
-                       "or pvc (a PersistentVolumeClaim mounted read-only at /models). Nothing is "
-                       "downloaded: Hugging Face ids and URLs are refused.",
+        "source": _str("builtin (the image's bundled SmolLM2), uri (an absolute path inside the image, "
+                       "or an s3:// / hf:// model fetched before the engine starts) or pvc (a "
+                       "PersistentVolumeClaim mounted read-only at /models).",
                        enum=MODEL_SOURCES, default="builtin"),
         "uri": _str("Absolute path inside the image of an HF-format model directory (config.json, "
-                    "*.safetensors, tokenizer.json) or a .gguf file; required when source is uri.",
-                    minLength=1),
+                    "*.safetensors, tokenizer.json) or a .gguf file; or s3://bucket/prefix or "
+                    "hf://org/name[@revision], which an init container (`kvmesh fetch`) fetches into "
+                    "model.cache; required when source is uri.", minLength=1),
+        "endpoint": _str("S3-compatible endpoint of an s3:// uri (AWS_ENDPOINT_URL, path-style "
+                         "addressing: MinIO, Ceph, ...); unset: AWS S3.", pattern=r"^https?://.+"),
+        "credentials": _obj("Secret holding the credentials of an s3:// / hf:// uri; each key, where the "
+                            "Secret has it, becomes the variable it is named after.", {
+            "secretName": _str("Secret in the InferenceService's namespace.", pattern=K8S_NAME_PATTERN,
+                               maxLength=253),
+            "accessKeyIdKey": _str("Key of AWS_ACCESS_KEY_ID.", default="AWS_ACCESS_KEY_ID", minLength=1),
+            "secretAccessKeyKey": _str("Key of AWS_SECRET_ACCESS_KEY.", default="AWS_SECRET_ACCESS_KEY",
+                                       minLength=1),
+            "sessionTokenKey": _str("Key of AWS_SESSION_TOKEN.", default="AWS_SESSION_TOKEN", minLength=1),
+            "hfTokenKey": _str("Key of HF_TOKEN.", default="HF_TOKEN", minLength=1),
+        }, required=["secretName"]),
+        "cache": _obj("Where an s3:// / hf:// model is fetched to: a directory of the node (hostPath, "
+                      "writable by uid 10001: a second engine on the node starts without fetching) or a "
+                      "PersistentVolumeClaim; neither: an emptyDir per pod.", {
+            "hostPath": _str("Absolute directory on the node.", pattern=r"^/.+"),
+            "claimName": _str("PersistentVolumeClaim (ReadWriteMany when several pods share it).",
+                              pattern=K8S_NAME_PATTERN, maxLength=253),
+            "maxSize": _str("Bound of the cache (KVMESH_MODEL_CACHE_MAX_SIZE, e.g. 100G or 500Gi): least "
+                            "recently used models are evicted to make room.",
+                            pattern=r"^[0-9]+(\.[0-9]+)?([kKmMgGtT]i?)?$"),
+        }, rules=[{"rule": "!(has(self.hostPath) && has(self.claimName))",
+                   "message": "model.cache takes hostPath or claimName, not both"}]),
         "pvc": _obj("The claim holding the weights; required when source is pvc.", {
             "claimName": _str("PersistentVolumeClaim name.", pattern=K8S_NAME_PATTERN, maxLength=253),
             "path": _str("Directory of the model inside the claim.", default=""),
@@ -120,9 +147,13 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     }, rules=[
         {"rule": "self.source != 'uri' || has(self.uri)", "message": "model.uri is required when model.source is uri"},
         {"rule": "self.source != 'pvc' || has(self.pvc)", "message": "model.pvc is required when model.source is pvc"},
-        {"rule": "!has(self.uri) || self.uri.startsWith('/')",
-         "message": "model.uri must be an absolute path inside the image; Hugging Face ids and URLs are not "
-                    "downloaded"},
+        {"rule": "!has(self.uri) || self.uri.startsWith('/') || self.uri.matches('" + S3_URI_PATTERN + "') || "
+                 "self.uri.matches('" + HF_URI_PATTERN + "')",
+         "message": "model.uri must be an absolute path inside the image, s3://bucket/prefix or "
+                    "hf://org/name[@revision]"},
+        {"rule": "(!has(self.credentials) && !has(self.endpoint) && !has(self.cache)) || (has(self.uri) && "
+                 "(self.uri.startsWith('s3://') || self.uri.startsWith('hf://')))",
+         "message": "model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri"},
         {"rule": "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
          "message": "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face "
                     "ids and URLs are not downloaded"},
@@ -269,6 +300,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
      "message": "spec.image is required with engine.runtime vllm (a vLLM image, e.g. vllm/vllm-openai:v0.11.0)"},
     {"rule": "self.engine.runtime != 'vllm' || self.model.source != 'builtin'",
      "message": "engine.runtime vllm needs model.source uri or pvc (the built-in model ships in kvmesh's image)"},
+    {"rule": "self.engine.runtime != 'vllm' || !has(self.model.uri) || !(self.model.uri.startsWith('s3://') "
+             "|| self.model.uri.startsWith('hf://'))",
+     "message": "engine.runtime vllm needs a model.uri inside the image: s3:// and hf:// models are fetched "
+                "for runtime kvmesh"},
     {"rule": "self.engine.runtime != 'vllm' || self.gpu.count > 0 || self.engine.blockSize % 32 == 0",
      "message": "engine.blockSize must be 32 or 64 with runtime vllm on CPU (gpu.count 0): vLLM's CPU build takes "
                 "multiples of 32 only"},
@@ -298,8 +333,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
 ])
 
 _CONDITION = _obj("A KServe-style condition.", {
-    "type": _str("ChildrenOwned, EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady, "
-                 "InferencePoolReady or Ready."),
+    "type": _str("ChildrenOwned, ModelReady, EnginesReady, RouterReady, RedisReady, IngressReady, "
+                 "AutoscalingReady, InferencePoolReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),

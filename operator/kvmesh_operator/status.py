@@ -1,7 +1,7 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
 Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
-EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
+ModelReady (only for an s3:// / hf:// model: its fetch by the engine pods' init containers), EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
 InferencePoolReady (only in router.mode inference-pool: the pool's conditions as its gateways report
 them), and Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
@@ -12,10 +12,11 @@ from collections.abc import Sequence, Set
 from typing import Any
 
 from . import inference_pool as IP
+from . import model_fetch as MF
 from . import resources as R
 from .crd import InferenceService
 
-CONDITION_TYPES = ("EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
+CONDITION_TYPES = ("ModelReady", "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
                    "InferencePoolReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
@@ -134,12 +135,16 @@ def inference_pool_condition(svc: InferenceService, observed: Observed,
 
 
 def conditions(svc: InferenceService, observed: Observed, want: int,
-               forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = ()) -> list[dict[str, str]]:
+               forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = (),
+               pods: Sequence[dict[str, Any]] = ()) -> list[dict[str, str]]:
     """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses;
-    `conflicts`: children whose names are taken by objects the operator does not own (ChildrenOwned)."""
+    `conflicts`: children whose names are taken by objects the operator does not own (ChildrenOwned);
+    `pods`: the engine pods (ModelReady of an s3:// / hf:// model reads their fetch-model containers)."""
     out = []
     if conflicts:
         out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
+    if (model := MF.model_condition(svc, pods)) is not None:
+        out.append(model)
     out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
     if svc.router.builtin:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
@@ -194,8 +199,8 @@ def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now:
 
 def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
                  previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset(),
-                 conflicts: Sequence[str] = ()) -> dict[str, Any]:
-    conds = stamp(conditions(svc, observed, want, forbidden, conflicts), previous, now)
+                 conflicts: Sequence[str] = (), pods: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    conds = stamp(conditions(svc, observed, want, forbidden, conflicts, pods), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
     is_ready = conds[-1]["status"] == "True"

@@ -32,6 +32,7 @@ from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_f
                                   field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.startup import startup_phase
+from kvmesh.common.storage import resolve_engine_model
 from kvmesh.common.preload import loaded_allocator, reexec_with_allocator
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
 from kvmesh.engine.async_engine import AsyncLLMEngine
@@ -219,6 +220,13 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
         return 2
     keep_triton_out(config.device, config.attention_backend)
+    try:
+        # NOTE: s3:// / hf:// models are fetched before the server listens, so a failure is a
+        # message and exit status 2 (in Kubernetes the operator's init container fetched it)
+        config = resolve_engine_model(config)
+    except ValueError as e:
+        print(f"kvmesh serve: error: {e}", file=sys.stderr)
+        return 2
     if config.model is not None and not os.path.exists(config.model):   # "" became None: built in
         print(f"kvmesh serve: error: model path does not exist: {config.model}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.common.startup import startup_phase
+from kvmesh.common.storage import resolve_engine_model
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
 from kvmesh.engine.kv_cache_manager import KVCacheManager
@@ -60,7 +61,8 @@ class LLMEngine:
 
     def _init(self, config: EngineConfig, loaded: LoadedModel | None,
               kv_connector: KVConnectorFactory | None) -> None:
-        self.config = config
+        # NOTE: an s3:// / hf:// model is fetched into the node cache here (a no-op for a path)
+        self.config = config = resolve_engine_model(config)
         self._load_model(loaded, kv_connector is not None)
         num_gpu_blocks, num_cpu_blocks = self._size_kv_cache()
         self.kv_share = self._build_connector(kv_connector)

@@ -14,17 +14,23 @@ from pathlib import Path
 
 from kvmesh.common.gguf_reader import open_gguf
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME, builtin_model_path, cache_dir
+from kvmesh.common.storage import fetch, is_uri
 from kvmesh.prompt.tokenizer import Tokenizer
 
 
 def load_tokenizer(model: str | None, tokenizer: str | None = None,
                    extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
-    """The `Tokenizer` for `tokenizer` (a directory) or `model` (a directory, a .gguf file, None
-    or the built-in model's name). Raises FileNotFoundError / ValueError when there is none."""
+    """The `Tokenizer` for `tokenizer` (a directory) or `model` (a directory, a .gguf file, an
+    s3:// / hf:// / pvc:// source, None or the built-in model's name). Raises FileNotFoundError /
+    ValueError (a FetchError for a source) when there is none."""
     if tokenizer:
         return Tokenizer.from_dir(Path(tokenizer).expanduser(), extra_eos_token_ids)
     if not model or model == BUILTIN_MODEL_NAME:
         path = builtin_model_path()
+    elif is_uri(model):
+        # NOTE: the router takes the engines' --model as is: s3:// / hf:// come through the
+        # node's model cache (where an engine on the node has fetched it, a cache hit)
+        path = fetch(model).path
     else:
         path = Path(model).expanduser()
         if not path.exists():

@@ -10,6 +10,7 @@ from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_l
 from kvmesh.common.auth import open_bind_warning, resolve_api_key
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.model_files import BUILTIN_MODEL_NAME
+from kvmesh.common.storage import is_uri, parse_source
 from kvmesh.common.config import add_field_flag
 from kvmesh.router.backends import BACKEND_KINDS
 from kvmesh.router.config import RouterConfig
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--kv-events-topic",
          help="vLLM backends' KV event topic (default: %(default)s)")
     flag("--strategy", choices=STRATEGIES)
-    flag("--model", help="model path (HF dir or .gguf) or the built-in "
-         "model's name: the tokenizer the engines use (default: built-in)")
+    flag("--model", help="model path (HF dir or .gguf), an s3:// / hf:// / pvc:// source (fetched "
+         "into the node's model cache) or the built-in model's name: the tokenizer the engines use "
+         "(default: built-in)")
     flag("--tokenizer", help="tokenizer directory (overrides --model)")
     p.add_argument("--served-model-name", default=None,
                    help="model name for requests that name none (default: from --model)")
@@ -123,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_model_name(model: str | None) -> str:
+    """The name the engines serve `model` under by default (kvmesh serve's rule)."""
     if not model:
         return BUILTIN_MODEL_NAME
+    if is_uri(model):
+        return parse_source(model).name
     from pathlib import Path  # noqa: PLC0415
     p = Path(model)
     return p.stem if p.suffix.lower() == ".gguf" else p.name

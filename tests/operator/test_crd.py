@@ -85,9 +85,21 @@ def test_full_example_parses_every_field() -> None:
     assert svc.api_key_secret == crd.SecretRef("kvmesh-api-key", "api-key")
 
 
-@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml", "vllm.yaml", "inference-pool.yaml"])
+@pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml", "vllm.yaml", "inference-pool.yaml",
+                                     "s3-model.yaml"])
 def test_good_examples_pass_the_crd_schema(example: str) -> None:
     assert _schema_errors(load_example(example)) == []
+
+
+def test_s3_example_parses_its_fetch_fields() -> None:
+    cr = load_example("s3-model.yaml")
+    m = crd.parse(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["spec"]).model
+    assert (m.remote, m.uri, m.endpoint) == (True, "s3://models/Qwen2.5-0.5B-Instruct", "http://minio.storage.svc:9000")
+    assert m.credentials == crd.FetchCredentials("minio-models", (
+        ("AWS_ACCESS_KEY_ID", "accesskey"), ("AWS_SECRET_ACCESS_KEY", "secretkey"),
+        ("AWS_SESSION_TOKEN", "AWS_SESSION_TOKEN"), ("HF_TOKEN", "HF_TOKEN")))
+    assert m.cache == crd.ModelCacheSpec("/var/lib/kvmesh/models", None, "200G")
+    assert crd.parse("x", "ns", {"model": {"source": "uri", "uri": "/opt/m"}}).model.remote is False
 
 
 BAD = [
@@ -113,6 +125,10 @@ BAD = [
      "spec.gpu.nodeSelector values must be strings (quote numbers and booleans)", "True is not of type 'string'"),
     ({"model": {}, "apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name is required", "'name' is a required property"),
     ({"model": {}, "colour": "blue"}, "spec.colour is not a known field", None),
+    ({"model": {"source": "uri", "uri": "s3://models/x", "cache": {"maxSize": "lots"}}},
+     "spec.model.cache.maxSize 'lots' does not match ^[0-9]+(\\.[0-9]+)?([kKmMgGtT]i?)?$", "does not match"),
+    ({"model": {"source": "uri", "uri": "s3://models/x", "endpoint": "minio:9000"}},
+     "spec.model.endpoint 'minio:9000' does not match ^https?://.+", "does not match"),
 ]
 
 
@@ -154,8 +170,8 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
      ["spec.redis.caBundle needs exactly one of configMap or secret"]),
     ({"model": {"source": "uri", "uri": "HuggingFaceTB/SmolLM2-360M"}},
      ["spec.model.uri 'HuggingFaceTB/SmolLM2-360M' is not an absolute path: it must be an absolute path to an "
-      "HF-format directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake "
-      "the files into the image, or use source: pvc and a path under /models)"]),
+      "HF-format directory or a .gguf file inside the image, s3://bucket/prefix or hf://org/name[@revision] (or "
+      "use source: pvc and a path under /models)"]),
     ({"model": {}, "gpu": {"count": 0}, "engine": {"tensorParallelSize": 2}},
      ["spec.engine.tensorParallelSize 2 needs GPUs: set spec.gpu.count to a multiple of it (or tensorParallelSize "
       "1 on CPU)"]),
@@ -200,11 +216,22 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
       "the InferencePool instead"]),
     ({"model": {"source": "uri", "uri": "https://huggingface.co/x/y", "tokenizer": "s3://bucket/tok"}},
      ["spec.model.uri 'https://huggingface.co/x/y' is a URL: it must be an absolute path to an HF-format "
-      "directory or a .gguf file inside the image; Hugging Face ids and URLs are not downloaded (bake the files "
-      "into the image, or use source: pvc and a path under /models)",
+      "directory or a .gguf file inside the image, s3://bucket/prefix or hf://org/name[@revision] (or use "
+      "source: pvc and a path under /models)",
       "spec.model.tokenizer 's3://bucket/tok' is a URL: it must be an absolute path to a tokenizer directory; "
       "Hugging Face ids and URLs are not downloaded (bake the files into the image, or use source: pvc and a "
       "path under /models)"]),
+    ({"model": {"source": "uri", "uri": "s3://No_Such/m"}},
+     ["spec.model.uri s3://No_Such/m: 'No_Such' is not a valid bucket name; expected s3://bucket/prefix"]),
+    ({"model": {"source": "uri", "uri": "/m", "endpoint": "http://minio:9000",
+                "cache": {"hostPath": "/var/lib/kvmesh", "claimName": "models"}}},
+     ["spec.model.cache takes hostPath or claimName, not both",
+      "spec.model.endpoint, spec.model.cache: only for an s3:// or hf:// spec.model.uri (what the init "
+      "container fetches)"]),
+    ({"model": {"source": "uri", "uri": "hf://org/model@v1"}, "image": "vllm/vllm-openai:v0.11.0",
+      "engine": {"runtime": "vllm"}},
+     ["spec.engine.runtime vllm needs a spec.model.uri inside the image: s3:// and hf:// models are fetched "
+      "for runtime kvmesh"]),
 ]
 
 

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 30
+    assert len(RULES) == 33
 
 
 @pytest.mark.parametrize("spec", [
@@ -68,8 +68,11 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
     {"model": {"source": "uri", "uri": "/opt/models/m.gguf", "tokenizer": "/opt/models/tok"}},
     {"model": {}, "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 64}},
     {"model": {}, "autoscaling": {"minReplicas": 2, "maxReplicas": 2}},
+    {"model": {"source": "uri", "uri": "s3://models/team/llama", "endpoint": "http://minio:9000",
+               "credentials": {"secretName": "s3"}, "cache": {"hostPath": "/var/lib/kvmesh", "maxSize": "200G"}}},
+    {"model": {"source": "uri", "uri": "hf://org/model@v1", "cache": {"claimName": "models"}}},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
-        "local-paths", "equal-seqs-and-tokens", "equal-min-max"])
+        "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -88,7 +91,7 @@ CEL_MESSAGES = [
     ["ingress.annotations must not inject configuration snippets (*-snippet, *-snippets, config-backend…)"],
     ["redis.caBundle needs a rediss:// redis.url (TLS)"],
     ["redis.caBundle needs exactly one of configMap or secret"],
-    ["model.uri must be an absolute path inside the image; Hugging Face ids and URLs are not downloaded"],
+    ["model.uri must be an absolute path inside the image, s3://bucket/prefix or hf://org/name[@revision]"],
     ["engine.tensorParallelSize > 1 needs GPUs (gpu.count > 0)"],
     ["engine.tensorParallelSize must divide gpu.count"],
     ["engine.tensorParallelSize must divide gpu.count"],
@@ -109,9 +112,14 @@ CEL_MESSAGES = [
      "InferencePool instead",
      "router.mode inference-pool needs router.enabled (the endpoint picker is the router)",
      "router.exposeRouteHeaders is a kvmesh router flag; router.mode inference-pool has none"],
-    ["model.uri must be an absolute path inside the image; Hugging Face ids and URLs are not downloaded",
+    ["model.uri must be an absolute path inside the image, s3://bucket/prefix or hf://org/name[@revision]",
      "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face ids and URLs "
      "are not downloaded"],
+    ["model.uri must be an absolute path inside the image, s3://bucket/prefix or hf://org/name[@revision]"],
+    ["model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri",
+     "model.cache takes hostPath or claimName, not both"],
+    ["engine.runtime vllm needs a model.uri inside the image: s3:// and hf:// models are fetched for runtime "
+     "kvmesh"],
 ]
 
 

@@ -514,3 +514,30 @@ async def test_an_hpa_owning_replicas_is_not_fought(cluster: Any) -> None:
     assert _writes_to_children(window) == []
     assert obj(server, "apps/v1/deployments", "hpa-engine")["spec"]["replicas"] == 4
     assert not [e for e in _events(server) if e[0] == "Reverted"]
+
+
+FETCH_ERROR = ("kvmesh fetch: error: s3://models/team/llama: the store refused the credentials "
+               "(SignatureDoesNotMatch): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+
+
+async def test_a_remote_model_is_fetched_first_and_a_failed_fetch_is_shown(cluster: Any) -> None:
+    server = cluster
+    await _create(server, "s3m", {"model": {"source": "uri", "uri": "s3://models/team/llama",
+                                            "credentials": {"secretName": "s3-creds"}}})
+    dep = await wait_for(lambda: obj(server, "apps/v1/deployments", "s3m-engine"), what="the engine Deployment")
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert (init["name"], init["args"]) == ("fetch-model", ["fetch", "s3://models/team/llama"])
+    await wait_for(lambda: _cond(_cr(server, "s3m"), "ModelReady").get("reason") == "AwaitingPods",
+                   what="ModelReady AwaitingPods")
+    # play the kubelet: an engine pod whose fetch-model container exited 2 with kvmesh fetch's message
+    await _post(server, f"/api/v1/namespaces/{NAMESPACE}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "s3m-engine-7d9f", "namespace": NAMESPACE,
+                     "labels": {"app.kubernetes.io/component": "engine", "kvmesh.io/inference-service": "s3m"}},
+        "spec": {"containers": [{"name": "engine", "image": "kvmesh"}]},
+        "status": {"initContainerStatuses": [{"name": "fetch-model", "state": {"terminated": {
+            "exitCode": 2, "reason": "Error", "message": "INFO fetching ...\n" + FETCH_ERROR}}}]}})
+    cr = await wait_for(lambda: (c := _cr(server, "s3m")) and _cond(c, "ModelReady").get("reason") == "FetchFailed"
+                        and c, what="ModelReady FetchFailed")
+    assert _cond(cr, "ModelReady")["message"] == FETCH_ERROR
+    assert (_cond(cr, "Ready")["reason"], _cond(cr, "Ready")["message"]) == ("ModelNotReady", FETCH_ERROR)

@@ -31,9 +31,15 @@ def _validate(obj: dict[str, Any]) -> None:
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("spec_name", ["minimal", "full", "hpa", "no-router", "cpu"])
+REMOTE = {"model": {"source": "uri", "uri": "s3://models/team/tiny-llama", "endpoint": "http://minio:9000",
+                    "credentials": {"secretName": "s3-creds", "accessKeyIdKey": "access",
+                                    "secretAccessKeyKey": "secret"},
+                    "cache": {"hostPath": "/var/lib/kvmesh/models", "maxSize": "200G"}}}
+
+
+@pytest.mark.parametrize("spec_name", ["minimal", "full", "hpa", "no-router", "cpu", "remote"])
 def test_every_built_object_is_valid_kubernetes(spec_name: str) -> None:
-    svc = {"minimal": _svc(), "full": _full(),
+    svc = {"minimal": _svc(), "full": _full(), "remote": _svc(REMOTE),
            "hpa": _svc({"model": {}, "autoscaling": {"enabled": True, "mode": "hpa"}}),
            "no-router": _svc({"model": {"source": "uri", "uri": "/opt/model"}, "router": {"enabled": False},
                               "ingress": {"enabled": True}}),
@@ -102,6 +108,41 @@ def test_engine_deployment_minimal() -> None:
     assert pod["spec"]["securityContext"]["runAsUser"] == 10001
     assert pod["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     assert "nodeSelector" not in pod["spec"] and "tolerations" not in pod["spec"]
+
+
+def test_a_remote_model_is_fetched_by_an_init_container_into_the_node_cache() -> None:
+    svc = _svc(REMOTE)
+    pod = R.build_engine_deployment(svc, OWNER, 1)["spec"]["template"]["spec"]
+    fetch_env = [
+        {"name": "KVMESH_MODEL_CACHE_DIR", "value": "/var/cache/kvmesh/models"},
+        {"name": "HF_HUB_CACHE", "value": "/var/cache/kvmesh/models/hub"},
+        {"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"},
+        {"name": "KVMESH_MODEL_CACHE_MAX_SIZE", "value": "200G"},
+        *({"name": var, "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": key, "optional": True}}}
+          for var, key in (("AWS_ACCESS_KEY_ID", "access"), ("AWS_SECRET_ACCESS_KEY", "secret"),
+                           ("AWS_SESSION_TOKEN", "AWS_SESSION_TOKEN"), ("HF_TOKEN", "HF_TOKEN")))]
+    assert pod["initContainers"] == [{
+        "name": "fetch-model", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
+        "args": ["fetch", "s3://models/team/tiny-llama"], "env": fetch_env,
+        "volumeMounts": [{"name": "fetched-models", "mountPath": "/var/cache/kvmesh/models"},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError", "securityContext": R.CONTAINER_SECURITY}]
+    assert {"name": "fetched-models", "hostPath": {"path": "/var/lib/kvmesh/models", "type": "DirectoryOrCreate"}} \
+        in pod["volumes"]
+    (engine,) = pod["containers"]
+    # the engine resolves the same URI through the same cache: the init container's copy
+    assert engine["env"][-len(fetch_env):] == fetch_env
+    assert {"name": "fetched-models", "mountPath": "/var/cache/kvmesh/models"} in engine["volumeMounts"]
+    assert R.engine_config(svc)["model"] == "s3://models/team/tiny-llama"
+    router = R.build_router_deployment(svc, OWNER)["spec"]["template"]["spec"]
+    assert R.router_args(svc)[R.router_args(svc).index("--model") + 1] == "s3://models/team/tiny-llama"
+    assert router["containers"][0]["env"][-len(fetch_env):] == fetch_env
+    # a model inside the image, or on a claim, needs no fetch
+    assert "initContainers" not in R.build_engine_deployment(_svc(), OWNER, 1)["spec"]["template"]["spec"]
+    claim = _svc({"model": {"source": "uri", "uri": "hf://org/m@v1", "cache": {"claimName": "models"}}})
+    claim_pod = R.build_engine_deployment(claim, OWNER, 1)["spec"]["template"]["spec"]
+    assert {"name": "fetched-models", "persistentVolumeClaim": {"claimName": "models"}} in claim_pod["volumes"]
+    assert claim_pod["initContainers"][0]["args"] == ["fetch", "hf://org/m@v1"]
 
 
 def test_engine_deployment_full() -> None:

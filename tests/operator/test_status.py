@@ -168,3 +168,47 @@ def test_a_name_conflict_fails_the_service_and_says_which_object() -> None:
         "ChildrenOwned", "False", "NameConflict")
     assert st["conditions"][-1]["reason"] == "NameConflict"
     assert st["conditions"][-1]["message"] == "Service smol-engine exists and is not controlled by this InferenceService"
+
+
+REMOTE = crd.parse("smol", "team-a", {"model": {"source": "uri", "uri": "s3://models/team/llama"}})
+ERROR = ("kvmesh fetch: error: s3://models/team/llama: the store refused the credentials "
+         "(SignatureDoesNotMatch): check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+
+
+def _pod(state: dict[str, Any], last: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An engine pod whose fetch-model init container is in `state` (as the kubelet reports it)."""
+    status = {"name": "fetch-model", "state": state, **({"lastState": last} if last else {})}
+    return {"status": {"initContainerStatuses": [status]}}
+
+
+def _model(pods: list[dict[str, Any]]) -> dict[str, str]:
+    return S.conditions(REMOTE, _observed(_dep(0, 1)), 1, pods=pods)[0]
+
+
+def test_model_ready_follows_the_fetch_model_init_containers() -> None:
+    failed = {"terminated": {"exitCode": 2, "reason": "Error",
+                             "message": "INFO kvmesh.startup: fetching model (s3://models/team/llama) ...\n" + ERROR}}
+    assert _model([]) == {"type": "ModelReady", "status": "False", "reason": "AwaitingPods",
+                          "message": "no engine pod has started fetching s3://models/team/llama yet"}
+    assert _model([_pod({"waiting": {"reason": "PodInitializing"}}), _pod({"running": {}})]) == {
+        "type": "ModelReady", "status": "False", "reason": "Fetching",
+        "message": "fetching s3://models/team/llama (1 engine pod(s))"}
+    assert _model([_pod(failed)]) == {"type": "ModelReady", "status": "False", "reason": "FetchFailed",
+                                      "message": ERROR}
+    # restarted after a failure: the kubelet keeps the failure in lastState
+    assert _model([_pod({"waiting": {"reason": "CrashLoopBackOff"}}, failed)])["message"] == ERROR
+    assert _model([_pod({"running": {}}, failed)])["reason"] == "Fetching"
+    assert _model([_pod({"terminated": {"exitCode": 137, "reason": "OOMKilled"}})])["message"] == (
+        "the fetch-model container exited with code 137 (OOMKilled)")
+    assert _model([_pod(failed), _pod({"terminated": {"exitCode": 0}})]) == {
+        "type": "ModelReady", "status": "True", "reason": "Fetched",
+        "message": "s3://models/team/llama fetched by 1/2 engine pod(s)"}
+
+
+def test_a_failed_fetch_is_why_the_service_is_not_ready() -> None:
+    failed = _pod({"terminated": {"exitCode": 2, "reason": "Error", "message": ERROR}})
+    st = S.build_status(REMOTE, _observed(_dep(0, 1), _dep(1), _dep(1)), 1, 1, None, NOW, pods=[failed])
+    assert st["conditions"][-1] == {"type": "Ready", "status": "False", "reason": "ModelNotReady",
+                                    "message": ERROR, "lastTransitionTime": NOW}
+    # a model in the image has no ModelReady at all
+    assert "ModelReady" not in [c["type"] for c in S.conditions(SVC, _observed(_dep(1)), 1)]
