@@ -118,9 +118,28 @@ def _launch_moe(s: EngineShape, dtype) -> None:
                             _meta(tokens, s.top_k, dtype=torch.int64))
 
 
+LORA_RANK = 16          # --max-lora-rank's default; the q/k/v site stacks 3 parts of it
+LORA_SLOTS = 4          # --max-loras
+
+
+def _launch_lora(s: EngineShape, dtype) -> None:
+    from kvmesh.kernels import lora_triton
+    nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    seg_starts = _meta(LORA_SLOTS + 1, dtype=torch.int32)
+    seg_slots = _meta(LORA_SLOTS, dtype=torch.int32)
+    for tokens in (8, 2048):   # a decode batch (16-row tiles) and a prefill chunk (64-row tiles)
+        x = _meta(tokens, s.hidden, dtype=dtype)
+        rows = _meta(tokens, dtype=torch.int64)
+        a = _meta(LORA_SLOTS, 3 * LORA_RANK, s.hidden, dtype=dtype)         # the q/k/v site
+        b = _meta(LORA_SLOTS, nq + 2 * nkv, 3 * LORA_RANK, dtype=dtype)
+        y = lora_triton.sgmv_shrink(x, a, rows, seg_starts, seg_slots, tokens)
+        lora_triton.sgmv_expand(y, b, _meta(tokens, nq + 2 * nkv, dtype=dtype), rows, seg_starts,
+                                seg_slots, tokens)
+
+
 # Each entry calls public kernel functions as the engine does for one (shape, dtype).
 LAUNCHES: tuple[Callable[[EngineShape, torch.dtype], None], ...] = (
-    _launch_norm_rope_cache, _launch_attention, _launch_moe,
+    _launch_norm_rope_cache, _launch_attention, _launch_moe, _launch_lora,
 )
 
 
@@ -168,7 +187,7 @@ def _recording(dtype: torch.dtype, shape: EngineShape, out: dict) -> Iterator[No
     """Inside: `kernel[grid](...)` records a Variant instead of launching; the GPU (16-bit tl.dot) path."""
     from triton.runtime.jit import JITFunction
 
-    from kvmesh.kernels import fused_moe, paged_attention, prefill_attention
+    from kvmesh.kernels import fused_moe, lora_triton, paged_attention, prefill_attention
 
     def record(fn, grid):
         def launch(*args, num_warps=4, num_stages=3, **kwargs):
@@ -195,16 +214,17 @@ def _recording(dtype: torch.dtype, shape: EngineShape, out: dict) -> Iterator[No
                 out[v.key] = v
         return launch
 
-    saved = (JITFunction.__getitem__, paged_attention.upcast_operands, prefill_attention.upcast_operands,
-             fused_moe.upcast_operands)
+    modules = (paged_attention, prefill_attention, fused_moe, lora_triton)
+    saved = (JITFunction.__getitem__, *(m.upcast_operands for m in modules))
     JITFunction.__getitem__ = record
-    for module in (paged_attention, prefill_attention, fused_moe):
+    for module in modules:
         module.upcast_operands = lambda t: False
     try:
         yield
     finally:
         JITFunction.__getitem__ = saved[0]
-        paged_attention.upcast_operands, prefill_attention.upcast_operands, fused_moe.upcast_operands = saved[1:]
+        for module, fn in zip(modules, saved[1:]):
+            module.upcast_operands = fn
 
 
 def engine_variants() -> list[Variant]:
@@ -285,7 +305,7 @@ def compile_variant(v: Variant, cc: int) -> Resources:
 
 _SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_G", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_K",
           "BLOCK_D", "NUM_SPLITS", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
-          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP")
+          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND")
 
 
 def describe(v: Variant) -> str:

@@ -1,11 +1,11 @@
 """kvmesh: Kubernetes-native LLM serving.
 
-    from kvmesh import LLM, SamplingParams
+    from kvmesh import LLM, LoRARequest, SamplingParams
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from kvmesh.engine.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from kvmesh.engine.lora.request import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from kvmesh.engine.sampling_params import SamplingParams
         return SamplingParams

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvmesh.api.body_limit import BodySizeLimit
 from kvmesh.api.tool_parsers import ToolParser
 from kvmesh.api.errors import APIError, error_response
+from kvmesh.api.lora import LoadLoRAAdapterRequest, ServedLoRAs, UnloadLoRAAdapterRequest
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.api.openapi import error_responses, finish_openapi
 from kvmesh.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -37,7 +39,7 @@ logger = logging.getLogger("kvmesh.api")
 OPEN_PATHS = ("/health", "/ready", "/metrics")
 # NOTE: admin endpoints change state shared by every client: they need a key even where the
 # OpenAI routes are open (--admin-api-key, else --api-key).
-ADMIN_PATHS = ("/reset_prefix_cache",)
+ADMIN_PATHS = ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _JSON = b"application/json"
 LOADING_RETRY_AFTER_S = 5     # Retry-After of a request answered 503 while the model loads
 
@@ -86,6 +88,7 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)   # kvmesh serve's --max-* flags
     tool_parser: ToolParser | None = None   # --tool-call-parser (None: chosen from the template)
     pooling: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings (--pooling)
+    loras: ServedLoRAs = field(default_factory=ServedLoRAs)  # LoRA adapters served as models
     created: int = field(default_factory=now_s)
 
     def context(self) -> ServingContext:
@@ -209,8 +212,11 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         this server does not serve."""
         ctx = state.context()
         if model is not None and model != ctx.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
-                           param="model")
+            lora = state.loras.get(model)
+            if lora is None:
+                raise APIError(404, f"The model `{model}` does not exist.",
+                               code="model_not_found", param="model")
+            return dataclasses.replace(ctx, model_name=model, lora_request=lora)
         return ctx
 
     @app.get("/health", responses=error_responses(503))
@@ -243,7 +249,8 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             {"id": ctx.model_name, "object": "model", "created": state.created,
              "owned_by": "kvmesh", "max_model_len": ctx.max_model_len,
              # NOTE: not in OpenAI's or vLLM's model card: what `--dtype auto` chose, for clients
-             "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch.")}]}
+             "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch.")},
+            *state.loras.model_cards(state.created, ctx.max_model_len)]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):
@@ -295,6 +302,23 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                            "blocks; retry when the server is idle", code="prefix_cache_in_use")
         return {"status": "ok"}
 
+    def lora_engine() -> AsyncLLMEngine:
+        ctx = state.context()
+        if ctx.engine.engine.lora is None:
+            raise APIError(400, "this server serves no LoRA adapters; start it with --enable-lora",
+                           code="lora_not_enabled")
+        return ctx.engine
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses=error_responses(400, 401, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await state.loras.load(lora_engine(), body))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses=error_responses(400, 401, 404, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await state.loras.unload(lora_engine(), body))
+
     # NOTE: the API key is checked before the body is read; the body's size before it is parsed.
     return RequestContextMiddleware(  # type: ignore[return-value]
         BodySizeLimit(app, state.limits.max_request_body_bytes), state)
@@ -309,7 +333,9 @@ def _serve_openapi(app: FastAPI, state: ServerState) -> None:
         if app.openapi_schema is not None:
             return app.openapi_schema
         loaded = state.engine is not None and state.ready
-        doc = finish_openapi(fastapi_openapi(), state.model_name if loaded else None,
+        # NOTE: with --enable-lora the served names change at run time: no `model` enum then
+        fixed_name = loaded and state.engine.engine.lora is None
+        doc = finish_openapi(fastapi_openapi(), state.model_name if fixed_name else None,
                              state.engine.engine.vocab_size if loaded else None,
                              state.max_model_len if loaded else None, state.limits,
                              state.engine.engine.loaded.config.hidden_size if loaded else None)

@@ -176,6 +176,28 @@ class EngineMetrics(EngineObserver):
         g.add_metric(list(labels.values()), 1.0)
         return g
 
+    def _lora_requests_info(self, prefix: str) -> GaugeMetricFamily | None:
+        """vLLM's LoRA gauge (--enable-lora only): the adapters of running and of waiting
+        requests, comma-separated, and --max-loras as labels; the value is the time it was read
+        (a reader keeps the newest series). Endpoint pickers read it for adapter affinity."""
+        e = self.engine
+        if e is None or e.lora is None:
+            return None
+        sched = e.scheduler
+
+        def names(requests) -> str:
+            return ",".join(sorted({r.lora_request.lora_name for r in list(requests)
+                                    if r.lora_request is not None}))
+
+        waiting = [*sched.waiting, *sched.swapped]
+        labels = {"max_lora": str(e.config.max_loras),
+                  "waiting_lora_adapters": names(waiting),
+                  "running_lora_adapters": names(sched.running)}
+        g = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
+                              labels=list(labels))
+        g.add_metric(list(labels.values()), time.time())
+        return g
+
     # ---- prometheus_client collector protocol ---------------------------------------------
     def collect(self):
         labels = ["model_name"]
@@ -191,9 +213,9 @@ class EngineMetrics(EngineObserver):
                     c = CounterMetricFamily(f"{prefix}:{name}", help_, labels=labels)
                     c.add_metric(values, self.counters[name])
                     yield c
-                info = self._cache_config_info(prefix)
-                if info is not None:
-                    yield info
+                for info in (self._cache_config_info(prefix), self._lora_requests_info(prefix)):
+                    if info is not None:
+                        yield info
                 c = CounterMetricFamily(f"{prefix}:request_success", "Finished requests by reason.",
                                         labels=labels + ["finished_reason"])
                 for reason, count in sorted(self.success.items()):

@@ -23,6 +23,7 @@ import uvicorn
 
 from kvmesh.api import tool_parsers
 from kvmesh.api.app import ServerState, create_app, warm_up
+from kvmesh.api.lora import LoRAModulePath
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", default=field_default(PoolingParams, "pooling"), choices=POOLING_TYPES,
                    help="/v1/embeddings: pool the hidden states after the final norm by the last "
                    "token or the mean of all tokens (L2-normalised)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served at start (needs --enable-lora): name=path, or JSON "
+                   '{"name": ..., "path": ..., "base_model_name": ...}; each is a model name')
     _add_limit_args(p)
     kv_publishing.add_args(p)
     add_engine_args(p)
@@ -148,6 +152,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     from kvmesh.engine.engine import LLMEngine
     try:
         engine = LLMEngine(config, kv_connector=kv_publishing.kv_connector(args))
+        _register_lora_modules(state, engine, getattr(args, "lora_module_paths", []))
         metrics = EngineMetrics(engine.model_name, engine)
         engine.add_observer(metrics)
         async_engine = AsyncLLMEngine(
@@ -173,6 +178,28 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     except Exception as e:  # noqa: BLE001 - shown by /health; the pod restarts
         logger.exception("model loading failed")
         state.load_error = f"model loading failed: {e}"
+
+
+def lora_module_paths(args: argparse.Namespace, config: EngineConfig) -> list[LoRAModulePath]:
+    """--lora-modules parsed; ValueError for a bad entry, a repeated name or no --enable-lora."""
+    modules = [LoRAModulePath.parse(s) for s in args.lora_modules or ()]
+    if modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [m.name for m in modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora-modules: adapter name {dup[0]!r} is given twice")
+    return modules
+
+
+def _register_lora_modules(state: ServerState, engine, modules: list[LoRAModulePath]) -> None:
+    """Load the --lora-modules adapters before serving (a refused one fails the start-up)."""
+    state.loras.base_model_name = engine.model_name
+    for m in modules:
+        req = state.loras.new_request(m.name, m.path, m.base_model_name)
+        engine.add_lora(req)
+        state.loras.adapters[m.name] = req
+        logger.info("LoRA adapter %s loaded from %s", m.name, m.path)
 
 
 def make_lifespan(state: ServerState, config: EngineConfig, args: argparse.Namespace):
@@ -215,6 +242,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         config = dataclasses.replace(engine_config_from_args(args),
                                      enable_kv_events=bool(args.redis_url) or zmq_events is not None)
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
+        args.lora_module_paths = lora_module_paths(args, config)
         init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)

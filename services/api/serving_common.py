@@ -21,6 +21,7 @@ from kvmesh.engine.async_engine import (AsyncLLMEngine, ClientTooSlowError, Engi
 from kvmesh.engine.input_processor import InputProcessor
 from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
@@ -35,6 +36,8 @@ class ServingContext:
     model_name: str
     max_model_len: int
     tool_parser: ToolParser | None = None   # --tool-call-parser (None: chosen from the template)
+    # the adapter the request's `model` names (model_name is then the adapter's); None: the base
+    lora_request: LoRARequest | None = None
 
     @property
     def tokenizer(self):
@@ -175,7 +178,7 @@ async def admit(ctx: ServingContext, req: _SamplingFields, admissions: list[Admi
             streams.append(await ctx.engine.add_request(
                 a.request_id, a.prompt, a.params, req.priority, req.cache_salt,
                 prompt_ids=a.prompt_ids, trace_context=trace_context,
-                final_only=not req.stream))
+                final_only=not req.stream, lora_request=ctx.lora_request))
     except BaseException:
         await close_all(streams)
         raise

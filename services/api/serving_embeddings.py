@@ -49,7 +49,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, http: HTT
             streams.append(await ctx.engine.add_request(
                 f"{request_id}-{i}", text if text is not None else ids, _POOLING_SAMPLING,
                 req.priority, req.cache_salt, prompt_ids=ids,
-                trace_context=current_context("embeddings"), pooling=pooling))
+                trace_context=current_context("embeddings"), pooling=pooling,
+                lora_request=ctx.lora_request))
     except BaseException:
         await close_all(streams)
         raise

@@ -11,7 +11,8 @@ equal prefixes. The encoding is canonical and machine independent:
 canonical JSON = a list, sorted keys, separators "," and ":", ASCII only; no extra keys = b"[]".
 root_hash(seed) = SHA-256(b"kvmesh-root-v1\\0" || JSON of the seed); it is block 0's parent.
 The cache salt is an extra key of block 0 only ({"cache_salt": salt}); the chain carries it into
-every later block. Only FULL blocks are hashed.
+every later block. A LoRA adapter's name is one too ({"lora_name": name}, after the salt), so two
+adapters (or an adapter and the base model) never share a block. Only FULL blocks are hashed.
 """
 from __future__ import annotations
 
@@ -76,17 +77,22 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = 
     return h.digest()
 
 
-def _salt_keys(cache_salt: str | None) -> tuple:
-    return () if cache_salt is None else ({"cache_salt": cache_salt},)
+def _block0_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+    keys = () if cache_salt is None else ({"cache_salt": cache_salt},)
+    # NOTE: the name, as vLLM's prefix cache keys an adapter: a router computes it from the
+    # request's `model` alone. Reusing a name for other weights must reset the prefix cache.
+    return keys if lora_name is None else (*keys, {"lora_name": lora_name})
 
 
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, *, seed: str | int = "kvmesh",
                        cache_salt: str | None = None, start: int = 0,
-                       parent: BlockHash | None = None) -> list[BlockHash]:
+                       parent: BlockHash | None = None,
+                       lora_name: str | None = None) -> list[BlockHash]:
     """Chained hashes of every FULL block of `token_ids`.
 
     `start` is a token offset (a multiple of block_size) where hashing begins; when it is > 0,
-    `parent` must be the hash of the block just before it. The cache salt only enters block 0.
+    `parent` must be the hash of the block just before it. The cache salt and the LoRA adapter's
+    name only enter block 0.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -99,7 +105,7 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, *, seed: str |
     hashes: list[BlockHash] = []
     end = len(token_ids) - len(token_ids) % block_size
     for pos in range(start, end, block_size):
-        extra = _salt_keys(cache_salt) if pos == 0 else ()
+        extra = _block0_keys(cache_salt, lora_name) if pos == 0 else ()
         parent = hash_block(parent, token_ids[pos:pos + block_size], extra)
         hashes.append(parent)
     return hashes
@@ -107,7 +113,8 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, *, seed: str |
 
 def extend_block_hashes(existing: list[BlockHash], token_ids: Sequence[int], block_size: int,
                         seed: str | int = "kvmesh",
-                        cache_salt: str | None = None) -> list[BlockHash]:
+                        cache_salt: str | None = None,
+                        lora_name: str | None = None) -> list[BlockHash]:
     """Append (in place) the hashes of blocks that became full since `existing` was computed.
 
     Returns the newly appended hashes. O(1) when no block became full (the decode fast path).
@@ -116,7 +123,8 @@ def extend_block_hashes(existing: list[BlockHash], token_ids: Sequence[int], blo
     if start + block_size > len(token_ids):
         return []
     new = hash_prompt_blocks(token_ids, block_size, seed=seed, cache_salt=cache_salt,
-                             start=start, parent=existing[-1] if existing else None)
+                             start=start, parent=existing[-1] if existing else None,
+                             lora_name=lora_name)
     existing.extend(new)
     return new
 
@@ -144,8 +152,9 @@ class BlockHasher:
         self.seed = seed
 
     def __call__(self, request) -> None:
-        """request: anything with block_hashes, all_token_ids and cache_salt (engine.Request)."""
+        """request: anything with block_hashes, all_token_ids, cache_salt and lora_name
+        (engine.Request)."""
         hashes = request.block_hashes
         if (len(hashes) + 1) * self.block_size <= len(request.all_token_ids):
             extend_block_hashes(hashes, request.all_token_ids, self.block_size, self.seed,
-                                request.cache_salt)
+                                request.cache_salt, request.lora_name)

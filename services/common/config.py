@@ -55,6 +55,10 @@ class EngineConfig:
     enable_kv_events: bool = False         # record KV events (on when a prefix index consumes them)
     cpu_threads: int | None = None         # torch CPU threads (per rank); None: torch's default (all cores; cores / N with tensor parallelism)
     tensor_parallel_size: int = 1          # ranks (one per device) the model is split over; 1: no worker processes
+    enable_lora: bool = False              # serve LoRA adapters (vLLM's --enable-lora)
+    max_loras: int = 1                     # distinct adapters in one step (device slots)
+    max_lora_rank: int = 16                # largest adapter rank; every slot is sized for it
+    max_cpu_loras: int | None = None       # adapters kept read in host memory (LRU); None: max_loras
     sjf_aging_tokens_per_s: float = 64.0   # SJF: predicted work forgiven per second waited
     dynamic_weights: DynamicPriorityWeights = field(default_factory=DynamicPriorityWeights)
     # NOTE: cost model for preemption mode "auto": recompute costs tokens / throughput, swap
@@ -107,6 +111,11 @@ class EngineConfig:
              f"cpu_threads must be >= 1, got {self.cpu_threads}")
         need(self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_lora:
+            need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+            need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+            need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget once the model's context length is known."""
@@ -224,6 +233,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help="torch CPU threads (default: all cores); 1 when processes share few cores")
     flag("--tensor-parallel-size", "-tp", type=int,
          help="split the model over N devices (worker processes; NCCL on CUDA, gloo on CPU)")
+    flag("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)")
+    flag("--max-loras", type=int, help="LoRA: distinct adapters in one batch")
+    flag("--max-lora-rank", type=int, help="LoRA: the largest adapter rank accepted")
+    flag("--max-cpu-loras", type=int,
+         help="LoRA: adapters kept read in host memory, an LRU (default: --max-loras)")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -17,7 +17,8 @@ class BlockStored:
     token_ids: list[int]                 # the tokens of all the blocks, concatenated
     block_size: int                      # tokens per block
     medium: str = "gpu"                  # tier holding the blocks (gpu / cpu)
-    lora_id: int | None = None           # vLLM field; kvmesh has no LoRA yet
+    lora_id: int | None = None           # the LoRA adapter's id on its engine (None: base model)
+    lora_name: str | None = None         # the adapter's name, chained into the block hashes
 
     def to_dict(self) -> dict:
         return {"type": "BlockStored",
@@ -25,7 +26,7 @@ class BlockStored:
                 "parent_block_hash": (None if self.parent_block_hash is None
                                       else self.parent_block_hash.hex()),
                 "token_ids": list(self.token_ids), "block_size": self.block_size,
-                "medium": self.medium, "lora_id": self.lora_id}
+                "medium": self.medium, "lora_id": self.lora_id, "lora_name": self.lora_name}
 
     @staticmethod
     def from_dict(d: dict) -> KVCacheEvent:
@@ -68,7 +69,7 @@ def event_from_dict(d: dict) -> KVCacheEvent:
         return BlockStored([bytes.fromhex(h) for h in d["block_hashes"]],
                            None if parent is None else bytes.fromhex(parent),
                            [int(t) for t in d["token_ids"]], int(d["block_size"]),
-                           d.get("medium", "gpu"), d.get("lora_id"))
+                           d.get("medium", "gpu"), d.get("lora_id"), d.get("lora_name"))
     if kind == "BlockRemoved":
         return BlockRemoved([bytes.fromhex(h) for h in d["block_hashes"]], d.get("medium", "gpu"))
     if kind == "AllBlocksCleared":

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable, Iterator
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest, PromptInput
 from kvmesh.engine.limits import RequestLimits
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
@@ -50,6 +51,14 @@ class _Stream:
 class _ResetPrefixCache:
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future              # the engine's answer: True when the cache was reset
+
+
+@dataclass(slots=True)
+class _EngineCall:
+    """A call made on the engine thread between two steps (adapters: add, remove)."""
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future              # the call's result, or its exception
+    fn: Callable[[], object]
 
 
 class RequestStream:
@@ -148,7 +157,8 @@ class AsyncLLMEngine:
                           priority: int = 0, cache_salt: str | None = None,
                           prompt_ids: list[int] | None = None,
                           trace_context=None, final_only: bool = False,
-                          pooling: PoolingParams | None = None) -> "RequestStream":
+                          pooling: PoolingParams | None = None,
+                          lora_request: LoRARequest | None = None) -> "RequestStream":
         """Admit a request and return its output stream. Every refusal (EngineDeadError,
         QueueFullError, ValueError) is raised here, before any output, so a server can still
         answer with a proper status code; iterate the stream to its end or close it (aclose).
@@ -157,7 +167,7 @@ class AsyncLLMEngine:
         which holds the whole result; nothing queues behind a reader that waits for it.
         With `pooling` it is an embeddings request: one output, carrying the embedding."""
         stream = self._submit(request_id, prompt, params, priority, cache_salt, prompt_ids,
-                              trace_context, final_only, pooling)
+                              trace_context, final_only, pooling, lora_request)
         try:
             await stream.accepted
         except BaseException:
@@ -183,7 +193,8 @@ class AsyncLLMEngine:
     def _submit(self, request_id: str, prompt: PromptInput, params: SamplingParams,
                 priority: int, cache_salt: str | None, prompt_ids: list[int] | None,
                 trace_context, final_only: bool = False,
-                pooling: PoolingParams | None = None) -> _Stream:
+                pooling: PoolingParams | None = None,
+                lora_request: LoRARequest | None = None) -> _Stream:
         """Build the validated request on the caller's thread and queue it for the engine thread."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
@@ -191,7 +202,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine is shut down")
         request = self.engine.input_processor.process(
             request_id, prompt, params, prompt_ids=prompt_ids, priority=priority,
-            cache_salt=cache_salt, trace_context=trace_context, pooling=pooling)
+            cache_salt=cache_salt, trace_context=trace_context, pooling=pooling,
+            lora_request=lora_request)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_capacity(1)
@@ -218,6 +230,24 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return await cmd.done
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter: read and checked on a worker thread (LoRAAdapterError, nothing
+        changed), then cached between two steps, so no step sees it half loaded."""
+        lora = await asyncio.to_thread(self.engine.read_lora, lora_request)
+        return await self._call(lambda: self.engine.add_lora(lora))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(lambda: self.engine.remove_lora(lora_int_id))
+
+    async def _call(self, fn: Callable[[], object]):
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        cmd = _EngineCall(loop, loop.create_future(), fn)
+        self._commands.put(cmd)
+        self._wakeup.set()
+        return await cmd.done
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
@@ -237,6 +267,11 @@ class AsyncLLMEngine:
                 self._apply_add(cmd)
             elif isinstance(cmd, _ResetPrefixCache):
                 self._apply_reset(cmd)
+            elif isinstance(cmd, _EngineCall):
+                try:
+                    _resolve(cmd.loop, cmd.done, result=cmd.fn())
+                except Exception as e:  # noqa: BLE001  (the caller's error, raised where it waits)
+                    _resolve(cmd.loop, cmd.done, error=e)
             else:
                 self.engine.abort_request(cmd[1])
 
@@ -320,7 +355,7 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             _resolve(stream.loop, stream.accepted, error=err)
         for cmd in self._queued_commands():
-            if isinstance(cmd, _ResetPrefixCache):
+            if isinstance(cmd, (_ResetPrefixCache, _EngineCall)):
                 _resolve(cmd.loop, cmd.done, error=err)
 
 

@@ -120,9 +120,11 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes,
-                         parent_hash: bytes | None, token_ids: Sequence[int]) -> bool:
+                         parent_hash: bytes | None, token_ids: Sequence[int],
+                         lora_id: int | None = None, lora_name: str | None = None) -> bool:
         """Register a full block under its hash; False when caching is off or another block
-        already holds the hash (this one then stays uncached and is simply freed later)."""
+        already holds the hash (this one then stays uncached and is simply freed later).
+        `lora_id` / `lora_name`: the adapter whose KV it holds, for the event."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached:
@@ -131,7 +133,7 @@ class BlockPool:
         block.block_hash = block_hash
         if self.enable_events:
             self._events.append(BlockStored([block_hash], parent_hash, list(token_ids),
-                                            len(token_ids), self.medium))
+                                            len(token_ids), self.medium, lora_id, lora_name))
         return True
 
     def reset_prefix_cache(self) -> bool:

@@ -18,6 +18,9 @@ from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.fingerprint import model_fingerprint
 from kvmesh.engine.kv_connector import KVConnector, KVConnectorContext, KVConnectorFactory
 from kvmesh.engine.loader import LoadedModel, load_model
+from kvmesh.engine.lora import LoRARequest
+from kvmesh.engine.lora.adapter import LoRAModel
+from kvmesh.engine.lora.manager import LoRAManager, lora_manager
 from kvmesh.engine.gpu_memory import kv_cache_bytes, log_kv_budget, profile_device_memory
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes, kv_block_layout
@@ -132,6 +135,8 @@ class LLMEngine:
         """The block bookkeeping (KVCacheManager) and the runner holding the cache tensors
         (it offers computed prompt blocks to the connector)."""
         config, mc = self.config, self.loaded.config
+        # NOTE: before the runner: its sites live in the model's layers
+        self.lora: LoRAManager | None = lora_manager(self.loaded, config) if config.enable_lora else None
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
                                          enable_events=config.enable_kv_events)
@@ -140,7 +145,8 @@ class LLMEngine:
                            f"GiB; swap space {config.swap_space:g} GiB"):
             if self.executor is not None:
                 self.runner = self.executor.make_runner(self.loaded, config.block_size,
-                                                        num_gpu_blocks, num_cpu_blocks, config.seed)
+                                                        num_gpu_blocks, num_cpu_blocks, config.seed,
+                                                        lora=self.lora)
             else:
                 self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers,
                                           self._local_kv_heads(), mc.head_dim, config.block_size,
@@ -149,7 +155,8 @@ class LLMEngine:
                                           kv_connector=self.kv_share,
                                           options=runner_options(config, self.loaded.device,
                                                                  self.loaded.attention_backend,
-                                                                 self.max_model_len))
+                                                                 self.max_model_len),
+                                          lora=self.lora)
 
     def _build_connector(self, factory: KVConnectorFactory | None) -> KVConnector | None:
         """--kv-share: the store of other pods' KV blocks (None: no cross-pod KV bytes).
@@ -176,6 +183,10 @@ class LLMEngine:
                                    self.block_bytes, kv_connector=self.kv_share,
                                    structured=self.structured)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len)
+        if self.lora is not None:
+            sched = self.scheduler
+            self.lora.in_use = lambda: {r.lora_request.lora_int_id for r in sched.requests.values()
+                                        if r.lora_request is not None}
         self._groups: dict[str, _Group] = {}
         self.output = OutputProcessor(self.scheduler, self._groups)
 
@@ -226,7 +237,8 @@ class LLMEngine:
     def add_request(self, request: EngineRequest | str, prompt: PromptInput | None = None,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    prompt_text: str | None = None, trace_context=None) -> None:
+                    prompt_text: str | None = None, trace_context=None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. The front ends (AsyncLLMEngine, LLM) pass an `EngineRequest` from
         `self.input_processor`, trusted as is; a request id with a raw `prompt` (text or token
         ids; scripts and benchmarks) and the other arguments goes through that processor first.
@@ -235,10 +247,17 @@ class LLMEngine:
         if not isinstance(request, EngineRequest):
             request = self.input_processor.process(
                 request, prompt, params, prompt_text=prompt_text, priority=priority,
-                cache_salt=cache_salt, arrival_time=arrival_time, trace_context=trace_context)
+                cache_salt=cache_salt, arrival_time=arrival_time, trace_context=trace_context,
+                lora_request=lora_request)
         request_id, params = request.request_id, request.params
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora = request.lora_request
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} requested, but this engine "
+                                 "serves none; start it with --enable-lora")
+            self.lora.ensure(lora)            # LoRAAdapterError (a ValueError): nothing changed
         prompt_ids = list(request.prompt_token_ids)
         assert len(prompt_ids) < self.max_model_len or (
             request.pooling is not None and len(prompt_ids) == self.max_model_len), \
@@ -256,7 +275,7 @@ class LLMEngine:
                                    eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                                    max_model_len=self.max_model_len, sample_index=i,
                                    parent_id=request_id, generator=gen,
-                                   pooling=request.pooling))
+                                   pooling=request.pooling, lora_request=lora))
         if params.structured_outputs is not None:
             self.structured.attach(request_id, samples, params.structured_outputs)
         self.scheduler.add_request(samples[0])
@@ -267,6 +286,31 @@ class LLMEngine:
                                           [0] * len(samples))
         for obs in self.observers:
             obs.on_request_added(request_id, samples, request.trace_context)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------
+    def _require_lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with --enable-lora")
+        return self.lora
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and check an adapter against the model without changing anything (any thread:
+        `add_lora` of the result is then the only step on the engine thread)."""
+        return self._require_lora().read(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest | LoRAModel) -> bool:
+        """Load an adapter into the host cache (LoRAAdapterError when it cannot be served);
+        False when its id is loaded already."""
+        manager = self._require_lora()
+        lora = (lora_request if isinstance(lora_request, LoRAModel)
+                else manager.read(lora_request))
+        return manager.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._require_lora().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else self.lora.list_loras()
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[str]:
         """Abort unfinished requests; returns the ids that were still unfinished."""

@@ -55,6 +55,8 @@ class BatchInput:
     starts: list[int]
     query_lens: list[int]
     tables: list[list[int]]
+    # --enable-lora: per sequence its adapter slot (-1: base); None when no sequence has one
+    lora_slots: list[int] | None = None
 
     def to_model_input(self) -> ModelInput:
         """The same step as plain lists (what a tensor-parallel driver sends its workers)."""
@@ -62,7 +64,8 @@ class BatchInput:
         seq_lens = [s + q for s, q in zip(self.starts, self.query_lens)]
         return ModelInput(list(self.token_ids), positions, list(self.query_lens), seq_lens,
                           [list(t) for t in self.tables], list(self.sample_list),
-                          list(self.logit_passes))
+                          list(self.logit_passes),
+                          [] if self.lora_slots is None else list(self.lora_slots))
 
 
 @dataclass(slots=True)
@@ -222,6 +225,8 @@ class InputBatch:
         self._qlens: list[int] = []
         self._seq_lens: list[int] = []
         self._tables: list[list[int]] = []
+        self._lora_slots: list[int] = []
+        self._any_lora = False
         self._upd_rows: list[int] = []
         self._upd_cols: list[int] = []
         self._upd_vals: list[int] = []
@@ -236,9 +241,10 @@ class InputBatch:
         return len(self._rows)
 
     def add(self, key: str, all_token_ids: Sequence[int], start: int, num_tokens: int,
-            table: list[int]) -> int:
+            table: list[int], lora_slot: int = -1) -> int:
         """Add one sequence computing `all_token_ids[start:start + num_tokens]` (its KV blocks:
-        `table`, the live list, mirrored incrementally by `key`); returns its first token's row."""
+        `table`, the live list, mirrored incrementally by `key`; `lora_slot`: its adapter's
+        slot, -1 for the base model); returns its first token's row."""
         first = len(self._token_ids)
         if num_tokens == 1:
             self._token_ids.append(all_token_ids[start])
@@ -249,6 +255,9 @@ class InputBatch:
         self._qlens.append(num_tokens)
         self._seq_lens.append(start + num_tokens)
         self._tables.append(table)
+        self._lora_slots.append(lora_slot)
+        if lora_slot >= 0:
+            self._any_lora = True
         return first
 
     def finish(self, sample_rows: list[int], logit_passes: list[tuple[int, int]] = (),
@@ -333,17 +342,19 @@ class InputBatch:
         )
         return BatchInput(self.ids[:N], self.pos[:N], meta, self.samples[:num_samples],
                           list(sample_rows), T, S, N, list(logit_passes), self._token_ids,
-                          self._starts, self._qlens, self._tables)
+                          self._starts, self._qlens, self._tables,
+                          self._lora_slots if self._any_lora else None)
 
     def from_model_input(self, step: ModelInput) -> BatchInput:
         """A step given as lists (a tensor-parallel worker): its rows are keyed by position."""
         self.begin()
         offset = 0
+        slots = step.lora_slots or [-1] * len(step.query_lens)
         for i, (q, s, table) in enumerate(zip(step.query_lens, step.seq_lens, step.block_tables)):
             start = s - q
             # NOTE: the ids of the step's tokens sit at [offset, offset + q): add() reads
             # all_token_ids[start:start + q], so hand it a sequence whose `start` index is there.
-            self.add(f"#{i}", _Shifted(step.input_ids, offset - start), start, q, table)
+            self.add(f"#{i}", _Shifted(step.input_ids, offset - start), start, q, table, slots[i])
             offset += q
         return self.finish(list(step.sample_rows), list(step.logit_passes))
 

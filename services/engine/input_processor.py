@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from kvmesh.engine.limits import PRIORITY_MAX, PRIORITY_MIN, RequestLimits
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams, SamplingParamsError
 from kvmesh.engine.structured.validate import check_structured
@@ -36,6 +37,7 @@ class EngineRequest:
     arrival_time: float                 # monotonic seconds at processing: FCFS order and aging
     trace_context: object = None        # OpenTelemetry context parenting the request's spans
     pooling: PoolingParams | None = None   # an embeddings request (n == 1): pooled, not sampled
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class InputProcessor:
@@ -114,7 +116,8 @@ class InputProcessor:
                 *, prompt_ids: Sequence[int] | None = None, prompt_text: str | None = None,
                 priority: int = 0, cache_salt: str | None = None,
                 arrival_time: float | None = None, trace_context=None,
-                pooling: PoolingParams | None = None) -> EngineRequest:
+                pooling: PoolingParams | None = None,
+                lora_request: LoRARequest | None = None) -> EngineRequest:
         """The validated request, or ValueError saying what is wrong (nothing else changes).
 
         `prompt` is text or token ids. `prompt_ids` are its token ids when the caller has them
@@ -145,10 +148,12 @@ class InputProcessor:
         _check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest")
         return EngineRequest(
             request_id, tuple(ids), text if text is not None else prompt_text, params, priority,
             cache_salt, time.monotonic() if arrival_time is None else arrival_time, trace_context,
-            pooling)
+            pooling, lora_request)
 
 
 def _checked_copy(params: SamplingParams) -> SamplingParams:

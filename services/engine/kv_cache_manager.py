@@ -205,9 +205,11 @@ class KVCacheManager:
         tokens = request.all_token_ids
         blocks = self.pool.blocks
         cache = self.pool.cache_full_block
+        lora = getattr(request, "lora_request", None)
+        lora_id, lora_name = (None, None) if lora is None else (lora.lora_int_id, lora.lora_name)
         for i in range(done, num_full):
             cache(blocks[table[i]], hashes[i], hashes[i - 1] if i else None,
-                  tokens[i * bs:(i + 1) * bs])
+                  tokens[i * bs:(i + 1) * bs], lora_id, lora_name)
         self._num_cached[rid] = num_full
 
     @staticmethod

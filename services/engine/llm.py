@@ -7,6 +7,7 @@ from typing import Any, Sequence
 from kvmesh.common.config import engine_config_from_kwargs
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
@@ -49,8 +50,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base model;
+        the engine needs enable_lora=True)."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,12 +63,26 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
+        loras = self._lora_list(lora_request, len(prompts))
         # NOTE: validate everything first, so a bad prompt leaves the engine untouched.
         requests = [self.engine.input_processor.process(
                         f"llm-{next(self._ids)}", prompt, p,
-                        priority=priority[i] if priority else 0, cache_salt=cache_salt)
+                        priority=priority[i] if priority else 0, cache_salt=cache_salt,
+                        lora_request=loras[i])
                     for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for lora in dict.fromkeys(r for r in loras if r is not None):
+            if lora.lora_int_id not in self.engine.list_loras():
+                self.engine.add_lora(lora)     # a bad adapter fails before any request is added
         return self._run(requests)
+
+    @staticmethod
+    def _lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+        return loras
 
     def chat(
         self,

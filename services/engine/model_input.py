@@ -18,3 +18,4 @@ class ModelInput(msgspec.Struct, array_like=True):
     # row ranges whose logits rank 0 computes after the sampled rows' (prompt logprobs,
     # kvmesh.engine.prompt_logprobs.span_passes), in order: every rank runs the same LM-head passes
     logit_passes: list[tuple[int, int]] = []
+    lora_slots: list[int] = []      # per sequence: its LoRA slot (-1: base); [] when none has one

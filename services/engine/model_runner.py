@@ -15,6 +15,7 @@ from kvmesh.engine.cuda_graphs import CudaGraphs, padded_size
 from kvmesh.engine.input_batch import BatchInput, InputBatch
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.logit_bias import apply_logit_bias
+from kvmesh.engine.lora.manager import LoRAManager
 from kvmesh.engine.pooling import PoolSpan, pool
 from kvmesh.engine.prompt_logprobs import (PromptLogprobSpan, compute_prompt_logprobs,
                                            prompt_logprob_span, span_passes)
@@ -45,8 +46,11 @@ class ModelRunner:
                  head_dim: int, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  dtype: torch.dtype, device: torch.device, seed: int = 0,
                  kv_connector: KVConnector | None = None,
-                 options: RunnerOptions | None = None) -> None:
+                 options: RunnerOptions | None = None,
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
+        # --enable-lora: the adapters' slots and the step's mapping (its sites are in the model)
+        self.lora = lora
         # --kv-share: offered each completed prompt's blocks after the forward pass
         self.kv_connector = kv_connector
         self.block_size = block_size
@@ -132,10 +136,12 @@ class ModelRunner:
         row_ids: list[str] = []
         lp_spans: list[PromptLogprobSpan] = []
         pool_spans: list[PoolSpan] = []
-        for sr in out.scheduled:
+        lora_slots = (self.lora.slots_for([sr.request.lora_request for sr in out.scheduled])
+                      if self.lora is not None else None)
+        for i, sr in enumerate(out.scheduled):
             req = sr.request
             first = batch.add(req.request_id, req.all_token_ids, sr.start, sr.num_tokens,
-                              sr.block_ids)
+                              sr.block_ids, -1 if lora_slots is None else lora_slots[i])
             if req.sampling_params.prompt_logprobs is not None:
                 span = prompt_logprob_span(sr, first)
                 if span is not None:
@@ -203,6 +209,8 @@ class ModelRunner:
         0). A `ModelInput` (a tensor-parallel worker's step) is laid into the batch first."""
         if isinstance(step, ModelInput):
             step = self.input_batch.from_model_input(step)
+        if self.lora is not None:
+            self.lora.set_step(step.lora_slots, step.query_lens, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.sample_list:
             return hidden[:step.num_tokens], None

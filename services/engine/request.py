@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.pooling_params import PoolingParams
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class Request:
     # structured outputs: this sample's matcher; on the request, not its KV, so it survives preemption
     grammar: RequestGrammar | None = None
     pooling: PoolingParams | None = None     # an embeddings request: pooled, never sampled
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,6 +96,11 @@ class Request:
         self.block_hasher = hasher
         if hasher is not None:
             hasher(self)
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name (chained into the block hashes), None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def skip_prefix_cache(self) -> bool:

@@ -27,6 +27,9 @@ def runner_options(config: EngineConfig, device: torch.device, attention_backend
     """The options of an engine's runner: graphs (and so padding) only where they can run."""
     reason = graph_sizes_reason(device, attention_backend, config.enforce_eager,
                                 config.tensor_parallel_size)
+    if reason is None and config.enable_lora:
+        # NOTE: a step's adapter grouping is host data read by Python in every LoRA site
+        reason = "--enable-lora (the adapter grouping changes every step)"
     sizes: tuple[int, ...] = ()
     if reason is None:
         sizes = tuple(capture_sizes(config.max_num_seqs, config.cudagraph_capture_sizes,

@@ -210,8 +210,11 @@ class Scheduler:
         if st.preempted:
             return
         self.swapped.sort(key=st.key)
+        loras = self._running_loras()
         while self.swapped and st.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if not self._lora_fits(req, loras):
+                break
             num_new = self._num_new_tokens(req, st.budget)
             if num_new == 0:
                 break
@@ -233,6 +236,8 @@ class Scheduler:
             self.swapped.pop(0)
             req.status = RequestStatus.RUNNING
             self._join(self.running, req)
+            if req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
             st.stats.num_swapped_in += 1
             self._schedule_tokens(req, num_new, st)
 
@@ -247,10 +252,17 @@ class Scheduler:
             self.waiting.sort(key=st.key)
             self._waiting_unsorted = False
         idx = 0
+        loras = self._running_loras()
         while idx < len(self.waiting) and st.budget > 0 and not self.swapped:
             req = self.waiting[idx]
             if req.last_preempted_step == self.step_id:
                 idx += 1          # NOTE: never re-admit a request in the step that evicted it
+                continue
+            if not self._lora_fits(req, loras):
+                # NOTE: vLLM's rule: a request whose adapter would exceed --max-loras waits
+                # without blocking those behind it, so requests for the adapters already
+                # running keep being admitted (none of them is starved by it)
+                idx += 1
                 continue
             if self._never_fits(req.num_tokens):
                 self._finish_too_long(req)
@@ -266,6 +278,20 @@ class Scheduler:
             if not self._admit(req, st):
                 break
             self.waiting.pop(idx)
+            if req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running requests (each step runs every one of them)."""
+        if not self.config.enable_lora:
+            return set()
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether `req` may join `loras` (the running adapters) under --max-loras."""
+        lora = req.lora_request
+        return (lora is None or not self.config.enable_lora or lora.lora_int_id in loras
+                or len(loras) < self.config.max_loras)
 
     def _admit(self, req: Request, st: StepState) -> bool:
         """Seat a waiting request and give it blocks (prefix hits, remote KV, new slots);

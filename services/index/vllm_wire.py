@@ -77,7 +77,8 @@ def _to_wire(event: KVCacheEvent) -> _Stored | _Removed | _Cleared:
                        None if event.parent_block_hash is None
                        else wire_hash(event.parent_block_hash),
                        list(event.token_ids), event.block_size, event.lora_id,
-                       MEDIUMS.get(event.medium, event.medium.upper()), None, group_idx=0)
+                       MEDIUMS.get(event.medium, event.medium.upper()), event.lora_name,
+                       group_idx=0)
     if isinstance(event, BlockRemoved):
         return _Removed([wire_hash(h) for h in event.block_hashes],
                         MEDIUMS.get(event.medium, event.medium.upper()), group_idx=0)

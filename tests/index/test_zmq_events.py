@@ -306,6 +306,13 @@ def test_encoding_is_byte_identical_to_vllm():
     assert encode_batch(1.5, events) == bytes.fromhex(GOLDEN["map_form"])
 
 
+def test_a_lora_adapters_block_is_encoded_as_vllm_does():
+    """lora_id and lora_name set (vLLM 0.32's BlockStored of an adapter's blocks)."""
+    events = [BlockStored([(7).to_bytes(32, "big")], (6).to_bytes(32, "big"), [3, 4], 2,
+                          lora_id=3, lora_name="sql")]
+    assert encode_batch(2.5, events) == bytes.fromhex(GOLDEN["lora_map_form"])
+
+
 @pytest.mark.parametrize("form", ["map_form", "array_form"])
 def test_the_decoder_reads_vllms_map_and_array_forms(form):
     assert decode_batch(bytes.fromhex(GOLDEN[form])) == GOLDEN_EVENTS

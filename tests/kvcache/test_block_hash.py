@@ -138,3 +138,21 @@ def test_block_hasher_keeps_a_requests_hashes_in_step_with_its_tokens():
         BlockHasher(0)
     with pytest.raises(TypeError):
         BlockHasher(4, seed=1.5)
+
+
+def test_a_lora_adapters_name_follows_the_salt_in_block_0():
+    """Two adapters, or an adapter and the base model, never share a block hash."""
+    tokens = list(range(8))
+    keys = json.dumps([{"cache_salt": "t"}, {"lora_name": "sql"}], separators=(",", ":")).encode()
+    msg = (b"kvmesh-block-v1\x00" + root_hash() + struct.pack("<I", 4)
+           + struct.pack("<4I", 0, 1, 2, 3) + struct.pack("<I", len(keys)) + keys)
+    chain = hash_prompt_blocks(tokens, 4, cache_salt="t", lora_name="sql")
+    assert chain[0].hex() == hashlib.sha256(msg).hexdigest()
+    assert chain[1] == hash_block(chain[0], [4, 5, 6, 7])       # carried by the chain
+    a = hash_prompt_blocks(tokens, 4, lora_name="a")
+    b = hash_prompt_blocks(tokens, 4, lora_name="b")
+    base = hash_prompt_blocks(tokens, 4)
+    assert len(set(a) | set(b) | set(base)) == 6
+    grown: list[bytes] = []
+    extend_block_hashes(grown, tokens, 4, lora_name="a")
+    assert grown == a

@@ -38,6 +38,10 @@ class Attention(nn.Module):
     # NOTE: tensor parallelism (kvmesh.engine.parallel) sets the rank's group: this layer holds
     # some heads, and its o_proj output is a partial sum over the ranks.
     tp_group = None
+    # NOTE: --enable-lora gives each layer its sites (kvmesh.engine.lora.targets); they add the
+    # step's adapter terms to the q/k/v and o projections and do nothing in a base-only step.
+    lora_qkv = None
+    lora_o = None
 
     def __init__(self, hidden: int, spec: AttentionSpec, ops: ModuleType, *, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
@@ -64,11 +68,16 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:     # [T, nq + 2 * nkv]
         if self.fused_qkv:
-            return linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        w, b = fused_weights(self, (self.q_proj, self.k_proj, self.v_proj), "_qkv")
-        if w is None:
-            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return linear(x, w, b)
+            out = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        else:
+            w, b = fused_weights(self, (self.q_proj, self.k_proj, self.v_proj), "_qkv")
+            if w is None:
+                out = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            else:
+                out = linear(x, w, b)
+        if self.lora_qkv is not None:
+            self.lora_qkv.add(x, out)
+        return out
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -89,5 +98,8 @@ class Attention(nn.Module):
         # reference backend's per-metadata plan).
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.with_window(s.sliding_window),
                                      s.scale, s.softcap)                 # [T, heads, d]
-        out = linear(o.reshape(t, nq), self.o_proj.weight, self.o_proj.bias)
+        o = o.reshape(t, nq)
+        out = linear(o, self.o_proj.weight, self.o_proj.bias)
+        if self.lora_o is not None:
+            self.lora_o.add(o, out)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)

@@ -23,6 +23,8 @@ class GatedMLP(nn.Module):
     """HF names: gate_proj / up_proj / down_proj, or (fused_gate_up, Phi-3) gate_up_proj / down_proj."""
 
     tp_group = None     # tensor parallelism: down_proj's output is a partial sum over the ranks
+    lora_gate_up = None  # --enable-lora: the LoRA sites of gate/up and down (lora/targets.py)
+    lora_down = None
 
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
                  fused_gate_up: bool = False):
@@ -46,12 +48,17 @@ class GatedMLP(nn.Module):
             if w is None:
                 return self._reduce(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
         gate_up = linear(x, w, b)                                    # [T, 2i]
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.add(x, gate_up)
         if self.act is F.silu:
             hidden = silu_and_mul(gate_up)                           # one pass on CPU
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = self.act(gate) * up
-        return self._reduce(linear(hidden, self.down_proj.weight, self.down_proj.bias))
+        out = linear(hidden, self.down_proj.weight, self.down_proj.bias)
+        if self.lora_down is not None:
+            self.lora_down.add(hidden, out)
+        return self._reduce(out)
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.tp_group is None else self.tp_group.all_reduce(out)

@@ -138,13 +138,14 @@ class TPExecutor:
         return free if device.type == "cuda" else free // self.size
 
     def make_runner(self, loaded: LoadedModel, block_size: int, num_gpu_blocks: int,
-                    num_cpu_blocks: int, seed: int) -> "DriverRunner":
-        """Every rank allocates the same number of blocks (each of its KV heads); rank 0's runner."""
+                    num_cpu_blocks: int, seed: int, lora=None) -> "DriverRunner":
+        """Every rank allocates the same number of blocks (each of its KV heads); rank 0's runner
+        (`lora`: rank 0's LoRAManager with --enable-lora)."""
         self._send(encode(InitCache(num_gpu_blocks, num_cpu_blocks)))
         mc = loaded.config
         return DriverRunner(self, loaded.model, mc.num_hidden_layers, loaded.plan.local_kv_heads,
                             mc.head_dim, block_size, num_gpu_blocks, num_cpu_blocks,
-                            loaded.dtype, loaded.device, seed=seed)
+                            loaded.dtype, loaded.device, seed=seed, lora=lora)
 
     # ---- steps ---------------------------------------------------------------------------
     def send_step(self, step: Step) -> None:
@@ -222,7 +223,12 @@ class DriverRunner(ModelRunner):
     def run_model(self, step: BatchInput | ModelInput):
         ops, self._pending_ops = self._pending_ops, []
         sent = step.to_model_input() if isinstance(step, BatchInput) else step
-        self.executor.send_step(Step(ops, sent))
+        writes = []
+        if self.lora is not None and self.lora.slot_writes:
+            writes = [(slot, r.lora_name, r.lora_int_id, r.lora_path)
+                      for slot, r in self.lora.slot_writes]
+            self.lora.slot_writes = []
+        self.executor.send_step(Step(ops, sent, writes))
         return super().run_model(step)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

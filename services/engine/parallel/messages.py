@@ -21,6 +21,8 @@ from kvmesh.engine.model_input import ModelInput
 class Step(msgspec.Struct, tag=True, array_like=True):
     block_ops: list[tuple[str, int, int]]   # copy / swap_out / swap_in, in decision order
     model_input: ModelInput | None          # None: only block operations this step
+    # LoRA slots rank 0 wrote before this step: (slot, lora_name, lora_int_id, lora_path)
+    lora_writes: list[tuple[int, str, int, str]] = []
 
 
 class Started(msgspec.Struct, tag=True, array_like=True):

@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.parallel.messages import InitCache, Ready, Shutdown, Started, Step, decode, encode
 
@@ -59,9 +60,13 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
     if not isinstance(init, InitCache):
         raise RuntimeError(f"expected InitCache from rank 0, got {type(init).__name__}")
     mc = loaded.config
+    lora = None
+    if config.enable_lora:
+        from kvmesh.engine.lora.manager import lora_manager  # noqa: PLC0415
+        lora = lora_manager(loaded, config)
     runner = ModelRunner(loaded.model, mc.num_hidden_layers, loaded.plan.local_kv_heads,
                          mc.head_dim, config.block_size, init.num_gpu_blocks, init.num_cpu_blocks,
-                         loaded.dtype, device, seed=config.seed)
+                         loaded.dtype, device, seed=config.seed, lora=lora)
     while True:
         msg = decode(conn.recv_bytes())
         if isinstance(msg, Shutdown):
@@ -69,6 +74,8 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
         if not isinstance(msg, Step):
             raise RuntimeError(f"unexpected message {type(msg).__name__} from rank 0")
         with torch.inference_mode():
+            for slot, name, lora_int_id, path in msg.lora_writes:
+                lora.write_slot(slot, LoRARequest(name, lora_int_id, path))
             runner.apply_block_ops(msg.block_ops)
             if msg.model_input is not None:
                 hidden, _ = runner.run_model(msg.model_input)

@@ -6,12 +6,13 @@ $KVMESH_VLLM_VENV/bin/vllm` installs it; kvmesh need not be installed there):
 
 --check writes nothing and exits 1 when the payloads differ from the committed file.
 
-Two payloads of one batch:
+Two payloads of one batch, and a third of a LoRA adapter's block:
 - map_form: what vLLM 0.32 publishes (msgspec.msgpack.Encoder().encode of its KVEventBatch: the
   batch is an array, each event a map tagged by "type");
 - array_form: the same batch with the event classes re-declared array_like, as vLLM published
   events before it switched them to maps (vLLM PR #42892): each event an array [tag, field, ...]
   with every field in declaration order (msgspec writes defaults too in an array).
+- lora_map_form: one BlockStored of an adapter's blocks (lora_id and lora_name set), map form.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ BATCH = ("KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[123, 2**64-1], 
          "parent_block_hash=None, token_ids=[1, 2], block_size=16, lora_id=None, medium='GPU', "
          "lora_name=None, group_idx=0), BlockRemoved(block_hashes=[5], medium='GPU', group_idx=0), "
          "AllBlocksCleared()], data_parallel_rank=0)")
+LORA_BATCH = ("KVEventBatch(ts=2.5, events=[BlockStored(block_hashes=[7], parent_block_hash=6, "
+              "token_ids=[3, 4], block_size=2, lora_id=3, medium='GPU', lora_name='sql', "
+              "group_idx=0)], data_parallel_rank=0)")
 
 
 class BlockStored(ve.BlockStored, array_like=True):
@@ -58,8 +62,12 @@ def payloads() -> dict[str, str]:
     # NOTE: KVEventBatch's field is typed with vLLM's classes; encoding takes any Struct in it.
     as_array = ve.KVEventBatch(ts=1.5, events=_events(BlockStored, BlockRemoved, AllBlocksCleared),
                                data_parallel_rank=0)
+    lora = ve.KVEventBatch(ts=2.5, events=[ve.BlockStored(
+        block_hashes=[7], parent_block_hash=6, token_ids=[3, 4], block_size=2, lora_id=3,
+        medium=ve.MEDIUM_GPU, lora_name="sql", group_idx=0)], data_parallel_rank=0)
     return {"vllm": vllm.__version__, "batch": BATCH,
-            "map_form": enc.encode(as_map).hex(), "array_form": enc.encode(as_array).hex()}
+            "map_form": enc.encode(as_map).hex(), "array_form": enc.encode(as_array).hex(),
+            "lora_batch": LORA_BATCH, "lora_map_form": enc.encode(lora).hex()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,113 @@
+"""The served LoRA adapters: `--lora-modules`, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's names and answers), and each adapter as a `model` name.
+
+An adapter is registered here only once the engine has read, checked and cached it, so a
+request naming it never meets a half-loaded adapter; a refused adapter changes nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmesh.api.errors import APIError
+from kvmesh.engine.lora.request import LoRARequest
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    """One `--lora-modules` entry: `name=path` or JSON {"name", "path", "base_model_name"}."""
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> LoRAModulePath:
+        """ValueError with the accepted forms when `spec` is neither."""
+        spec = spec.strip()
+        if spec.startswith("{"):
+            try:
+                d = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: invalid JSON {spec!r}: {e}") from None
+            unknown = sorted(set(d) - {"name", "path", "base_model_name"})
+            if unknown or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+                raise ValueError(f"--lora-modules: {spec!r} must be a JSON object with string "
+                                 "\"name\" and \"path\" (and optional \"base_model_name\")")
+            return cls(d["name"], d["path"], d.get("base_model_name"))
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules: {spec!r} must be name=path or a JSON object "
+                             '{"name": ..., "path": ..., "base_model_name": ...}')
+        return cls(name.strip(), path.strip())
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+@dataclass(slots=True)
+class ServedLoRAs:
+    """name -> LoRARequest of every adapter this server serves (read by the routes)."""
+    base_model_name: str = ""
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _lock: asyncio.Lock | None = None
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self.adapters.get(name)
+
+    def new_request(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        # NOTE: ids are never reused, so a slot or cached copy of an unloaded adapter can
+        # never stand in for a new adapter of the same name
+        return LoRARequest(name, next(self._ids), path, base_model_name or self.base_model_name)
+
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def load(self, engine, body: LoadLoRAAdapterRequest) -> str:
+        """400 when the name is taken (the base model's included) or the adapter is refused."""
+        async with self._guard():
+            name = body.lora_name
+            if name in self.adapters or name == self.base_model_name:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+                               code="lora_adapter_exists", param="lora_name")
+            req = self.new_request(name, body.lora_path)
+            try:
+                await engine.add_lora(req)
+            except ValueError as e:       # LoRAAdapterError: nothing changed
+                raise APIError(400, str(e), code="invalid_lora_adapter", param="lora_path") from None
+            self.adapters[name] = req
+            return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload(self, engine, body: UnloadLoRAAdapterRequest) -> str:
+        """404 naming an adapter this server does not serve."""
+        async with self._guard():
+            req = self.adapters.get(body.lora_name)
+            if req is None:
+                raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.",
+                               code="lora_adapter_not_found", param="lora_name")
+            # NOTE: unregistered first: no new request names it; running ones finish with it
+            del self.adapters[body.lora_name]
+            await engine.remove_lora(req.lora_int_id)
+            return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
+    def model_cards(self, created: int, max_model_len: int) -> list[dict]:
+        """/v1/models entries: each adapter with its `parent` (vLLM's `root` is its path)."""
+        return [{"id": name, "object": "model", "created": created, "owned_by": "kvmesh",
+                 "root": req.lora_path, "parent": req.base_model_name,
+                 "max_model_len": max_model_len}
+                for name, req in self.adapters.items()]

@@ -1,0 +1,51 @@
+"""LoRAMapping: one step's LoRA tokens grouped by adapter slot, built once and read by every site.
+
+    per sequence: slot (-1: base model) and its tokens this step
+    rows   [n]      batch rows of the tokens that run an adapter, grouped by slot (stable)
+    starts [S + 1]  segment s = rows[starts[s]:starts[s + 1]], all of slot slots[s]
+
+NOTE: every LoRA site holds the same mapping object and the runner refills it before each
+forward (vLLM's punica wrapper does the same): the family files keep their signatures, and a
+base-only step only clears `active`, which each site checks before doing anything.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class LoRAMapping:
+    __slots__ = ("active", "rows", "starts", "slots", "seg_starts", "seg_slots", "max_seg_len")
+
+    def __init__(self) -> None:
+        self.active = False                    # any adapter token in this step
+        self.rows: torch.Tensor | None = None  # [n] int64 on the model's device
+        self.starts: list[int] = []            # [S + 1] host segment bounds (torch path)
+        self.slots: list[int] = []             # [S] host slot per segment
+        self.seg_starts: torch.Tensor | None = None   # [S + 1] int32 on the device (Triton path)
+        self.seg_slots: torch.Tensor | None = None    # [S] int32 on the device
+        self.max_seg_len = 0
+
+    def clear(self) -> None:
+        self.active = False
+
+    def update(self, seq_slots: list[int], query_lens: list[int], device: torch.device) -> None:
+        """The step's grouping from each sequence's slot (-1: base) and its tokens."""
+        token_slots = np.repeat(np.asarray(seq_slots, dtype=np.int64),
+                                np.asarray(query_lens, dtype=np.int64))
+        lora_rows = np.flatnonzero(token_slots >= 0)
+        if lora_rows.size == 0:
+            self.active = False
+            return
+        rows = lora_rows[np.argsort(token_slots[lora_rows], kind="stable")]
+        sorted_slots = token_slots[rows]
+        cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
+        starts = np.concatenate([[0], cuts, [rows.size]])
+        self.starts = starts.tolist()
+        self.slots = sorted_slots[starts[:-1]].tolist()
+        self.max_seg_len = int(np.diff(starts).max())
+        self.rows = torch.from_numpy(rows).to(device)
+        if device.type == "cuda":
+            self.seg_starts = torch.tensor(self.starts, dtype=torch.int32).to(device)
+            self.seg_slots = torch.tensor(self.slots, dtype=torch.int32).to(device)
+        self.active = True
