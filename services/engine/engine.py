@@ -29,6 +29,7 @@ from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.spec_decode.draft_model import DraftModel, check_same_vocabulary
 from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.kernels.linear import packed_copy_bytes
@@ -97,6 +98,19 @@ class LLMEngine:
                                                config.attention_backend, config.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
+        self.draft = self._load_draft(tp)
+
+    def _load_draft(self, tp: int) -> LoadedModel | None:
+        """--speculative-config method "draft_model": the draft, checked against the target."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if tp > 1:
+            raise ValueError("--speculative-config: a draft model needs --tensor-parallel-size 1")
+        c = self.config
+        draft = load_model(spec.model, c.dtype, c.device, c.attention_backend)
+        check_same_vocabulary(self.loaded, draft)
+        return draft
 
     def _local_kv_heads(self) -> int:
         # NOTE: a rank holds only its KV heads: blocks are counted from per-rank bytes
@@ -109,6 +123,11 @@ class LLMEngine:
         self.block_size = config.block_size
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
                                           self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
+        if self.draft is not None:
+            # NOTE: one block holds both models' K/V of its tokens: the draft shares the budget
+            dc = self.draft.config
+            self.block_bytes += kv_block_bytes(dc.num_hidden_layers, config.block_size,
+                                               dc.num_key_value_heads, dc.head_dim, self.draft.dtype)
         num_gpu_blocks = self._num_gpu_blocks()
         capacity = num_gpu_blocks * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -122,6 +141,9 @@ class LLMEngine:
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
+        if self.draft is not None and max_len > self.draft.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the draft model's context length "
+                             f"{self.draft.config.max_position_embeddings}; lower --max-model-len")
         self.max_model_len = max_len
         return num_gpu_blocks, int(config.swap_space * (1 << 30)) // self.block_bytes
 
@@ -139,14 +161,17 @@ class LLMEngine:
                 self.runner = self.executor.make_runner(self.loaded, config.block_size,
                                                         num_gpu_blocks, num_cpu_blocks, config.seed)
             else:
+                opts = runner_options(config, self.loaded.device, self.loaded.attention_backend,
+                                      self.max_model_len)
+                drafter = None if self.draft is None else DraftModel(
+                    self.draft, config.block_size, num_gpu_blocks, opts.max_num_seqs,
+                    opts.max_num_tokens, _cdiv(self.max_model_len, config.block_size))
                 self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers,
                                           self._local_kv_heads(), mc.head_dim, config.block_size,
                                           num_gpu_blocks, num_cpu_blocks, self.loaded.dtype,
                                           self.loaded.device, seed=config.seed,
-                                          kv_connector=self.kv_share,
-                                          options=runner_options(config, self.loaded.device,
-                                                                 self.loaded.attention_backend,
-                                                                 self.max_model_len))
+                                          kv_connector=self.kv_share, options=opts,
+                                          drafter=drafter)
 
     def _build_connector(self, factory: KVConnectorFactory | None) -> KVConnector | None:
         """--kv-share: the store of other pods' KV blocks (None: no cross-pod KV bytes).
