@@ -25,7 +25,7 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-def greedy_requests(max_tokens: int = 24) -> list[tuple]:
+def greedy_requests(max_tokens: int = 16) -> list[tuple]:
     """(id, prompt, params) of every prompt in PROMPTS, greedy, ignoring EOS."""
     from kvmesh.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
