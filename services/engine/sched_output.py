@@ -66,7 +66,8 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    spec_num_accepted_per_pos: list[int] = field(default_factory=list)
+    # NOTE: a tuple, as a span attribute reads it back
+    spec_num_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -65,8 +65,8 @@ def test_no_spec_decode_metrics_without_speculation(tiny_llama):
 
 def test_step_span_carries_the_acceptance_rate():
     stats = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=8,
-                           spec_num_accepted_tokens=6, spec_num_accepted_per_pos=[2, 2, 1, 1])
+                           spec_num_accepted_tokens=6, spec_num_accepted_per_pos=(2, 2, 1, 1))
     attrs = step_attributes(stats)
     assert attrs["kvmesh.spec_decode.acceptance_rate"] == 0.75
-    assert attrs["kvmesh.sched.spec_num_accepted_per_pos"] == [2, 2, 1, 1]
+    assert attrs["kvmesh.sched.spec_num_accepted_per_pos"] == (2, 2, 1, 1)
     assert "kvmesh.spec_decode.acceptance_rate" not in step_attributes(SchedulerStats())

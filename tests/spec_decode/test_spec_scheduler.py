@@ -62,7 +62,7 @@ def test_a_decode_schedules_its_drafts_with_slots_and_rolls_back_the_rejected():
     assert req.num_computed_tokens == 7                        # 9 known, the last not computed
     assert (out.stats.spec_num_drafts, out.stats.spec_num_draft_tokens,
             out.stats.spec_num_accepted_tokens, out.stats.spec_num_accepted_per_pos) == \
-        (1, 3, 1, [1, 0, 0])
+        (1, 3, 1, (1, 0, 0))
     assert _stored(kv) == []
     # "9" never occurred before: no drafts; block 1 now full of committed tokens 6 7 5 9
     out = _step(sched, sampled={"r": [11]})

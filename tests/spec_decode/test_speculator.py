@@ -48,7 +48,7 @@ def test_low_acceptance_pauses_the_request_and_the_pause_doubles():
     req, other = _req("r"), _req("o")
     stats = _window(s, req, [0] * (WINDOW - 1) + [1])
     assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
-            stats.spec_num_accepted_per_pos) == (WINDOW, 2 * WINDOW, 1, [1, 0])
+            stats.spec_num_accepted_per_pos) == (WINDOW, 2 * WINDOW, 1, (1, 0))
     assert [s.propose(req, 8) for _ in range(PAUSE_MIN)] == [[]] * PAUSE_MIN
     assert s.propose(other, 8) == [5, 4]          # other requests speculate on
     _window(s, req, [0] * WINDOW)                 # fails again: twice as long

@@ -74,11 +74,10 @@ class Speculator:
         stats.spec_num_drafts += 1
         stats.spec_num_draft_tokens += num_drafts
         stats.spec_num_accepted_tokens += num_accepted
-        per_pos = stats.spec_num_accepted_per_pos
-        if len(per_pos) < self.k:
-            per_pos.extend([0] * (self.k - len(per_pos)))
+        per_pos = list(stats.spec_num_accepted_per_pos) or [0] * self.k
         for i in range(num_accepted):
             per_pos[i] += 1
+        stats.spec_num_accepted_per_pos = tuple(per_pos)
         state = self._requests.get(request_id)
         if state is None:
             state = self._requests[request_id] = _Acceptance()
