@@ -111,3 +111,21 @@ def test_speculation_is_off_above_disable_by_batch_size(tiny_llama):
     on = run_engine(LLMEngine(EngineConfig(num_kv_blocks=64, speculative_config=cfg),
                               loaded=loaded), reqs[:2])
     assert on.drafts > 0
+
+
+def test_a_constrained_request_shares_the_step_with_speculating_ones(tiny_llama):
+    """The grammar bitmask (one row per sampling request) still lands on the constrained row
+    when speculating requests add rows before it; the constrained request does not speculate."""
+    from kvmesh.engine.structured.spec import StructuredOutputSpec
+    _, loaded = tiny_llama
+    regex = SamplingParams(temperature=0.0, max_tokens=8,
+                           structured_outputs=StructuredOutputSpec.regex("(w5|w6)+"))
+    reqs = [("spec", [F] * 8, _forced(max_tokens=40)), ("constrained", [F] * 8, regex)]
+    base = run_engine(LLMEngine(EngineConfig(num_kv_blocks=64), loaded=loaded), reqs)
+    spec = run_engine(LLMEngine(EngineConfig(num_kv_blocks=64, speculative_config=NGRAM),
+                                loaded=loaded), reqs)
+    assert spec.drafts > 0
+    assert spec.outputs["spec"][0].token_ids == [F] * 40
+    tokens = spec.outputs["constrained"][0].token_ids
+    assert tokens == base.outputs["constrained"][0].token_ids
+    assert tokens and set(tokens) <= {5, 6, 2}, tokens        # w5, w6 (or EOS at the end)
