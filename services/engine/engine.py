@@ -85,6 +85,10 @@ class LLMEngine:
             # NOTE: OpenMP threads of several processes on few cores spin-wait on each other;
             # one thread each was 10x faster than two on a shared 2-core machine.
             torch.set_num_threads(threads)
+        spec = config.speculative_config
+        if tp > 1 and spec is not None and spec.method == "draft_model":
+            # NOTE: refused before any worker process starts
+            raise ValueError("--speculative-config: a draft model needs --tensor-parallel-size 1")
         if tp > 1:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own shards: pass the model "
@@ -98,15 +102,13 @@ class LLMEngine:
                                                config.attention_backend, config.tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
-        self.draft = self._load_draft(tp)
+        self.draft = self._load_draft()
 
-    def _load_draft(self, tp: int) -> LoadedModel | None:
+    def _load_draft(self) -> LoadedModel | None:
         """--speculative-config method "draft_model": the draft, checked against the target."""
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        if tp > 1:
-            raise ValueError("--speculative-config: a draft model needs --tensor-parallel-size 1")
         c = self.config
         draft = load_model(spec.model, c.dtype, c.device, c.attention_backend)
         check_same_vocabulary(self.loaded, draft)

@@ -76,3 +76,9 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_llama, draft_dir, tmp_pa
     with pytest.raises(ValueError, match=r"token 'w3' is id 3 in the target, None in the draft"):
         LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=16,
                                speculative_config=_spec(str(other))), loaded=loaded)
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_before_any_worker_starts(draft_dir):
+    with pytest.raises(ValueError, match="a draft model needs --tensor-parallel-size 1"):
+        LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=16, tensor_parallel_size=2,
+                               speculative_config=_spec(draft_dir)))

@@ -125,3 +125,14 @@ def test_logit_rows_of_several_requests_are_verified_independently():
     b = spec_group(_request(greedy, 1), [2, 0], 2)
     got = verify(sampler, logits, [a, b]).tokens
     assert got == {"r0": [1, 0], "r1": [2, 1]}
+
+
+def test_a_rejected_draft_whose_residual_has_no_mass_falls_back_to_the_target_row():
+    # fault injection: a row whose only mass is on the draft, yet the draft was rejected (a
+    # rounding case); the token comes from the row itself instead of from an empty residual
+    from kvmesh.engine.spec_decode.rejection import _draw_final
+    params = SamplingParams(temperature=1.0)
+    group = spec_group(_request(params), [1], 0)
+    probs = torch.tensor([[0.0, 0.9, 0.0], [0.2, 0.3, 0.5]])
+    sampler = Sampler(generator=torch.Generator().manual_seed(0))
+    assert _draw_final(sampler, probs, [group], [0], [0]) == [1]
