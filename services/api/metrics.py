@@ -41,6 +41,14 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens of finished requests.",
     "generation_tokens": "Generated tokens.",
 }
+# speculative decoding (--speculative-config), exported only when it is on, as vLLM does
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": "Verifications of draft tokens (one per speculating request per step).",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted by verification.",
+}
+SPEC_PER_POS = ("spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens by their position in the draft (0 = the first).")
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Arrival to first token.", TTFT_BUCKETS),
     "inter_token_latency_seconds": ("Time between consecutive tokens of a request.", ITL_BUCKETS),
@@ -90,6 +98,12 @@ class EngineMetrics(EngineObserver):
                       "kvmesh:kv_share_prefetch_waits": 0.0,
                       "kvmesh:kv_share_prefetch_timeouts": 0.0}
         self._last_token: dict[str, float] = {}
+        self.spec_enabled = (engine is not None
+                             and engine.config.speculative_config is not None)
+        self.spec = dict.fromkeys(SPEC_COUNTERS, 0.0)
+        # position -> accepted tokens; every position of k from the start (0 until accepted)
+        self.spec_per_pos = ([0.0] * engine.config.speculative_config.num_speculative_tokens
+                             if self.spec_enabled else [])
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -108,8 +122,20 @@ class EngineMetrics(EngineObserver):
             self.extra["kvmesh:requests_swapped_in"] += s.num_swapped_in
             self.extra["kvmesh:kv_share_prefetch_waits"] += s.remote_kv_waits
             self.extra["kvmesh:kv_share_prefetch_timeouts"] += s.remote_kv_timeouts
+            if s.spec_num_drafts:
+                self._on_spec(s)
             for out in outputs:
                 self._on_output(out, now)
+
+    def _on_spec(self, s) -> None:
+        self.spec["spec_decode_num_drafts"] += s.spec_num_drafts
+        self.spec["spec_decode_num_draft_tokens"] += s.spec_num_draft_tokens
+        self.spec["spec_decode_num_accepted_tokens"] += s.spec_num_accepted_tokens
+        per_pos = self.spec_per_pos
+        if len(per_pos) < len(s.spec_num_accepted_per_pos):
+            per_pos.extend([0.0] * (len(s.spec_num_accepted_per_pos) - len(per_pos)))
+        for i, n in enumerate(s.spec_num_accepted_per_pos):
+            per_pos[i] += n
 
     def _on_output(self, out: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
@@ -226,10 +252,23 @@ class EngineMetrics(EngineObserver):
                     fam = HistogramMetricFamily(f"{prefix}:{name}", help_, labels=labels)
                     fam.add_metric(values, h.buckets(), h.total)
                     yield fam
+                if self.spec_enabled:
+                    yield from self._spec_families(prefix, labels, values)
             for name, value in self.extra.items():
                 c = CounterMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=labels)
                 c.add_metric(values, value)
                 yield c
+
+    def _spec_families(self, prefix: str, labels: list[str], values: list[str]):
+        for name, help_ in SPEC_COUNTERS.items():
+            c = CounterMetricFamily(f"{prefix}:{name}", help_, labels=labels)
+            c.add_metric(values, self.spec[name])
+            yield c
+        name, help_ = SPEC_PER_POS
+        c = CounterMetricFamily(f"{prefix}:{name}", help_, labels=labels + ["position"])
+        for pos, count in enumerate(self.spec_per_pos):
+            c.add_metric(values + [str(pos)], count)
+        yield c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,8 @@ import difflib
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from kvmesh.common.speculative_config import SpeculativeConfig, parse_speculative_config
+
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -65,10 +67,14 @@ class EngineConfig:
     # costs bytes moved twice / bandwidth. These seed values are refined by measurement.
     recompute_tokens_per_s: float = 2000.0
     swap_bytes_per_s: float = 4e9
+    # speculative decoding (vLLM's --speculative-config: JSON text or a mapping); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model == "":
             object.__setattr__(self, "model", None)   # "" (e.g. from a manifest) = the built-in model
+        object.__setattr__(self, "speculative_config",
+                           parse_speculative_config(self.speculative_config))
 
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -238,6 +244,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--max-lora-rank", type=int, help="LoRA: the largest adapter rank accepted")
     flag("--max-cpu-loras", type=int,
          help="LoRA: adapters kept read in host memory, an LRU (default: --max-loras)")
+    flag("--speculative-config", metavar="JSON",
+         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4}\' (keys: method, num_speculative_tokens, prompt_lookup_min, '
+              'prompt_lookup_max, model, disable_by_batch_size)')
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -33,6 +33,7 @@ from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from kvmesh.engine.scheduler import Scheduler
+from kvmesh.engine.spec_decode.draft_model import DraftModel, check_same_vocabulary
 from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.kernels.linear import packed_copy_bytes
@@ -89,6 +90,10 @@ class LLMEngine:
             # NOTE: OpenMP threads of several processes on few cores spin-wait on each other;
             # one thread each was 10x faster than two on a shared 2-core machine.
             torch.set_num_threads(threads)
+        spec = config.speculative_config
+        if tp > 1 and spec is not None and spec.method == "draft_model":
+            # NOTE: refused before any worker process starts
+            raise ValueError("--speculative-config: a draft model needs --tensor-parallel-size 1")
         if tp > 1:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own shards: pass the model "
@@ -103,6 +108,17 @@ class LLMEngine:
                                                quantization=config.quantization or "none")
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
+        self.draft = self._load_draft()
+
+    def _load_draft(self) -> LoadedModel | None:
+        """--speculative-config method "draft_model": the draft, checked against the target."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        c = self.config
+        draft = load_model(spec.model, c.dtype, c.device, c.attention_backend)
+        check_same_vocabulary(self.loaded, draft)
+        return draft
 
     def _local_kv_heads(self) -> int:
         # NOTE: a rank holds only its KV heads: blocks are counted from per-rank bytes
@@ -115,6 +131,11 @@ class LLMEngine:
         self.block_size = config.block_size
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
                                           self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
+        if self.draft is not None:
+            # NOTE: one block holds both models' K/V of its tokens: the draft shares the budget
+            dc = self.draft.config
+            self.block_bytes += kv_block_bytes(dc.num_hidden_layers, config.block_size,
+                                               dc.num_key_value_heads, dc.head_dim, self.draft.dtype)
         num_gpu_blocks = self._num_gpu_blocks()
         capacity = num_gpu_blocks * config.block_size
         max_len = config.max_model_len or mc.max_position_embeddings
@@ -128,6 +149,9 @@ class LLMEngine:
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
+        if self.draft is not None and max_len > self.draft.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the draft model's context length "
+                             f"{self.draft.config.max_position_embeddings}; lower --max-model-len")
         self.max_model_len = max_len
         return num_gpu_blocks, int(config.swap_space * (1 << 30)) // self.block_bytes
 
@@ -148,15 +172,17 @@ class LLMEngine:
                                                         num_gpu_blocks, num_cpu_blocks, config.seed,
                                                         lora=self.lora)
             else:
+                opts = runner_options(config, self.loaded.device, self.loaded.attention_backend,
+                                      self.max_model_len)
+                drafter = None if self.draft is None else DraftModel(
+                    self.draft, config.block_size, num_gpu_blocks, opts.max_num_seqs,
+                    opts.max_num_tokens, _cdiv(self.max_model_len, config.block_size))
                 self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers,
                                           self._local_kv_heads(), mc.head_dim, config.block_size,
                                           num_gpu_blocks, num_cpu_blocks, self.loaded.dtype,
                                           self.loaded.device, seed=config.seed,
-                                          kv_connector=self.kv_share,
-                                          options=runner_options(config, self.loaded.device,
-                                                                 self.loaded.attention_backend,
-                                                                 self.max_model_len),
-                                          lora=self.lora)
+                                          kv_connector=self.kv_share, options=opts,
+                                          lora=self.lora, drafter=drafter)
 
     def _build_connector(self, factory: KVConnectorFactory | None) -> KVConnector | None:
         """--kv-share: the store of other pods' KV blocks (None: no cross-pod KV bytes).

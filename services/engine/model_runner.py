@@ -22,6 +22,9 @@ from kvmesh.engine.prompt_logprobs import (PromptLogprobSpan, compute_prompt_log
 from kvmesh.engine.runner_options import RunnerOptions
 from kvmesh.engine.sampler import Sampler, SamplingRow
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvmesh.engine.spec_decode.draft_model import DraftModel
+from kvmesh.engine.spec_decode.rejection import SpecGroup, spec_group, verify
+from kvmesh.engine.spec_decode.tokens import WithDrafts
 
 logger = logging.getLogger("kvmesh.engine")
 
@@ -47,10 +50,12 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, seed: int = 0,
                  kv_connector: KVConnector | None = None,
                  options: RunnerOptions | None = None,
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None,
+                 drafter: DraftModel | None = None) -> None:
         self.model = model
         # --enable-lora: the adapters' slots and the step's mapping (its sites are in the model)
         self.lora = lora
+        self.drafter = drafter     # speculative decoding with a draft model: proposes drafts
         # --kv-share: offered each completed prompt's blocks after the forward pass
         self.kv_connector = kv_connector
         self.block_size = block_size
@@ -109,6 +114,8 @@ class ModelRunner:
             a = torch.tensor([op[1] for op in ops[start:end]])
             b = torch.tensor([op[2] for op in ops[start:end]])
             if kind == "copy":
+                if self.drafter is not None:
+                    self.drafter.copy_blocks([op[1:] for op in ops[start:end]])
                 a, b = a.to(self.device), b.to(self.device)
                 self.kv_cache[:, :, b] = self.kv_cache[:, :, a]
             elif kind == "swap_out":
@@ -129,6 +136,8 @@ class ModelRunner:
         if not out.scheduled:
             return ModelRunnerOutput(sampled={}, logprobs={})
         t0 = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.propose(out.scheduled)     # fills the scheduled drafts in place
         batch = self.input_batch
         batch.begin()
         sample_rows: list[int] = []
@@ -136,19 +145,29 @@ class ModelRunner:
         row_ids: list[str] = []
         lp_spans: list[PromptLogprobSpan] = []
         pool_spans: list[PoolSpan] = []
+        spec: list[SpecGroup] = []      # speculating requests: k + 1 sampled rows each
+        primary: list[int] = []         # per sampling request, its (last) logits row
         lora_slots = (self.lora.slots_for([sr.request.lora_request for sr in out.scheduled])
                       if self.lora is not None else None)
         for i, sr in enumerate(out.scheduled):
             req = sr.request
-            first = batch.add(req.request_id, req.all_token_ids, sr.start, sr.num_tokens,
-                              sr.block_ids, -1 if lora_slots is None else lora_slots[i])
+            drafts = sr.spec_token_ids
+            first = batch.add(req.request_id,
+                              WithDrafts(req.all_token_ids, drafts) if drafts else req.all_token_ids,
+                              sr.start, sr.num_tokens, sr.block_ids,
+                              -1 if lora_slots is None else lora_slots[i])
             if req.sampling_params.prompt_logprobs is not None:
                 span = prompt_logprob_span(sr, first)
                 if span is not None:
                     lp_spans.append(span)
             if req.pooling is not None:
                 pool_spans.append(PoolSpan(sr, first))
-            if sr.sample and req.pooling is None:
+            if sr.sample and req.pooling is None and drafts:
+                spec.append(spec_group(req, drafts, len(sample_rows)))
+                sample_rows.extend(range(first, first + sr.num_tokens))
+                primary.append(len(sample_rows) - 1)
+            elif sr.sample and req.pooling is None:
+                primary.append(len(sample_rows))
                 sample_rows.append(first + sr.num_tokens - 1)
                 samples = [req, *sr.fork_children]
                 rows.append(SamplingRow(
@@ -174,6 +193,8 @@ class ModelRunner:
         prompt_lps = (compute_prompt_logprobs(self.model.compute_logits, hidden, lp_spans)
                       if lp_spans else {})
         pooled = pool(hidden, pool_spans) if pool_spans else {}
+        if spec:
+            return self._verify(out, logits, rows, row_ids, spec, primary, t0, prompt_lps, pooled)
         if not rows:
             model_time_s = time.perf_counter() - t0
             self._save_computed_prompts(out)
@@ -195,6 +216,37 @@ class ModelRunner:
             prompt_logprobs=prompt_lps,
             pooled=pooled,
         )
+
+    def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SamplingRow],
+                row_ids: list[str], spec: list[SpecGroup], primary: list[int], t0: float,
+                prompt_lps: dict, pooled: dict) -> ModelRunnerOutput:
+        """A step with speculating requests: logit_bias on every row, the grammar bitmask on
+        each sampling request's row (speculating requests have none), the plain rows sampled,
+        the drafts verified (engine/spec_decode/rejection.py)."""
+        spec_last = {g.offset + len(g.drafts) for g in spec}
+        plain = [p for p in primary if p not in spec_last]      # aligned with `rows`
+        row_params: list = [None] * logits.shape[0]
+        for p, r in zip(plain, rows):
+            row_params[p] = r.params
+        for g in spec:
+            row_params[g.offset:g.offset + len(g.rows)] = [g.rows[0].params] * len(g.rows)
+        apply_logit_bias(logits, row_params)
+        if out.grammar is not None:
+            at = torch.tensor(primary, device=logits.device)
+            sub = logits[at]
+            out.grammar.apply(sub)
+            logits[at] = sub
+        s0 = time.monotonic()
+        result = self.sampler(logits[torch.tensor(plain, device=logits.device)], rows) if rows else None
+        verified = verify(self.sampler, logits, spec)
+        s1 = time.monotonic()
+        model_time_s = time.perf_counter() - t0
+        self._save_computed_prompts(out)
+        return ModelRunnerOutput(
+            sampled=dict(zip(row_ids, result.token_ids)) if result else {},
+            logprobs=dict(zip(row_ids, result.logprobs)) if result else {},
+            model_time_s=model_time_s, sample_window=(s0, s1), prompt_logprobs=prompt_lps,
+            pooled=pooled, spec_tokens=verified.tokens, spec_logprobs=verified.logprobs)
 
     def _save_computed_prompts(self, out: SchedulerOutput) -> None:
         """--kv-share: the forward pass wrote the step's KV; offer the completed prompts' blocks

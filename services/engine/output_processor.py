@@ -58,10 +58,13 @@ def stop_by_token(
     return None
 
 
-def token_stop(req: Request) -> Stop | None:
-    """The stop that the request's last token causes by itself (EOS, a stop id, length)."""
-    stop = stop_by_token(req.output_token_ids[-1], req.num_output_tokens, req.sampling_params,
-                         req.eos_token_ids, req.max_tokens)
+def token_stop(req: Request, index: int = -1) -> Stop | None:
+    """The stop that the request's output token `index` (default: the last) causes by itself
+    (EOS, a stop id, length)."""
+    out = req.output_token_ids
+    index = index % len(out)
+    stop = stop_by_token(out[index], index + 1, req.sampling_params, req.eos_token_ids,
+                         req.max_tokens)
     if stop is None:
         return None
     reason, token = stop
@@ -86,6 +89,26 @@ def check_stop(req: Request, detok: IncrementalDetokenizer | None) -> Stop | Non
     return stop
 
 
+def check_stops(req: Request, detok: IncrementalDetokenizer | None, first: int) -> Stop | None:
+    """check_stop for each of the output tokens from index `first` on, in order (speculative
+    decoding appends several per step): the first token that stops the request ends its output,
+    the tokens after it are dropped (Request.truncate_output)."""
+    out = req.output_token_ids
+    if first >= len(out) - 1:
+        return check_stop(req, detok)
+    for i in range(first, len(out)):
+        stop = token_stop(req, i)
+        if detok is not None:
+            found = detok.update([out[i]], stop_terminated=stop is not None
+                                 and stop[0] == RequestStatus.FINISHED_STOPPED)
+            if found is not None:
+                stop = RequestStatus.FINISHED_STOPPED, found
+        if stop is not None:
+            req.truncate_output(i + 1)
+            return stop
+    return None
+
+
 class OutputProcessor:
     """Turns the requests that got a token this step into RequestOutputs."""
 
@@ -96,14 +119,18 @@ class OutputProcessor:
     def process(self, touched: list[Request],
                 pooled: dict[str, list[float]] | None = None) -> list[RequestOutput]:
         """The step's outputs: first the embeddings requests in `pooled` (request id -> vector;
-        the scheduler finished them), then the groups of `touched`, the requests that got
-        exactly one new token this step, in step order."""
+        the scheduler finished them), then the groups of `touched`, the requests that got new
+        tokens this step (one, or a run verified by speculative decoding), in step order."""
         outputs = self._pooled_outputs(pooled) if pooled else []
         group_ids: dict[str, None] = {}
         for req in touched:
             group = self.groups.get(req.parent_id)
-            detok = group.detokenizers[req.sample_index] if group is not None else None
-            stop = check_stop(req, detok)
+            if group is None:
+                stop = check_stop(req, None)
+            else:
+                # NOTE: what the group emitted so far is what the request had before this step
+                stop = check_stops(req, group.detokenizers[req.sample_index],
+                                   group.emitted[req.sample_index])
             if stop is not None:
                 self.scheduler.finish_request(req, *stop)
             if group is not None:

@@ -140,6 +140,17 @@ class Request:
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self.status)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first `num_output_tokens` (a stop inside a run of
+        tokens verified in one step). NOTE: for a request that finishes at once: its block
+        hashes and computed count are left as they are, nothing reads them again."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop:]
+        del self.output_logprobs[num_output_tokens:]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

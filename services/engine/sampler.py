@@ -179,6 +179,36 @@ class Sampler:
         token_ids = [flat[first[i]:first[i] + num[i]] for i in range(len(rows))]
         return SamplerOutput(token_ids=token_ids, logprobs=lp.assemble(rows, token_ids, host[1:]))
 
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[R, V] float32: the distribution each row's token is drawn from, after the same
+        steps as __call__ (penalties, min_tokens, temperature, top-k / top-p / min-p); a greedy
+        row is a point mass on the token __call__ would pick. Speculative decoding verifies
+        drafts against these (engine/spec_decode/rejection.py)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        logits = logits.to(torch.float32).clone()                  # [R, V]
+        penalized = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        if penalized:
+            self._penalize(logits, [rows[i] for i in penalized], penalized)
+        masked = _min_tokens_mask(rows, logits.shape[1])
+        if masked[0]:
+            logits[masked] = float("-inf")
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        randomized = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            best = argmax(logits[greedy]).to(torch.long)
+            idx = torch.tensor(greedy, device=logits.device)
+            probs[idx, best] = 1.0
+        if randomized:
+            sub = [rows[i] for i in randomized]
+            x = logits[randomized] / torch.tensor([r.params.temperature for r in sub],
+                                                  dtype=torch.float32, device=logits.device)[:, None]
+            if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0.0 for r in sub):
+                apply_top_k_top_p_min_p(x, [r.params.top_k for r in sub],
+                                        [r.params.top_p for r in sub], [r.params.min_p for r in sub])
+            probs[torch.tensor(randomized, device=logits.device)] = torch.softmax(x, dim=-1)
+        return probs
+
     def _penalize(self, logits: torch.Tensor, sub: list[SamplingRow], idx: list[int]) -> None:
         # NOTE: prompts are only binned for rows that use the repetition penalty (long prompts).
         prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in sub]
@@ -215,6 +245,17 @@ class Sampler:
                 q[d] = _exponential(1, vocab, g, device)[0]
         q.clamp_min_(_TINY)
         return (probs[draw_rows] / q).argmax(dim=-1)
+
+
+def token_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
+                   tokens: list[int]) -> list[dict[int, Logprob] | None]:
+    """Per row, the logprobs entry of `tokens[i]` (the chosen token plus the row's top
+    `logprobs`, from the raw logits as __call__ reports them); None for rows that asked for none."""
+    draws = torch.tensor(tokens, dtype=torch.long, device=raw.device)
+    lp = _logprob_tensors(raw, rows, draws, list(range(len(rows))))
+    host = to_host(lp.tensors) if lp.want else []
+    per_row = lp.assemble(rows, [[t] for t in tokens], host)
+    return [entries[0] if entries else None for entries in per_row]
 
 
 def _exponential(num: int, vocab: int, generator: torch.Generator | None,

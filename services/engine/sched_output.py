@@ -22,10 +22,13 @@ class ScheduledRequest:
     block_ids: list[int]       # the request's block table after this step's allocation
     sample: bool               # the chunk reaches the last known token: a next token is sampled
     fork_children: Sequence[Request] = ()  # n > 1: samples drawn from this row too
+    # speculative decoding: draft tokens computed after the last known one (counted in
+    # num_tokens; their rows are verified, see engine/spec_decode)
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def is_decode(self) -> bool:
-        return (self.num_tokens == 1 and self.sample
+        return (self.num_tokens - len(self.spec_token_ids) == 1 and self.sample
                 and self.start >= len(self.request.prompt_token_ids))
 
 
@@ -57,6 +60,14 @@ class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
+    # speculative decoding, filled when the step's drafts are verified (vLLM's spec_decode_*
+    # metrics): verifications, draft tokens, accepted ones, and per draft position (0 = the
+    # first draft) how many verifications accepted it
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # NOTE: a tuple, as a span attribute reads it back
+    spec_num_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -92,3 +103,7 @@ class ModelRunnerOutput:
     # prompt logprobs (engine/prompt_logprobs.py)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)   # request id -> embedding
+    # speculative decoding: request id -> the accepted drafts then the token sampled after them
+    # (these requests are not in `sampled`), and their logprobs (None: not requested)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)

@@ -8,7 +8,7 @@ scheduler -> KVCacheManager -> BlockPool.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from kvmesh.common.block_hash import BlockHasher
 from kvmesh.common.config import EngineConfig
@@ -20,6 +20,7 @@ from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, Sch
                                         SchedulerStats)
 from kvmesh.engine.preemption import Preemptor
 from kvmesh.engine.prompt_logprobs import record_prompt_logprobs
+from kvmesh.engine.spec_decode.speculator import Speculator
 from kvmesh.engine.step_state import StepState
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ _KV_COUNTERS = ("blocks_allocated", "blocks_freed", "blocks_evicted", "cow_copie
 # seconds a new request may wait for its cross-pod KV prefetch before it is computed locally
 # (a failed or timed-out fetch ends the wait sooner: the store's socket timeout is 1 s)
 REMOTE_KV_WAIT_S = 2.0
+
+_NO_DRAFTS: tuple[int, ...] = ()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -98,6 +101,9 @@ class Scheduler:
         # the prefill rate from each step's measured forward pass.
         self.preemptor = Preemptor(kv, block_bytes, config.recompute_tokens_per_s,
                                    config.swap_bytes_per_s)
+        # --speculative-config: drafts for decodes, and what their verification accepted
+        self.speculator: Speculator | None = (
+            Speculator(config.speculative_config) if config.speculative_config else None)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,6 +162,8 @@ class Scheduler:
         self._awaiting_kv.discard(req.request_id)
         if self.kv_connector is not None:
             self.kv_connector.release(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -186,6 +194,9 @@ class Scheduler:
         # step): attributes bound to locals (benchmarks/scheduler_step.py)
         running, kv = self.running, self.kv
         allocate, num_new_tokens = kv.allocate_slots, self._num_new_tokens
+        spec = self.speculator
+        if spec is not None:
+            spec.begin_step(len(running))
         i = 0
         while i < len(running) and st.budget > 0:
             req = running[i]
@@ -193,16 +204,44 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while allocate(req, num_new) is None:
-                victim = running[-1]
-                self._preempt(victim, st)
-                if victim is req:
-                    break
+            drafts = _NO_DRAFTS
+            if (spec is not None and num_new == 1
+                    and len(req.all_token_ids) == req.num_computed_tokens + 1):   # a decode
+                drafts = self._draft_slots(req, st.budget - 1, len(running) - i - 1)
+            if drafts:
+                num_new += len(drafts)
             else:
-                if kv.has_copies:
-                    self._drain_copies(st)
-                self._schedule_tokens(req, num_new, st)
-                i += 1
+                while allocate(req, num_new) is None:
+                    victim = running[-1]
+                    self._preempt(victim, st)
+                    if victim is req:
+                        break
+                else:
+                    victim = None
+                if victim is req:
+                    continue
+            if kv.has_copies:
+                self._drain_copies(st)
+            self._schedule_tokens(req, num_new, st, drafts)
+            i += 1
+
+    def _draft_slots(self, req: Request, budget: int, num_behind: int) -> Sequence[int]:
+        """A decode's drafts with KV slots allocated for its token and them; none (nothing
+        allocated) when it gets none or they do not fit.
+
+        NOTE: drafts never preempt anyone: they take slots only while a free block is left
+        for each running request still to be scheduled in this step."""
+        drafts = self.speculator.propose(req, budget)
+        if not drafts:
+            return _NO_DRAFTS
+        kv = self.kv
+        need = _cdiv(req.num_computed_tokens + 1 + len(drafts), kv.block_size) - len(
+            kv.block_table(req.request_id))
+        if need > 0 and kv.num_free_blocks < need + num_behind:
+            return _NO_DRAFTS
+        if kv.allocate_slots(req, 1 + len(drafts)) is None:
+            return _NO_DRAFTS
+        return drafts
 
     def _schedule_swapped(self, st: StepState) -> None:
         """2) Swapped requests come back, best first while they fit, before any new request is
@@ -452,10 +491,12 @@ class Scheduler:
         else:
             self._waiting_unsorted = True
 
-    def _schedule_tokens(self, req: Request, num_new: int, st: StepState) -> None:
+    def _schedule_tokens(self, req: Request, num_new: int, st: StepState,
+                         drafts: Sequence[int] = _NO_DRAFTS) -> None:
+        """`num_new` tokens of `req` in this step, its `drafts` (speculative decoding) last."""
         rid = req.request_id
         start = req.num_computed_tokens
-        sample = start + num_new == len(req.all_token_ids)
+        sample = start + num_new - len(drafts) == len(req.all_token_ids)
         children: tuple[Request, ...] = ()
         if sample and self.pending_forks and not req.output_token_ids and rid in self.pending_forks:
             children = tuple(self.pending_forks[rid])
@@ -463,10 +504,11 @@ class Scheduler:
         table = self.kv.block_table(rid)
         sr = self._records.get(rid)
         if sr is None:
-            sr = self._records[rid] = ScheduledRequest(req, start, num_new, table, sample, children)
+            sr = self._records[rid] = ScheduledRequest(req, start, num_new, table, sample, children,
+                                                       drafts)
         else:
             sr.start, sr.num_tokens, sr.block_ids = start, num_new, table
-            sr.sample, sr.fork_children = sample, children
+            sr.sample, sr.fork_children, sr.spec_token_ids = sample, children, drafts
         _count_scheduled(st.stats, sr, +1)
         st.scheduled[rid] = sr
         st.budget -= num_new
@@ -498,6 +540,10 @@ class Scheduler:
             if not sr.sample or req.status in _FINISHED:
                 continue
             rid = req.request_id
+            if sr.spec_token_ids:
+                self._append_verified(sr, result, out.stats, now)
+                touched.append(req)
+                continue
             tokens = sampled[rid]
             logprobs = all_logprobs.get(rid) if all_logprobs else None
             if sr.fork_children:
@@ -542,6 +588,21 @@ class Scheduler:
             self._append(child, tokens[k], logprobs[k] if logprobs else None, now)
             touched.append(child)
         self.pending_forks.pop(req.request_id, None)
+
+    def _append_verified(self, sr: ScheduledRequest, result: ModelRunnerOutput,
+                         stats: SchedulerStats, now: float) -> None:
+        """Speculative decoding: the accepted drafts and the token after them join the request;
+        the rejected drafts' positions are no longer computed (their KV slots stay in the
+        table and are overwritten by the tokens that come next; blocks are hashed from the
+        appended tokens only, so a rejected draft never reaches the prefix cache)."""
+        req, rid = sr.request, sr.request.request_id
+        tokens = result.spec_tokens[rid]
+        logprobs = result.spec_logprobs.get(rid)
+        num_accepted = len(tokens) - 1
+        req.num_computed_tokens -= len(sr.spec_token_ids) - num_accepted
+        for i, token in enumerate(tokens):
+            self._append(req, token, logprobs[i] if logprobs else None, now)
+        self.speculator.record(rid, len(sr.spec_token_ids), num_accepted, stats)
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Count the block operations since schedule() (a finished request frees its blocks)

@@ -44,8 +44,13 @@ _ROOT = otel_context.Context()     # step spans start their own trace
 
 
 def step_attributes(stats: SchedulerStats) -> dict[str, object]:
-    """The step span's attributes: every SchedulerStats field, prefixed."""
-    return {STEP_PREFIX + k: v for k, v in asdict(stats).items()}
+    """The step span's attributes: every SchedulerStats field, prefixed; with speculative
+    decoding also the step's acceptance rate (accepted / draft tokens)."""
+    attrs = {STEP_PREFIX + k: v for k, v in asdict(stats).items()}
+    if stats.spec_num_draft_tokens:
+        attrs["kvmesh.spec_decode.acceptance_rate"] = (stats.spec_num_accepted_tokens
+                                                       / stats.spec_num_draft_tokens)
+    return attrs
 
 
 @dataclass(slots=True)
