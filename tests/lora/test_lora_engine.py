@@ -145,3 +145,33 @@ def test_a_step_pays_only_for_the_sites_its_adapters_touch(llama_base, llama_ada
                  lora_request=LoRARequest("od", 1, str(llama_adapters["o-down"])))
     # 8 forwards x 2 layers x the o_proj and down_proj sites (q/k/v and gate/up: untouched)
     assert calls == [(1, 16, 64), (1, 16, 96)] * 2 * NEW
+
+
+def test_prompt_lookup_speculation_with_adapters_stays_each_adapters_greedy_output(llama_base, llama_adapters):
+    """--speculative-config ngram beside --enable-lora: a verified run goes through the adapter's
+    sites like any other rows of its sequence, so each request (two adapters and the base, in one
+    engine) still gets its own peft-merged reference, drafts both accepted and rejected."""
+    names = sorted(llama_adapters)[:2]
+    loras = {name: LoRARequest(name, i + 1, str(llama_adapters[name])) for i, name in enumerate(names)}
+    loop = _prompts(11, (5,))[0]
+    prompts = [loop * 4, _prompts(12, (6,))[0] * 3, loop * 3 + [7]]     # repeats: lookup proposes
+    which = [names[0], names[1], None]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [greedy(merged(llama_base, llama_adapters[n] if n else None), p, 12) for n, p in zip(which, prompts)]
+    cfg = EngineConfig(model=str(llama_base), enable_lora=True, max_loras=2, max_lora_rank=16,
+                       dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
+                       max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    engine = LLMEngine(cfg)
+    for i, (name, prompt) in enumerate(zip(which, prompts)):
+        engine.add_request(f"r{i}", prompt, params, lora_request=loras.get(name))
+    got, drafts, accepted = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+        drafts += engine.last_stats.spec_num_draft_tokens
+        accepted += engine.last_stats.spec_num_accepted_tokens
+        engine.kv_manager.check_invariants(engine.scheduler.requests.keys())
+    assert [got[f"r{i}"] for i in range(3)] == want
+    assert 0 < accepted < drafts, (accepted, drafts)
