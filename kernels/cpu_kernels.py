@@ -28,6 +28,7 @@ import platform
 import shutil
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -88,8 +89,12 @@ def build_key(path: str | None = None, sources: tuple[Path, ...] = SOURCES,
     return h.hexdigest()[:16]
 
 
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
 def enabled() -> bool:
-    return os.environ.get("KVMESH_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+    return os.environ.get("KVMESH_CPU_KERNELS", "1").lower() not in _OFF
 
 
 def requested_path() -> str | None:
@@ -97,9 +102,22 @@ def requested_path() -> str | None:
     value = os.environ.get("KVMESH_CPU_KERNELS", "1").lower()
     if value in PATHS:
         return value
-    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if value not in (*_ON, *_OFF):
         raise ValueError(f"KVMESH_CPU_KERNELS={value!r}: expected 0, 1 or one of {', '.join(PATHS)}")
     return None
+
+
+def build_or_reason(build: Callable[[], object]) -> tuple[object | None, str | None]:
+    """(build(), None), or (None, why not): disabled, no compiler, the build failed. Every C++
+    extension (these kernels, kernels/quant) goes through this one policy."""
+    if not enabled():
+        return None, "KVMESH_CPU_KERNELS=0"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None, "no C++ compiler (c++) on PATH"
+    try:
+        return build(), None
+    except Exception as e:   # noqa: BLE001 - any build failure means: run without them
+        return None, f"build failed: {e}"
 
 
 def load(path: str | None = None):
@@ -110,18 +128,10 @@ def load(path: str | None = None):
         state = _state.setdefault(path, {})
         if "ext" in state:
             return state["ext"]
-        ext = None
-        if not enabled():
-            state["why"] = "KVMESH_CPU_KERNELS=0"
-        elif path is not None and missing_flags(path):
-            state["why"] = f"the {path} path needs {', '.join(missing_flags(path))}, which this CPU lacks"
-        elif shutil.which(os.environ.get("CXX", "c++")) is None:
-            state["why"] = "no C++ compiler (c++) on PATH"
+        if enabled() and path is not None and missing_flags(path):
+            ext, state["why"] = None, f"the {path} path needs {', '.join(missing_flags(path))}, which this CPU lacks"
         else:
-            try:
-                ext = _build(path)
-            except Exception as e:   # noqa: BLE001 - any build failure means: run without them
-                state["why"] = f"build failed: {e}"
+            ext, state["why"] = build_or_reason(lambda: _build(path))
         if ext is None:
             log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels",
                         state["why"])

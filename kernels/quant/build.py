@@ -9,8 +9,6 @@ build lock, into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/quant-kernels/<key>/`.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -33,16 +31,9 @@ def load():
     with _lock:
         if "ext" in _state:
             return _state["ext"]
-        ext = None
-        if not cpu_kernels.enabled():
-            _state["why"] = "KVMESH_CPU_KERNELS=0"
-        elif shutil.which(os.environ.get("CXX", "c++")) is None:
-            _state["why"] = "no C++ compiler (c++) on PATH"
-        else:
-            try:
-                ext = cpu_kernels.build_extension(NAME, SUBDIR, SOURCES, HEADERS)
-            except Exception as e:   # noqa: BLE001 - any build failure means: serve dequantized
-                _state["why"] = f"build failed: {e}"
+        # NOTE: a failed build means the GGUF tensors are served dequantized
+        ext, _state["why"] = cpu_kernels.build_or_reason(
+            lambda: cpu_kernels.build_extension(NAME, SUBDIR, SOURCES, HEADERS))
         if ext is None:
             log.warning("quantized GEMM kernels unavailable (%s)", _state["why"])
         _state["ext"] = ext
