@@ -6,7 +6,12 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
+from kvmesh.engine.lora.mapping import _pad  # noqa: E402
 from kvmesh.kernels import lora_ops, lora_triton  # noqa: E402
+
+
+def untouched_rows(token_slots):
+    return [t for t, s in enumerate(token_slots) if s < 0]
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
@@ -56,9 +61,21 @@ def test_torch_and_triton_sgmv_match_the_definition(layout, rank, dtype):
     tol = TOL[dtype] * want.abs().max().item()
 
     got_torch = base.clone()
-    y = lora_ops.sgmv_shrink(x, a, rows, starts, seg_slots)
-    lora_ops.sgmv_expand(y, b, got_torch, rows, starts, seg_slots)
+    lora_ops.sgmv_add(x, a, b, got_torch, rows, starts, seg_slots)       # gathered rows
     assert (got_torch.double() - want).abs().max().item() <= tol
+    runs = [(int(rows[s]), int(rows[e - 1]) + 1) for s, e in zip(starts, starts[1:])]
+    if all(hi - lo == e - s for (lo, hi), s, e in zip(runs, starts, starts[1:])):
+        got_runs = base.clone()                                          # views of x and out
+        lora_ops.sgmv_add(x, a, b, got_runs, rows, starts, seg_slots, runs)
+        assert (got_runs.double() - want).abs().max().item() <= tol
+        assert torch.equal(got_runs, got_torch)
+    if len(seg_slots) > 1:                                               # two bmm over [S, L]
+        import numpy as np
+        padded = _pad(rows.numpy(), np.asarray(starts), seg_slots, max(e - s for s, e in zip(starts, starts[1:])))
+        got_bmm = base.clone()
+        lora_ops.sgmv_add(x, a, b, got_bmm, rows, starts, seg_slots, padded=padded)
+        assert (got_bmm.double() - want).abs().max().item() <= tol
+        assert torch.equal(got_bmm[untouched_rows(token_slots)], base[untouched_rows(token_slots)])
 
     got_triton = base.clone()
     seg_starts = torch.tensor(starts, dtype=torch.int32)

@@ -137,8 +137,8 @@ def test_a_step_pays_only_for_the_sites_its_adapters_touch(llama_base, llama_ada
     llm = LLM(str(llama_base), enable_lora=True, max_lora_rank=16, dtype="float32", device="cpu",
               num_kv_blocks=32, block_size=4)
     calls = []
-    real = lora_ops.sgmv_shrink
-    monkeypatch.setattr(lora_ops, "sgmv_shrink", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = lora_ops.sgmv_add
+    monkeypatch.setattr(lora_ops, "sgmv_add", lambda *a: calls.append(a[1].shape) or real(*a))
     llm.generate([[5, 6, 7]], GREEDY)
     assert calls == []                                        # base only: no LoRA kernel at all
     llm.generate([[5, 6, 7]], GREEDY,

@@ -3,6 +3,10 @@
     per sequence: slot (-1: base model) and its tokens this step
     rows   [n]      batch rows of the tokens that run an adapter, grouped by slot (stable)
     starts [S + 1]  segment s = rows[starts[s]:starts[s + 1]], all of slot slots[s]
+    runs   [S]      (lo, hi) when every segment's rows are the consecutive batch rows lo..hi-1
+                    (one adapter for the batch, or sequences grouped by adapter), else None
+    padded          several segments padded to the longest cost at most PAD_WASTE times the real
+                    rows: the CPU path's batched form (kernels/lora_ops.Padded), else None
 
 NOTE: every LoRA site holds the same mapping object and the runner refills it before each
 forward (vLLM's punica wrapper does the same): the family files keep their signatures, and a
@@ -13,15 +17,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvmesh.kernels.lora_ops import Padded
+
+PAD_WASTE = 2.0     # padded rows / real rows up to which two bmm beat a loop of 2 x S GEMMs
+
 
 class LoRAMapping:
-    __slots__ = ("active", "rows", "starts", "slots", "seg_starts", "seg_slots", "max_seg_len")
+    __slots__ = ("active", "rows", "starts", "slots", "runs", "padded", "seg_starts", "seg_slots", "max_seg_len")
 
     def __init__(self) -> None:
         self.active = False                    # any adapter token in this step
         self.rows: torch.Tensor | None = None  # [n] int64 on the model's device
         self.starts: list[int] = []            # [S + 1] host segment bounds (torch path)
         self.slots: list[int] = []             # [S] host slot per segment
+        self.runs: list[tuple[int, int]] | None = None  # [S] batch-row ranges, when contiguous
+        self.padded: Padded | None = None      # the segments as [S, L] (CPU, several segments)
         self.seg_starts: torch.Tensor | None = None   # [S + 1] int32 on the device (Triton path)
         self.seg_slots: torch.Tensor | None = None    # [S] int32 on the device
         self.max_seg_len = 0
@@ -44,8 +54,29 @@ class LoRAMapping:
         self.starts = starts.tolist()
         self.slots = sorted_slots[starts[:-1]].tolist()
         self.max_seg_len = int(np.diff(starts).max())
+        lo, hi = rows[starts[:-1]], rows[starts[1:] - 1] + 1
+        contiguous = bool(np.all(hi - lo == np.diff(starts)))
+        # NOTE: rows within a segment ascend (stable sort of ascending rows), so a segment whose
+        # first and last row span exactly its length is one run
+        self.runs = list(zip(lo.tolist(), hi.tolist())) if contiguous else None
+        self.padded = None
+        segs = len(self.slots)
+        if device.type == "cpu" and segs > 1 and segs * self.max_seg_len <= PAD_WASTE * rows.size:
+            self.padded = _pad(rows, starts, self.slots, self.max_seg_len)
         self.rows = torch.from_numpy(rows).to(device)
         if device.type == "cuda":
             self.seg_starts = torch.tensor(self.starts, dtype=torch.int32).to(device)
             self.seg_slots = torch.tensor(self.slots, dtype=torch.int32).to(device)
         self.active = True
+
+
+def _pad(rows: np.ndarray, starts: np.ndarray, slots: list[int], length: int) -> Padded:
+    """Segment s's rows at positions s * length ...; the padding gathers rows[0] (any real row)."""
+    segs = len(slots)
+    gather = np.full(segs * length, rows[0], dtype=np.int64)
+    seg_len = np.diff(starts)
+    keep = (np.repeat(np.arange(segs) * length, seg_len)
+            + np.arange(rows.size) - np.repeat(starts[:-1], seg_len))
+    gather[keep] = rows
+    return Padded(torch.from_numpy(gather), None if keep.size == gather.size else torch.from_numpy(keep),
+                  torch.tensor(slots, dtype=torch.int64), length)

@@ -66,5 +66,4 @@ class LoRASite:
             y = lora_triton.sgmv_shrink(x, self.a, m.rows, m.seg_starts, m.seg_slots, m.max_seg_len)
             lora_triton.sgmv_expand(y, self.b, out, m.rows, m.seg_starts, m.seg_slots, m.max_seg_len)
             return
-        y = lora_ops.sgmv_shrink(x, self.a, m.rows, m.starts, m.slots)
-        lora_ops.sgmv_expand(y, self.b, out, m.rows, m.starts, m.slots)
+        lora_ops.sgmv_add(x, self.a, self.b, out, m.rows, m.starts, m.slots, m.runs, m.padded)
