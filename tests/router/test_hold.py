@@ -167,3 +167,29 @@ def test_a_held_client_that_leaves_is_dropped_and_never_sent(zero_factory):
     assert r.status_code == 200
     assert [b["prompt"] for _, b in z.app.state.requests] == ["here"]
     assert (z.outcome("sent"), z.outcome("disconnected")) == (0, 1)
+
+
+def test_a_loading_engine_is_not_ready_until_its_ready_endpoint_says_so(zero_factory):
+    """A kvmesh engine answers /health while its model loads (and refuses requests with 503
+    not_ready): a held request waits for /ready, then goes once."""
+    from fastapi.responses import JSONResponse
+    z = zero_factory(hold_timeout_s=30)
+    z.app.state.loading = True
+
+    @z.app.get("/ready")
+    async def ready():
+        if z.app.state.loading:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ready"}
+
+    t, out = _in_thread(lambda: httpx.post(f"{z.url}/v1/completions",
+                                           json={"model": "m", "prompt": "held"}, timeout=20))
+    assert wait_until(lambda: z.pending() == 1, timeout=5)
+    z.start_engine()
+    time.sleep(0.6)                     # several health rounds see /health 200, /ready 503
+    assert z.pending() == 1 and z.app.state.requests == []
+    assert metric(z.url, "kvmesh_router_backend_healthy", backend=z.engine_url) == 0
+    z.app.state.loading = False
+    t.join(10)
+    assert out["value"].status_code == 200 and out["value"].json()["choices"][0]["text"] == "e"
+    assert [b["prompt"] for _, b in z.app.state.requests] == ["held"]
