@@ -123,3 +123,10 @@ def test_keda_scaled_object_for_scale_to_zero() -> None:
             {"type": "prometheus", "name": "running-requests", "metadata": {
                 "serverAddress": "http://prom:9090", "threshold": "64",
                 "query": f"sum(vllm:num_requests_running{where})", "activationThreshold": "0"}}]}
+
+
+async def test_an_unreachable_router_or_engine_counts_as_nothing_held_or_running() -> None:
+    from processes import free_port
+    closed = free_port()                # nothing listens there
+    assert await autoscale.scrape_pending(["127.0.0.1"], closed, timeout_s=1.0) == 0.0
+    assert await autoscale.scrape_running(["127.0.0.1"], closed, timeout_s=1.0) == 0.0
