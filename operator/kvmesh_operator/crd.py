@@ -459,6 +459,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                         f"spec.autoscaling.maxReplicas ({autoscaling.max_replicas})")
     if autoscaling.min_replicas == 0 and autoscaling.mode == "hpa":
         problems.append("spec.autoscaling.minReplicas 0 needs mode operator or keda (an HPA does not scale to zero)")
+    if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.builtin:
+        problems.append("spec.autoscaling.minReplicas 0 needs kvmesh's router (spec.router.enabled, mode builtin): "
+                        "it holds the requests that wake the engines")
     if autoscaling.mode == "keda" and autoscaling.prometheus_address is None:
         problems.append("spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda")
 

@@ -339,6 +339,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     {"rule": "self.router.mode != 'inference-pool' || !self.ingress.enabled",
      "message": "ingress.enabled does not apply to router.mode inference-pool: route a Gateway (HTTPRoute) to "
                 "the InferencePool instead"},
+    {"rule": "!self.autoscaling.enabled || self.autoscaling.minReplicas > 0 || "
+             "(self.router.enabled && self.router.mode == 'builtin')",
+     "message": "autoscaling.minReplicas 0 needs kvmesh's router (router.enabled, mode builtin): it holds the "
+                "requests that wake the engines"},
 ])
 
 _CONDITION = _obj("A KServe-style condition.", {

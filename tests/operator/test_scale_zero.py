@@ -75,7 +75,7 @@ def test_min_replicas_zero_is_accepted_in_operator_and_keda_modes(mode: str) -> 
     assert failures(_cr(spec)) == []
 
 
-def test_min_replicas_zero_with_an_hpa_is_refused_by_both_validators() -> None:
+def test_min_replicas_zero_without_a_holder_or_with_an_hpa_is_refused_by_both_validators() -> None:
     spec = {"model": {}, "autoscaling": {"enabled": True, "mode": "hpa", "minReplicas": 0}}
     with pytest.raises(crd.SpecError) as err:
         crd.parse("x", "ns", spec)
@@ -83,6 +83,13 @@ def test_min_replicas_zero_with_an_hpa_is_refused_by_both_validators() -> None:
                                   "scale to zero)"]
     assert failures(_cr(spec)) == ["autoscaling.minReplicas 0 needs mode operator or keda (an HPA does not "
                                    "scale to zero)"]
+    spec = {"model": {}, "router": {"enabled": False}, "autoscaling": {"enabled": True, "minReplicas": 0}}
+    with pytest.raises(crd.SpecError) as err:
+        crd.parse("x", "ns", spec)
+    assert err.value.problems == ["spec.autoscaling.minReplicas 0 needs kvmesh's router (spec.router.enabled, mode "
+                                  "builtin): it holds the requests that wake the engines"]
+    assert failures(_cr(spec)) == ["autoscaling.minReplicas 0 needs kvmesh's router (router.enabled, mode builtin): "
+                                   "it holds the requests that wake the engines"]
     with pytest.raises(crd.SpecError, match="scaleToZeroAfterSeconds"):
         crd.parse("x", "ns", {"model": {}, "autoscaling": {"scaleToZeroAfterSeconds": 0}})
 
