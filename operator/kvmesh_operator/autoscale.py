@@ -17,6 +17,7 @@ import aiohttp
 
 from .crd import AutoscalingSpec
 from .resources import PENDING_METRIC
+
 _METRIC = re.compile(r"^(?:kvmesh|vllm):num_requests_waiting(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*", re.M)
 
 
@@ -105,8 +106,10 @@ def _to_or_from_zero(spec: AutoscalingSpec, current: int, waiting: list[float], 
     NOTE: waking from zero ignores the cooldown: a held request waits for the whole cold start
     already; the way down has its own, longer wait (scaleToZeroAfterSeconds)."""
     if current == 0:
-        if is_active(waiting, activity):
+        if activity.pending > 0:
             return Decision(1, True, f"{activity.pending:g} request(s) held by the router: 0 → 1")
+        if is_active(waiting, activity):    # pods of the last scale-down still finishing
+            return Decision(1, True, f"{sum(waiting) + activity.running:g} request(s) running or waiting: 0 → 1")
         return Decision(0, False, "scaled to zero: no request held")
     if not is_active(waiting, activity) and activity.idle_seconds >= spec.scale_to_zero_after_seconds:
         return Decision(0, True, f"no request for {activity.idle_seconds:.0f}s (scaleToZeroAfterSeconds "

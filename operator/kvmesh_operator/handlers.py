@@ -306,8 +306,7 @@ async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any,
         return None
     current = R.engine_replicas(svc, status.get("replicas"))
     assert current is not None
-    pods = await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc))
-    ips = [p["status"]["podIP"] for p in pods if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
+    ips = _ready_ips(await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc)))
     waiting = await autoscale.scrape_waiting(ips, config.metrics_port)
     activity = None
     if svc.autoscaling.min_replicas == 0:
@@ -326,9 +325,7 @@ async def _activity(kube: KubeClient, svc: crd.InferenceService, engine_ips: lis
 
     NOTE: the idle clock lives in status (lastActiveTime), so an operator restart does not restart it;
     a service never seen busy starts it at its first tick."""
-    routers = await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc, "router"))
-    router_ips = [p["status"]["podIP"] for p in routers
-                  if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
+    router_ips = _ready_ips(await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc, "router")))
     pending = await autoscale.scrape_pending(router_ips, config.router_metrics_port)
     running = await autoscale.scrape_running(engine_ips, config.metrics_port)
     idle = _seconds_since(status.get("lastActiveTime"))
@@ -337,6 +334,10 @@ async def _activity(kube: KubeClient, svc: crd.InferenceService, engine_ips: lis
         patch.status["lastActiveTime"] = _now()
         activity = autoscale.Activity(pending=pending, running=running, idle_seconds=0.0)
     return activity
+
+
+def _ready_ips(pods: list[dict[str, Any]]) -> list[str]:
+    return [p["status"]["podIP"] for p in pods if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:

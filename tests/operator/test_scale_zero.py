@@ -24,6 +24,8 @@ def test_from_zero_a_held_request_wakes_one_engine_despite_the_cooldown() -> Non
     assert autoscale.decide(SPEC0, 0, [], 5.0, _act(pending=3)) == Decision(
         1, True, "3 request(s) held by the router: 0 → 1")
     assert autoscale.decide(SPEC0, 0, [], None, _act()) == Decision(0, False, "scaled to zero: no request held")
+    assert autoscale.decide(SPEC0, 0, [1.0], None, _act(running=2)) == Decision(
+        1, True, "3 request(s) running or waiting: 0 → 1")
 
 
 def test_to_zero_only_after_the_idle_period_with_nothing_running_waiting_or_held() -> None:
