@@ -139,3 +139,13 @@ async def test_an_unreachable_router_or_engine_counts_as_nothing_held_or_running
     closed = free_port()                # nothing listens there
     assert await autoscale.scrape_pending(["127.0.0.1"], closed, timeout_s=1.0) == 0.0
     assert await autoscale.scrape_running(["127.0.0.1"], closed, timeout_s=1.0) == 0.0
+
+
+def test_the_scale_to_zero_example_is_valid_and_holds_requests() -> None:
+    from .examples import load_example
+    from .test_crd import _schema_errors
+    cr = load_example("scale-to-zero.yaml")
+    assert _schema_errors(cr) == [] and failures(cr) == []
+    svc = crd.parse(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["spec"])
+    assert (svc.autoscaling.min_replicas, svc.autoscaling.scale_to_zero_after_seconds) == (0, 600)
+    assert R.router_args(svc)[-2:] == ["--hold-timeout", "300"]
