@@ -193,3 +193,17 @@ def test_a_loading_engine_is_not_ready_until_its_ready_endpoint_says_so(zero_fac
     t.join(10)
     assert out["value"].status_code == 200 and out["value"].json()["choices"][0]["text"] == "e"
     assert [b["prompt"] for _, b in z.app.state.requests] == ["held"]
+
+
+def test_hold_flags_and_their_validation(capsys):
+    from kvmesh.router.main import build_parser, config_from_args, main
+    base = ["--redis-url", "redis://x", "--backends", "http://127.0.0.1:1"]
+    cfg = config_from_args(build_parser().parse_args(base))
+    assert (cfg.hold_timeout_s, cfg.max_held_requests) == (0.0, 256)       # off by default
+    cfg = config_from_args(build_parser().parse_args(
+        [*base, "--hold-timeout", "90", "--max-held-requests", "8"]))
+    assert (cfg.hold_timeout_s, cfg.max_held_requests) == (90.0, 8)
+    assert main([*base, "--hold-timeout", "-1"]) == 2
+    assert "--hold-timeout must be >= 0 seconds (0: do not hold), got -1.0" in capsys.readouterr().err
+    assert main([*base, "--max-held-requests", "0"]) == 2
+    assert "--max-held-requests must be >= 1, got 0" in capsys.readouterr().err
