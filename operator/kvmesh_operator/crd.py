@@ -142,6 +142,10 @@ class AutoscalingSpec:
     target_waiting_requests: int  # waiting requests per pod to aim for
     cooldown_seconds: int  # least time between two scaling steps
     prometheus_address: str | None  # keda mode only
+    # scale to zero (min_replicas 0): the idle time before the last engine goes, and how long the
+    # router holds a request while no engine is ready
+    scale_to_zero_after_seconds: int = 300
+    hold_timeout_seconds: int = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,11 +451,17 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     autoscaling = AutoscalingSpec(
         enabled=a.get("enabled"), mode=a.get("mode"), min_replicas=a.get("minReplicas"),
         max_replicas=a.get("maxReplicas"), target_waiting_requests=a.get("targetWaitingRequests"),
-        cooldown_seconds=a.get("cooldownSeconds"), prometheus_address=a.get("prometheusAddress"))
+        cooldown_seconds=a.get("cooldownSeconds"), prometheus_address=a.get("prometheusAddress"),
+        scale_to_zero_after_seconds=a.get("scaleToZeroAfterSeconds"), hold_timeout_seconds=a.get("holdTimeoutSeconds"))
     if (isinstance(autoscaling.min_replicas, int) and isinstance(autoscaling.max_replicas, int)
             and autoscaling.min_replicas > autoscaling.max_replicas):
         problems.append(f"spec.autoscaling.minReplicas ({autoscaling.min_replicas}) must not exceed "
                         f"spec.autoscaling.maxReplicas ({autoscaling.max_replicas})")
+    if autoscaling.min_replicas == 0 and autoscaling.mode == "hpa":
+        problems.append("spec.autoscaling.minReplicas 0 needs mode operator or keda (an HPA does not scale to zero)")
+    if autoscaling.enabled and autoscaling.min_replicas == 0 and not router.builtin:
+        problems.append("spec.autoscaling.minReplicas 0 needs kvmesh's router (spec.router.enabled, mode builtin): "
+                        "it holds the requests that wake the engines")
     if autoscaling.mode == "keda" and autoscaling.prometheus_address is None:
         problems.append("spec.autoscaling.prometheusAddress is required when spec.autoscaling.mode is keda")
 

@@ -36,6 +36,7 @@ class OperatorConfig:
     cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
     cleanup_delay_seconds: float = 10.0  # between those attempts
     metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+    router_metrics_port: int = R.ROUTER_PORT  # where it scrapes router pods (minReplicas 0: held requests)
     operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
     watch_secrets: bool = False  # watch the Secrets the operator owns (needs list/watch on Secrets)
 
@@ -305,14 +306,38 @@ async def autoscale_step(kube: KubeClient, svc: crd.InferenceService, body: Any,
         return None
     current = R.engine_replicas(svc, status.get("replicas"))
     assert current is not None
-    pods = await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc))
-    ips = [p["status"]["podIP"] for p in pods if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
+    ips = _ready_ips(await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc)))
     waiting = await autoscale.scrape_waiting(ips, config.metrics_port)
-    decision = autoscale.decide(svc.autoscaling, current, waiting, _seconds_since(status.get("lastScaleTime")))
+    activity = None
+    if svc.autoscaling.min_replicas == 0:
+        activity = await _activity(kube, svc, ips, waiting, status, patch, config)
+    decision = autoscale.decide(svc.autoscaling, current, waiting, _seconds_since(status.get("lastScaleTime")),
+                                activity)
     if decision.changed:
         patch.status["lastScaleTime"] = _now()
         kopf.event(body, type="Normal", reason="Scaled", message=decision.reason)
     return decision.replicas
+
+
+async def _activity(kube: KubeClient, svc: crd.InferenceService, engine_ips: list[str], waiting: list[float],
+                    status: Any, patch: Any, config: OperatorConfig) -> autoscale.Activity:
+    """Scale to zero's inputs: the routers' held requests, the engines' running ones, the idle time.
+
+    NOTE: the idle clock lives in status (lastActiveTime), so an operator restart does not restart it;
+    a service never seen busy starts it at its first tick."""
+    router_ips = _ready_ips(await kube.list("v1", "Pod", svc.namespace, R.selector_string(svc, "router")))
+    pending = await autoscale.scrape_pending(router_ips, config.router_metrics_port)
+    running = await autoscale.scrape_running(engine_ips, config.metrics_port)
+    idle = _seconds_since(status.get("lastActiveTime"))
+    activity = autoscale.Activity(pending=pending, running=running, idle_seconds=idle or 0.0)
+    if idle is None or autoscale.is_active(waiting, activity):
+        patch.status["lastActiveTime"] = _now()
+        activity = autoscale.Activity(pending=pending, running=running, idle_seconds=0.0)
+    return activity
+
+
+def _ready_ips(pods: list[dict[str, Any]]) -> list[str]:
+    return [p["status"]["podIP"] for p in pods if _pod_ready(p) and (p.get("status") or {}).get("podIP")]
 
 
 def _pod_ready(pod: dict[str, Any]) -> bool:

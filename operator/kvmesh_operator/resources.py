@@ -33,6 +33,7 @@ CONFIG_HASH_ANNOTATION = "kvmesh.io/config-hash"
 # (or deleted, then regenerated) password rolls the pods, which read it from env at start only.
 REDIS_AUTH_ANNOTATION = "kvmesh.io/redis-auth-checksum"
 WAITING_METRIC = "kvmesh:num_requests_waiting"
+PENDING_METRIC = "kvmesh_router_pending_requests"  # the router's held requests (scale to zero)
 REDIS_PASSWORD_KEY = "password"  # key of the generated Secret the clients read (KVMESH_REDIS_PASSWORD)
 REDIS_CONF_KEY = "redis.conf"  # key of the same Secret the managed Redis reads (`requirepass …`)
 REDIS_CONF_DIR = "/etc/redis"
@@ -93,9 +94,10 @@ def labels(svc: InferenceService, component: str) -> dict[str, str]:
     }
 
 
-def selector_string(svc: InferenceService) -> str:
-    """The engine pods' selector as the scale subresource wants it (status.selector)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector(svc, "engine").items()))
+def selector_string(svc: InferenceService, component: str = "engine") -> str:
+    """A component's pods' selector as a label-selector string (the engines': the scale subresource's
+    status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector(svc, component).items()))
 
 
 def needs_redis(svc: InferenceService) -> bool:
@@ -394,7 +396,15 @@ def router_args(svc: InferenceService) -> list[str]:
         args += ["--cache-salt-from", svc.router.cache_salt_from]
     if svc.router.expose_route_headers:
         args.append("--expose-route-headers")
+    if scales_to_zero(svc):
+        # NOTE: with no engine the router holds requests (and stays ready): they wake the engines
+        args += ["--hold-timeout", str(svc.autoscaling.hold_timeout_seconds)]
     return args + RT.router_backend_args(svc)
+
+
+def scales_to_zero(svc: InferenceService) -> bool:
+    """Autoscaling may take the engines to zero (minReplicas 0; the CRD allows it in operator and keda modes)."""
+    return svc.autoscaling.enabled and svc.autoscaling.min_replicas == 0
 
 
 def build_router_deployment(svc: InferenceService, owner: Owner, redis_auth: str | None = None) -> dict[str, Any]:
@@ -552,19 +562,32 @@ def build_hpa(svc: InferenceService, owner: Owner) -> dict[str, Any]:
 
 def build_scaled_object(svc: InferenceService, owner: Owner) -> dict[str, Any]:
     a = svc.autoscaling
-    query = (f'sum(vllm:num_requests_waiting{{namespace="{svc.namespace}",'
-             f'model_name="{svc.model.served_name}"}})')
+    where = f'{{namespace="{svc.namespace}",model_name="{svc.model.served_name}"}}'
+
+    def trigger(metric: str, threshold: int) -> dict[str, Any]:
+        return {"type": "prometheus", "metadata": {"serverAddress": a.prometheus_address or "",
+                                                   "query": f"sum({metric}{where})", "threshold": str(threshold)}}
+
+    spec: dict[str, Any] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
+        "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+        # NOTE: the HPA KEDA manages gets the cooldown as its scale-down window.
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _hpa_behavior(svc)}},
+        "pollingInterval": 15,
+        "triggers": [trigger("vllm:num_requests_waiting", a.target_waiting_requests)]}
+    if scales_to_zero(svc):
+        # NOTE: KEDA wakes the engines when any trigger exceeds its activationThreshold (0) and takes
+        # them to zero once none has for cooldownPeriod. The router's held requests wake them (no engine
+        # reports anything at zero); the running trigger keeps a pod busy with an empty queue, its
+        # threshold (one full batch per pod) never asking for more pods than run those requests.
+        spec["cooldownPeriod"] = a.scale_to_zero_after_seconds
+        spec["triggers"] += [
+            {**trigger(PENDING_METRIC, a.target_waiting_requests), "name": "router-held-requests"},
+            {**trigger("vllm:num_requests_running", svc.engine.max_num_seqs), "name": "running-requests"}]
+        for t in spec["triggers"]:
+            t["metadata"]["activationThreshold"] = "0"
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": object_meta(svc, owner, engine_name(svc), "engine"),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": engine_name(svc)},
-                     "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
-                     # NOTE: KEDA's cooldownPeriod only applies when scaling to zero (never here:
-                     # minReplicas >= 1); the HPA it manages gets the cooldown as its scale-down window.
-                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _hpa_behavior(svc)}},
-                     "pollingInterval": 15,
-                     "triggers": [{"type": "prometheus", "metadata": {
-                         "serverAddress": a.prometheus_address or "", "query": query,
-                         "threshold": str(a.target_waiting_requests)}}]}}
+            "metadata": object_meta(svc, owner, engine_name(svc), "engine"), "spec": spec}
 
 
 # ---- the whole set ---------------------------------------------------------------------------------------

@@ -260,16 +260,25 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         "enabled": _bool("Turn autoscaling on (spec.replicas is then ignored).", False),
         "mode": _str("operator (the operator scales), hpa (an HPA on a Pods metric) or keda (a ScaledObject).",
                      enum=AUTOSCALING_MODES, default="operator"),
-        "minReplicas": _int("Fewest engine pods.", minimum=1, default=1),
+        "minReplicas": _int("Fewest engine pods; 0 scales the engines to zero after scaleToZeroAfterSeconds without "
+                            "requests (operator and keda modes), the router holding requests until one is ready.",
+                            minimum=0, default=1),
         "maxReplicas": _int("Most engine pods.", minimum=1, default=4),
         "targetWaitingRequests": _int("Waiting requests per pod to aim for.", minimum=1, default=4),
         "cooldownSeconds": _int("Least time between two scaling steps.", minimum=0, default=300),
         "prometheusAddress": _str("Prometheus URL for keda mode.", pattern=r"^https?://.+"),
+        "scaleToZeroAfterSeconds": _int("With minReplicas 0: how long the engines stay without running, waiting or "
+                                        "held requests before the last one goes (KEDA's cooldownPeriod).",
+                                        minimum=1, default=300),
+        "holdTimeoutSeconds": _int("With minReplicas 0: how long the router holds a request while no engine is "
+                                   "ready (then 503 with Retry-After).", minimum=1, default=300),
     }, rules=[
         {"rule": "self.minReplicas <= self.maxReplicas",
          "message": "autoscaling.minReplicas must not exceed autoscaling.maxReplicas"},
         {"rule": "self.mode != 'keda' || has(self.prometheusAddress)",
          "message": "autoscaling.prometheusAddress is required when autoscaling.mode is keda"},
+        {"rule": "self.minReplicas > 0 || self.mode != 'hpa'",
+         "message": "autoscaling.minReplicas 0 needs mode operator or keda (an HPA does not scale to zero)"},
     ], default={}),
     "tracing": _obj("OpenTelemetry traces of the engines (the router does not trace).", {
         "otlpEndpoint": _str("OTLP endpoint, e.g. http://otel-collector.observability:4317 (gRPC) or "
@@ -330,6 +339,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     {"rule": "self.router.mode != 'inference-pool' || !self.ingress.enabled",
      "message": "ingress.enabled does not apply to router.mode inference-pool: route a Gateway (HTTPRoute) to "
                 "the InferencePool instead"},
+    {"rule": "!self.autoscaling.enabled || self.autoscaling.minReplicas > 0 || "
+             "(self.router.enabled && self.router.mode == 'builtin')",
+     "message": "autoscaling.minReplicas 0 needs kvmesh's router (router.enabled, mode builtin): it holds the "
+                "requests that wake the engines"},
 ])
 
 _CONDITION = _obj("A KServe-style condition.", {
@@ -351,6 +364,8 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
     "selector": _str("Label selector of the engine pods (scale subresource)."),
     "url": _str("Where clients reach the OpenAI API."),
     "lastScaleTime": _str("When the operator's autoscaler last changed replicas.", format="date-time"),
+    "lastActiveTime": _str("When the operator's autoscaler last saw a running, waiting or held request "
+                           "(minReplicas 0: the idle period counts from here).", format="date-time"),
     "redisAuthChecksum": _str("Checksum of the Redis password on the pod templates (a new password rolls the "
                               "pods); kept for when the operator may not read the Secret back."),
     "childFingerprints": _string_map("Per child (Kind/name): a hash of the fields the operator owns as its last "

@@ -39,6 +39,7 @@ from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.hold import RequestHold
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prompt import prompt_token_ids
 from kvmesh.router.routing_policy import BackendState, choose
@@ -122,6 +123,9 @@ class RouterState:
         self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port,
                                 default_kind=cfg.backend_kind)
         self.metrics = RouterMetrics()
+        self.hold = RequestHold(cfg.hold_timeout_s, cfg.max_held_requests,
+                                self.metrics.pending_requests.labels(self.model_name),
+                                self.metrics.held_requests)
         # vLLM backends' KV events -> the shared index (None: every backend is a kvmesh engine)
         self.vllm: VllmEventSources | None = None
         if cfg.redis_url and (cfg.backend_kind == "vllm"
@@ -191,6 +195,7 @@ class RouterState:
                     await self.pool.discover_now()
                     next_discover = time.monotonic() + self.cfg.discover_interval_s
                 await self.pool.check_health(self.http, scrape_load=not self.redis_ok)
+                self.hold.wake()        # held requests re-check: a backend may have healed
                 if self.vllm is not None:
                     await asyncio.to_thread(self.vllm.sync, self.pool)
                 self._export_health()
@@ -266,6 +271,7 @@ class RouterState:
     async def proxy(self, request: Request, endpoint: str | None, path: str) -> Response:
         """Forward one POST to a backend chosen by the strategy. `endpoint` ("completion" or
         "chat") says how to read the prompt for kv-aware routing; None: no prompt to match."""
+        arrived = time.monotonic()
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -304,8 +310,13 @@ class RouterState:
                               self.rng, session_key, index == "ok", cfg.policy,
                               "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
             if decision is None:
-                return error_json(503, "no healthy backend to serve the request",
-                                  "no_healthy_backend")
+                held = await self.hold.wait(request, lambda: bool(self.pool.healthy()), arrived)
+                if held is not None:
+                    return held
+                # NOTE: a backend tried before the hold provably never ran this request (see
+                # _NEVER_SENT, _LOST_WITH_PROCESS): once healed it may take it.
+                tried.clear()
+                continue
             b = decision.backend
             if hashes and b.pod_id is not None:
                 self.recent.record(b.pod_id, hashes, time.monotonic())
@@ -483,9 +494,12 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
     @app.get("/ready")
     async def ready() -> Response:
         n = len(state.pool.healthy())
-        body = {"ready": n > 0, "healthy_backends": n, "backends": len(state.pool.backends),
-                "redis": state.redis_ok}
-        return JSONResponse(body, status_code=200 if n else 503)
+        # NOTE: a router that holds requests (scale to zero) is ready with no engine: it must
+        # stay behind its Service to take the requests that wake the engines.
+        ok = n > 0 or state.hold.enabled
+        body = {"ready": ok, "healthy_backends": n, "backends": len(state.pool.backends),
+                "redis": state.redis_ok, "held_requests": state.hold.held}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,7 +1,7 @@
 """The router's backends: static URLs or a headless Service's DNS records, health and load.
 
-Health: `GET /health` every `health_interval_s` (one failure marks a backend unhealthy, one success
-heals it); a request that cannot connect marks it unhealthy at once. Load: the pods' Redis
+Health: `GET /health` every `health_interval_s`, and `GET /ready` for kvmesh engines (a loading or
+draining engine answers 503 there): one failure marks a backend unhealthy, one success heals it; a request that cannot connect marks it unhealthy at once. Load: the pods' Redis
 heartbeats, matched to backends by URL; while Redis is down, each backend's `/metrics` instead.
 vLLM backends (`--backend-kind vllm`, or `vllm=URL`) publish no heartbeat of their own: their
 `/metrics` is scraped every round and the router's KV-event subscriber heartbeats for them
@@ -163,6 +163,11 @@ class BackendPool:
         try:
             r = await client.get(f"{b.url}/health", timeout=self.health_timeout_s)
             ok = r.status_code == 200
+            if ok and b.kind == "kvmesh":
+                # NOTE: a kvmesh engine answers /health while its model loads (and refuses requests
+                # with 503); /ready says when it serves. A backend without /ready (404): /health decides.
+                r = await client.get(f"{b.url}/ready", timeout=self.health_timeout_s)
+                ok = r.status_code != 503
             if ok and (scrape or b.kind == "vllm"):
                 m = await client.get(f"{b.url}/metrics", timeout=self.health_timeout_s)
                 load = parse_load_metrics(m.text) if m.status_code == 200 else None
@@ -173,7 +178,7 @@ class BackendPool:
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         else:
-            why = f"/health returned {r.status_code}"
+            why = f"{r.url.path} returned {r.status_code}"
         if ok and not b.healthy:
             logger.info("backend %s is healthy", b.url)
             b.healthy = True

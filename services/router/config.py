@@ -40,6 +40,9 @@ class RouterConfig:
     heartbeat_timeout_s: float = 1.0        # a slower heartbeat read counts as Redis down
     connect_timeout_s: float = 2.0          # backend connect timeout (then try another)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # scale to zero (hold.py): wait this long for a ready engine instead of a 503 at once; 0: off
+    hold_timeout_s: float = 0.0
+    max_held_requests: int = 256            # held at once; more get a 503 with Retry-After
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -71,6 +74,11 @@ class RouterConfig:
         CacheSaltSource.parse(self.cache_salt_from)     # raises with the accepted values
         if not self.lookup_timeout_s > 0:
             raise ValueError(f"--lookup-timeout must be > 0 seconds, got {self.lookup_timeout_s}")
+        if self.hold_timeout_s < 0:
+            raise ValueError(f"--hold-timeout must be >= 0 seconds (0: do not hold), got "
+                             f"{self.hold_timeout_s}")
+        if self.max_held_requests < 1:
+            raise ValueError(f"--max-held-requests must be >= 1, got {self.max_held_requests}")
         for name in ("health_interval_s", "load_interval_s", "discover_interval_s",
                      "heartbeat_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:

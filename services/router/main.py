@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--lookup-timeout", field_name="lookup_timeout_s", type=float, metavar="SECONDS",
          help="a prefix lookup slower than this routes its request by load "
          "(reason fallback-slow-lookup)")
+    flag("--hold-timeout", field_name="hold_timeout_s", type=float, metavar="SECONDS",
+         help="while no engine is ready (a service scaled to zero), hold requests this long "
+         "for one to become ready instead of answering 503 at once; 0: do not hold "
+         "(default: %(default)s)")
+    flag("--max-held-requests", type=int,
+         help="requests held at once; more get a 503 with Retry-After (default: %(default)s)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     return p
@@ -89,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         expose_route_headers=args.expose_route_headers, cache_salt_from=args.cache_salt_from,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
         lookup_timeout_s=args.lookup_timeout_s,
+        hold_timeout_s=args.hold_timeout_s, max_held_requests=args.max_held_requests,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
 
 

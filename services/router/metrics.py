@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvmesh.router.hold import OUTCOMES
 from kvmesh.router.routing_policy import REASONS
 
 
@@ -45,3 +46,13 @@ class RouterMetrics:
             "kvmesh_router_duplicate_pod_ids",
             "Pod ids whose heartbeat more than one backend claims (those backends are routed "
             "by load)", registry=r)
+        # scale to zero (hold.py): the operator's autoscaler and KEDA read the pending count
+        self.pending_requests = Gauge(
+            "kvmesh_router_pending_requests",
+            "Requests held while no engine is ready (--hold-timeout)", ["model_name"], registry=r)
+        self.held_requests = Counter(
+            "kvmesh_router_held_requests_total",
+            "Held requests by how their wait ended: sent, timeout, full (refused: the queue was "
+            "full), disconnected", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.held_requests.labels(outcome)

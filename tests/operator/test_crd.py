@@ -292,6 +292,7 @@ def test_cross_field_rules_are_declared_in_the_crd() -> None:
                  "!has(self.uri) || self.uri.startsWith('/')",
                  "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
                  "self.minReplicas <= self.maxReplicas", "self.mode != 'keda' || has(self.prometheusAddress)",
+                 "self.minReplicas > 0 || self.mode != 'hpa'",
                  "!has(self.passwordSecret) || has(self.url)", "!has(self.tlsSecretName) || has(self.host)",
                  "self.metadata.name.size() <= 45", "!self.metadata.name.endsWith('-engine')",
                  "self.url.startsWith('rediss://')", "self.annotations.all(k, !k.matches("):

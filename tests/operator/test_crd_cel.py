@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 33
+    assert len(RULES) == 35
 
 
 @pytest.mark.parametrize("spec", [
@@ -159,6 +159,9 @@ def test_every_rule_rejects_some_example() -> None:
     seen |= set(failures(_cr({"model": {}}, name="x" * 46)))
     seen |= set(failures(_cr({"model": {}}, name="foo-redis")))
     seen |= set(failures(_cr({"model": {}, "redis": {"url": "unix:///run/redis.sock"}})))
+    seen |= set(failures(_cr({"model": {}, "autoscaling": {"mode": "hpa", "minReplicas": 0}})))
+    seen |= set(failures(_cr({"model": {}, "router": {"enabled": False},
+                              "autoscaling": {"enabled": True, "minReplicas": 0}})))
     assert seen == {message for _, _, message in RULES}
 
 
