@@ -19,7 +19,7 @@ import kopf
 
 from kvmesh.index.layout import KeySpace
 
-from . import API_VERSION, GROUP, KIND, PLURAL, VERSION, autoscale, crd, redis_auth, redis_cleanup
+from . import API_VERSION, GROUP, KIND, PLURAL, VERSION, autoscale, crd, lora_sync, redis_auth, redis_cleanup
 from . import resources as R
 from . import status as S
 from .apply import NotOwned, apply, controlled_by, fingerprint_key, fingerprints_update
@@ -35,7 +35,8 @@ class OperatorConfig:
     resync_seconds: float = 15.0  # timer: repair drift, refresh status, autoscale
     cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
     cleanup_delay_seconds: float = 10.0  # between those attempts
-    metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+    metrics_port: int = R.ENGINE_PORT  # engine pods' HTTP port: autoscaler scrapes, LoRA adapter loads
+    lora_retry_seconds: float = 60.0  # before asking a pod again to load an adapter it refused
     operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
     watch_secrets: bool = False  # watch the Secrets the operator owns (needs list/watch on Secrets)
 
@@ -74,6 +75,14 @@ def _warned(memo: Any) -> set[str]:
     if getattr(memo, "forbidden_warned", None) is None:
         memo.forbidden_warned = set()
     return memo.forbidden_warned
+
+
+def _refusals(memo: Any, uid: str) -> lora_sync.Refusals:
+    """The adapters one service's engine pods refused, and when (retried after
+    OperatorConfig.lora_retry_seconds)."""
+    if getattr(memo, "lora_refusals", None) is None:
+        memo.lora_refusals = {}
+    return memo.lora_refusals.setdefault(uid, {})
 
 
 def _kube(memo: Any) -> KubeClient:
@@ -172,7 +181,8 @@ async def external_redis_checksum(kube: KubeClient, svc: crd.InferenceService, r
 
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
                patch: Any, autoscaled: int | None, warned: set[str] | None = None,
-               operator_namespace: str | None = None, full_sweep: bool = True) -> None:
+               operator_namespace: str | None = None, full_sweep: bool = True,
+               config: OperatorConfig | None = None, refusals: lora_sync.Refusals | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
@@ -248,9 +258,11 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
-    pods = await _engine_pods(kube, svc) if svc.model.remote else []
+    pods = await _engine_pods(kube, svc) if svc.model.remote or svc.lora_enabled else []
+    adapters = await _sync_adapters(kube, svc, pods, body, config or OperatorConfig(),
+                                    {} if refusals is None else refusals) if svc.lora_enabled else None
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
-                                       [str(c) for c in conflicts], pods))
+                                       [str(c) for c in conflicts], pods, adapters))
     if auth is not None:
         patch.status["redisAuthChecksum"] = auth
     if conflicts:
@@ -258,6 +270,17 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         if not already:
             kopf.event(body, type="Warning", reason="NameConflict", message="; ".join(map(str, conflicts)))
         raise ChildConflict("; ".join(map(str, conflicts)))
+
+
+async def _sync_adapters(kube: KubeClient, svc: crd.InferenceService, pods: list[dict[str, Any]], body: Any,
+                         config: OperatorConfig, refusals: lora_sync.Refusals
+                         ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """spec.loraAdapters onto the ready engine pods; (status.loraAdapters, AdaptersReady)."""
+    done = await lora_sync.sync_adapters(kube, svc, pods, config.metrics_port, refusals, config.lora_retry_seconds)
+    for reason, message in done.actions:
+        kopf.event(body, type="Warning" if reason == "LoRAAdapterRefused" else "Normal", reason=reason,
+                   message=message)
+    return done.statuses, done.condition
 
 
 async def _engine_pods(kube: KubeClient, svc: crd.InferenceService) -> list[dict[str, Any]]:
@@ -430,7 +453,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
         try:
             await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace)
+                       config.operator_namespace, config=config, refusals=_refusals(memo, uid))
         except ChildConflict as err:  # shown in status; retried when the spec changes (and by resync)
             raise kopf.PermanentError(str(err)) from err
 
@@ -451,7 +474,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             autoscaled = status.get("replicas")
         with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
             await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace, full_sweep=False)
+                       config.operator_namespace, full_sweep=False, config=config, refusals=_refusals(memo, uid))
 
     if config.watch_secrets:
         # NOTE: only Secrets labelled as the operator's (the managed Redis' passwords); needs list/watch
@@ -466,6 +489,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def delete(name: str, namespace: str, uid: str, spec: Any, body: Any, retry: int, memo: Any,
                      patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         patch.status["phase"] = "Terminating"
+        (getattr(memo, "lora_refusals", None) or {}).pop(uid, None)
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:
