@@ -77,12 +77,12 @@ def _warned(memo: Any) -> set[str]:
     return memo.forbidden_warned
 
 
-def _refusals(memo: Any, uid: str) -> lora_sync.Refusals:
-    """The adapters one service's engine pods refused, and when (retried after
-    OperatorConfig.lora_retry_seconds)."""
-    if getattr(memo, "lora_refusals", None) is None:
-        memo.lora_refusals = {}
-    return memo.lora_refusals.setdefault(uid, {})
+def _lora_state(memo: Any, uid: str) -> lora_sync.SyncState:
+    """One service's adapter syncs: the adapters its pods refused (retried after
+    OperatorConfig.lora_retry_seconds) and the lock that keeps two syncs apart."""
+    if getattr(memo, "lora_states", None) is None:
+        memo.lora_states = {}
+    return memo.lora_states.setdefault(uid, lora_sync.SyncState())
 
 
 def _kube(memo: Any) -> KubeClient:
@@ -182,7 +182,7 @@ async def external_redis_checksum(kube: KubeClient, svc: crd.InferenceService, r
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
                patch: Any, autoscaled: int | None, warned: set[str] | None = None,
                operator_namespace: str | None = None, full_sweep: bool = True,
-               config: OperatorConfig | None = None, refusals: lora_sync.Refusals | None = None) -> None:
+               config: OperatorConfig | None = None, lora_state: lora_sync.SyncState | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
@@ -260,7 +260,9 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
     pods = await _engine_pods(kube, svc) if svc.model.remote or svc.lora_enabled else []
     adapters = await _sync_adapters(kube, svc, pods, body, config or OperatorConfig(),
-                                    {} if refusals is None else refusals) if svc.lora_enabled else None
+                                    lora_state or lora_sync.SyncState()) if svc.lora_enabled else None
+    if adapters is None and status.get("loraAdapters") is not None:
+        patch.status["loraAdapters"] = None  # NOTE: LoRA turned off: a merge patch keeps what it does not name
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
                                        [str(c) for c in conflicts], pods, adapters))
     if auth is not None:
@@ -273,10 +275,10 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
 
 
 async def _sync_adapters(kube: KubeClient, svc: crd.InferenceService, pods: list[dict[str, Any]], body: Any,
-                         config: OperatorConfig, refusals: lora_sync.Refusals
+                         config: OperatorConfig, state: lora_sync.SyncState
                          ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """spec.loraAdapters onto the ready engine pods; (status.loraAdapters, AdaptersReady)."""
-    done = await lora_sync.sync_adapters(kube, svc, pods, config.metrics_port, refusals, config.lora_retry_seconds)
+    done = await lora_sync.sync_adapters(kube, svc, pods, config.metrics_port, state, config.lora_retry_seconds)
     for reason, message in done.actions:
         kopf.event(body, type="Warning" if reason == "LoRAAdapterRefused" else "Normal", reason=reason,
                    message=message)
@@ -453,7 +455,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
         try:
             await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace, config=config, refusals=_refusals(memo, uid))
+                       config.operator_namespace, config=config, lora_state=_lora_state(memo, uid))
         except ChildConflict as err:  # shown in status; retried when the spec changes (and by resync)
             raise kopf.PermanentError(str(err)) from err
 
@@ -474,7 +476,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             autoscaled = status.get("replicas")
         with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
             await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace, full_sweep=False, config=config, refusals=_refusals(memo, uid))
+                       config.operator_namespace, full_sweep=False, config=config, lora_state=_lora_state(memo, uid))
 
     if config.watch_secrets:
         # NOTE: only Secrets labelled as the operator's (the managed Redis' passwords); needs list/watch
@@ -489,7 +491,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def delete(name: str, namespace: str, uid: str, spec: Any, body: Any, retry: int, memo: Any,
                      patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         patch.status["phase"] = "Terminating"
-        (getattr(memo, "lora_refusals", None) or {}).pop(uid, None)
+        (getattr(memo, "lora_states", None) or {}).pop(uid, None)
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:

@@ -24,6 +24,15 @@ from .kube import KubeClient, KubeError
 Refusals = MutableMapping[tuple[str, str, str], tuple[float, str]]
 
 
+@dataclass(slots=True)
+class SyncState:
+    """What the syncs of one InferenceService share across reconciles (kept in kopf's memo)."""
+    refusals: Refusals = field(default_factory=dict)
+    # NOTE: the change handler and the resync timer may run at once: two syncs reading the same
+    # /v1/models would both load a missing adapter, and the second load is refused as a duplicate
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     api: str | None  # Bearer key of /v1/models (the engines' --api-key)
@@ -59,6 +68,9 @@ async def _secret_value(kube: KubeClient, svc: InferenceService, ref: SecretRef 
                                  "whose key the engines' adapter endpoints require: install the chart with "
                                  "rbac.readSecrets=true") from err
         raise
+    if secret is None:
+        raise KeyUnavailable("SecretMissing", f"Secret {ref.name} (spec.{field_}) does not exist: the engines "
+                             "cannot start without it either")
     value = redis_auth.password_of(secret, ref.key)
     if value is None:
         raise KeyUnavailable("SecretMissing", f"Secret {ref.name} (spec.{field_}) has no key {ref.key!r}")
@@ -77,11 +89,17 @@ def ready_pods(pods: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 async def sync_adapters(kube: KubeClient, svc: InferenceService, pods: Sequence[dict[str, Any]], port: int,
-                        refusals: Refusals, retry_seconds: float = 60.0, timeout_s: float = 120.0) -> AdapterSync:
+                        state: SyncState, retry_seconds: float = 60.0, timeout_s: float = 120.0) -> AdapterSync:
     """Load / unload on every ready engine pod until each serves exactly spec.loraAdapters.
 
     A refused adapter is tried again on that pod after `retry_seconds` (or at once when its source
     changes): the engine re-reads (and may re-fetch) it on every try."""
+    async with state.lock:
+        return await _sync(kube, svc, pods, port, state.refusals, retry_seconds, timeout_s)
+
+
+async def _sync(kube: KubeClient, svc: InferenceService, pods: Sequence[dict[str, Any]], port: int,
+                refusals: Refusals, retry_seconds: float, timeout_s: float) -> AdapterSync:
     targets = ready_pods(pods)
     wanted = list(svc.lora_adapters)
     try:

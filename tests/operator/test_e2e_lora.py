@@ -142,6 +142,15 @@ async def test_adapters_follow_the_spec_on_running_pods_without_a_rollout(cluste
                         and c, what="AdaptersReady NoAdapters")
     assert _served(engine) == {}
     assert obj(server, "apps/v1/deployments", "lo-engine")["spec"] == engine_dep["spec"]
+    assert cr["status"]["loraAdapters"] == []
+
+    # LoRA off: a config change (a rollout), and neither the condition nor status.loraAdapters stays
+    await _post(server, f"{CR_PATH}/lo", {"spec": {"engine": {"enableLora": False}}},
+                method="patch", content_type="application/merge-patch+json")
+    cr = await wait_for(lambda: (c := _cr(server, "lo")) and c["status"]["observedGeneration"] == 4
+                        and not _cond(c, "AdaptersReady") and c, what="LoRA off")
+    assert "loraAdapters" not in cr["status"]
+    assert '"enable_lora"' not in obj(server, "v1/configmaps", "lo-engine-config")["data"]["engine.json"]
 
 
 async def test_an_unreadable_admin_key_or_an_unreachable_pod_is_shown(cluster: Any, engine) -> None:
@@ -175,3 +184,22 @@ async def test_an_unreadable_admin_key_or_an_unreachable_pod_is_shown(cluster: A
     assert (status["ready"], status["pods"]) == (False, [])
     assert status["message"].startswith(f"gone-engine-1: cannot read http://127.0.0.2:{port}/v1/models: ")
     assert _served(engine) == {}
+
+
+async def test_a_missing_key_secret_or_key_is_shown(cluster: Any) -> None:
+    server = cluster
+    await _post(server, f"/api/v1/namespaces/{NAMESPACE}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys", "namespace": NAMESPACE},
+        "data": {"other": base64.b64encode(b"x").decode()}})
+    for name, secrets, message in (
+            ("nokey", {"apiKeySecret": {"name": "keys"}}, "Secret keys (spec.apiKeySecret) has no key 'api-key'"),
+            ("nosecret", {"adminApiKeySecret": {"name": "absent"}},
+             "Secret absent (spec.adminApiKeySecret) does not exist: the engines cannot start without it either")):
+        await _post(server, CR_PATH, {"apiVersion": "kvmesh.io/v1alpha1", "kind": "InferenceService",
+                                      "metadata": {"name": name, "namespace": NAMESPACE},
+                                      "spec": {"model": {}, "router": {"enabled": False}, **secrets,
+                                               "loraAdapters": [{"name": "sql", "source": "/opt/loras/sql"}]}})
+        cr = await wait_for(lambda: (c := _cr(server, name)) and _cond(c, "AdaptersReady") and c,
+                            what=f"AdaptersReady of {name}")
+        assert (_cond(cr, "AdaptersReady")["reason"], _cond(cr, "AdaptersReady")["message"]) == (
+            "SecretMissing", message)
