@@ -304,7 +304,8 @@ def _model_cache(m: _Reader, problems: list[str]) -> ModelCacheSpec:
     return cache
 
 
-def _model_uri_problems(model: ModelSpec) -> list[str]:
+def _model_uri_problems(model: ModelSpec, lora: bool) -> list[str]:
+    """`lora`: LoRA is on, so the engines fetch s3:// / hf:// adapters with the fetch settings."""
     problems = []
     if (model.uri or "").startswith(("s3://", "hf://")):
         try:
@@ -318,9 +319,10 @@ def _model_uri_problems(model: ModelSpec) -> list[str]:
         problems.append(problem)
     fetch_fields = [f for f, v in (("credentials", model.credentials), ("endpoint", model.endpoint),
                                    ("cache", model.cache != ModelCacheSpec())) if v]
-    if fetch_fields and not (model.uri or "").startswith(("s3://", "hf://")):
+    if fetch_fields and not lora and not (model.uri or "").startswith(("s3://", "hf://")):
         problems.append(f"spec.model.{', spec.model.'.join(fetch_fields)}: only for an s3:// or hf:// "
-                        "spec.model.uri (what the init container fetches)")
+                        "spec.model.uri (what the init container fetches) or LoRA adapters (what the engines "
+                        "fetch)")
     return problems
 
 
@@ -354,7 +356,10 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                       served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"),
                       endpoint=m.get("endpoint"), credentials=_credentials(m),
                       cache=_model_cache(m, problems))
-    problems += _model_uri_problems(model)
+    engine_data = root.data.get("engine")
+    lora = bool(root.data.get("loraAdapters")) or (isinstance(engine_data, dict)
+                                                    and engine_data.get("enableLora") is True)
+    problems += _model_uri_problems(model, lora)
     if model.source == "uri" and model.uri is None:
         problems.append("spec.model.uri is required when spec.model.source is uri")
     if model.source == "pvc" and model.pvc_claim is None:

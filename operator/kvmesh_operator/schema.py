@@ -117,8 +117,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                     "model.cache; required when source is uri.", minLength=1),
         "endpoint": _str("S3-compatible endpoint of an s3:// uri (AWS_ENDPOINT_URL, path-style "
                          "addressing: MinIO, Ceph, ...); unset: AWS S3.", pattern=r"^https?://.+"),
-        "credentials": _obj("Secret holding the credentials of an s3:// / hf:// uri; each key, where the "
-                            "Secret has it, becomes the variable it is named after.", {
+        "credentials": _obj("Secret holding the credentials of an s3:// / hf:// uri (and of s3:// / hf:// "
+                            "loraAdapters); each key, where the Secret has it, becomes the variable it is named "
+                            "after.", {
             "secretName": _str("Secret in the InferenceService's namespace.", pattern=K8S_NAME_PATTERN,
                                maxLength=253),
             "accessKeyIdKey": _str("Key of AWS_ACCESS_KEY_ID.", default="AWS_ACCESS_KEY_ID", minLength=1),
@@ -153,9 +154,6 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                  "self.uri.matches('" + HF_URI_PATTERN + "')",
          "message": "model.uri must be an absolute path inside the image, s3://bucket/prefix or "
                     "hf://org/name[@revision]"},
-        {"rule": "(!has(self.credentials) && !has(self.endpoint) && !has(self.cache)) || (has(self.uri) && "
-                 "(self.uri.startsWith('s3://') || self.uri.startsWith('hf://')))",
-         "message": "model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri"},
         {"rule": "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
          "message": "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face "
                     "ids and URLs are not downloaded"},
@@ -364,6 +362,13 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     {"rule": "self.router.mode != 'inference-pool' || !self.ingress.enabled",
      "message": "ingress.enabled does not apply to router.mode inference-pool: route a Gateway (HTTPRoute) to "
                 "the InferencePool instead"},
+    # NOTE: a spec-level rule (not model's): with LoRA on, the engines fetch s3:// / hf:// adapters
+    # with the model's endpoint, credentials and cache
+    {"rule": "(!has(self.model.credentials) && !has(self.model.endpoint) && !has(self.model.cache)) || "
+             "(has(self.model.uri) && (self.model.uri.startsWith('s3://') || self.model.uri.startsWith('hf://'))) "
+             "|| self.engine.enableLora || (has(self.loraAdapters) && size(self.loraAdapters) > 0)",
+     "message": "model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri, or to "
+                "LoRA adapters (engine.enableLora, loraAdapters)"},
     {"rule": "self.engine.runtime != 'vllm' || (!self.engine.enableLora && "
              "(!has(self.loraAdapters) || size(self.loraAdapters) == 0))",
      "message": "engine.enableLora and loraAdapters need runtime kvmesh (the operator loads adapters through "

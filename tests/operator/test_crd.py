@@ -228,7 +228,7 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                 "cache": {"hostPath": "/var/lib/kvmesh", "claimName": "models"}}},
      ["spec.model.cache takes hostPath or claimName, not both",
       "spec.model.endpoint, spec.model.cache: only for an s3:// or hf:// spec.model.uri (what the init "
-      "container fetches)"]),
+      "container fetches) or LoRA adapters (what the engines fetch)"]),
     ({"model": {"source": "uri", "uri": "hf://org/model@v1"}, "image": "vllm/vllm-openai:v0.11.0",
       "engine": {"runtime": "vllm"}},
      ["spec.engine.runtime vllm needs a spec.model.uri inside the image: s3:// and hf:// models are fetched "

@@ -76,9 +76,12 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
      "loraAdapters": [{"name": "sql", "source": "pvc://weights/loras/sql"}, {"name": "chat.v2", "source": "s3://adapters/chat"},
                       {"name": "Hf_1", "source": "hf://org/lora@main"}, {"name": "img", "source": "/opt/loras/x"}]},
     {"model": {}, "engine": {"enableLora": True}, "loraAdapters": []},
+    {"model": {"source": "uri", "uri": "/opt/models/m", "endpoint": "http://minio:9000",
+               "credentials": {"secretName": "s3"}, "cache": {"hostPath": "/var/lib/kvmesh"}},
+     "loraAdapters": [{"name": "sql", "source": "s3://adapters/sql"}]},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
         "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model", "lora-adapters",
-        "lora-enabled-without-adapters"])
+        "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -122,7 +125,8 @@ CEL_MESSAGES = [
      "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face ids and URLs "
      "are not downloaded"],
     ["model.uri must be an absolute path inside the image, s3://bucket/prefix or hf://org/name[@revision]"],
-    ["model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri",
+    ["model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri, or to LoRA adapters "
+     "(engine.enableLora, loraAdapters)",
      "model.cache takes hostPath or claimName, not both"],
     ["engine.runtime vllm needs a model.uri inside the image: s3:// and hf:// models are fetched for runtime "
      "kvmesh"],

@@ -148,3 +148,14 @@ def test_an_unreachable_pod_or_no_pod_is_not_ready() -> None:
                                            "message": "no adapter in spec.loraAdapters"}
     assert L.adapters_condition(waiting, 0, ("SecretUnreadable", "m")) == {
         "type": "AdaptersReady", "status": "False", "reason": "SecretUnreadable", "message": "m"}
+
+
+def test_s3_adapters_of_a_model_in_the_image_get_the_models_endpoint_and_credentials() -> None:
+    svc = _svc(model={"source": "uri", "uri": "/opt/models/m", "endpoint": "http://minio:9000",
+                      "credentials": {"secretName": "s3"}},
+               loraAdapters=[{"name": "sql", "source": "s3://adapters/sql"}])
+    env = _engine(svc)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "AWS_ENDPOINT_URL", "value": "http://minio:9000"} in env
+    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
+        "name": "s3", "key": "AWS_ACCESS_KEY_ID", "optional": True}}} in env
+    assert "initContainers" not in _engine(svc)["spec"]["template"]["spec"]
