@@ -114,8 +114,8 @@ async def _sync(kube: KubeClient, svc: InferenceService, pods: Sequence[dict[str
     live = {name for name, _ in targets}
     for key in [k for k in refusals if k[0] not in live]:
         del refusals[key]  # NOTE: pods come and go: forget the ones that went
-    return AdapterSync(L.adapter_statuses(wanted, outcomes),
-                       L.adapters_condition(L.adapter_statuses(wanted, outcomes), len(outcomes)), actions)
+    statuses = L.adapter_statuses(wanted, outcomes)
+    return AdapterSync(statuses, L.adapters_condition(statuses, len(outcomes)), actions)
 
 
 async def _sync_pod(http: aiohttp.ClientSession, pod: str, base: str, wanted: list[LoRAAdapterSpec], keys: Keys,
@@ -124,7 +124,7 @@ async def _sync_pod(http: aiohttp.ClientSession, pod: str, base: str, wanted: li
     try:
         out.loaded = L.served(await _get_json(http, f"{base}/v1/models", keys.api))
     except (aiohttp.ClientError, TimeoutError, ValueError) as err:
-        out.unreachable = f"cannot read {base}/v1/models: {err or type(err).__name__}"
+        out.unreachable = f"cannot read {base}/v1/models: {str(err) or type(err).__name__}"
         return out
     now = time.monotonic()
     skip = set()
@@ -137,7 +137,7 @@ async def _sync_pod(http: aiohttp.ClientSession, pod: str, base: str, wanted: li
     try:
         for name in step.unload:
             status, text = await _post(http, f"{base}/v1/unload_lora_adapter", {"lora_name": name}, keys.admin)
-            if status == 200 or status == 404:  # NOTE: 404: already gone (a request raced us): as wanted
+            if status == 200 or status == 404:  # NOTE: 404: unloaded by someone else meanwhile: as wanted
                 out.loaded.pop(name, None)
                 actions.append(("LoRAAdapterUnloaded", f"unloaded {name} from {pod}"))
             else:
@@ -154,7 +154,7 @@ async def _sync_pod(http: aiohttp.ClientSession, pod: str, base: str, wanted: li
                 refusals[(pod, a.name, a.source)] = (time.monotonic(), text)
                 actions.append(("LoRAAdapterRefused", f"{pod} refused {a.name}: {text}"))
     except (aiohttp.ClientError, TimeoutError) as err:
-        out.unreachable = f"{base}: {err or type(err).__name__}"
+        out.unreachable = f"{base}: {str(err) or type(err).__name__}"
     return out
 
 
