@@ -18,7 +18,7 @@ from . import resources as R
 from .crd import InferenceService
 
 CONDITION_TYPES = ("ModelReady", "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
-                   "InferencePoolReady")
+                   "InferencePoolReady", "AdaptersReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
 
