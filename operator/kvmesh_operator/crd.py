@@ -87,6 +87,10 @@ class EngineSpec:
     tensor_parallel_size: int = 1  # GPUs one model is sharded across; divides gpu.count
     shared_memory_size: str = "2Gi"  # sizeLimit of the in-memory /dev/shm
     nccl: NCCLSpec = NCCLSpec(None, "WARN")
+    enable_lora: bool = False  # engine.enableLora: --enable-lora even with no adapter in the spec
+    max_loras: int = 1  # --max-loras
+    max_lora_rank: int = 16  # --max-lora-rank
+    max_cpu_loras: int | None = None  # --max-cpu-loras; None: the engine's default (max_loras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +169,12 @@ class IngressSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAAdapterSpec:
+    name: str  # the `model` name clients send
+    source: str  # the engine's lora_path: an absolute path, pvc://, s3:// or hf:// (fetched on the pod)
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceService:
     """One parsed InferenceService: everything the builders need, nothing from the cluster."""
     name: str
@@ -183,6 +193,12 @@ class InferenceService:
     ingress: IngressSpec
     api_key_secret: SecretRef | None
     admin_api_key_secret: SecretRef | None = None  # kvmesh engines' --admin-api-key
+    lora_adapters: tuple[LoRAAdapterSpec, ...] = ()  # loaded at run time, never in the pod template
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Do the engines run with --enable-lora (and the operator keep their adapters in sync)?"""
+        return self.engine.enable_lora or bool(self.lora_adapters)
 
     @property
     def kv_events(self) -> bool:
@@ -292,7 +308,8 @@ def _model_cache(m: _Reader, problems: list[str]) -> ModelCacheSpec:
     return cache
 
 
-def _model_uri_problems(model: ModelSpec) -> list[str]:
+def _model_uri_problems(model: ModelSpec, lora: bool) -> list[str]:
+    """`lora`: LoRA is on, so the engines fetch s3:// / hf:// adapters with the fetch settings."""
     problems = []
     if (model.uri or "").startswith(("s3://", "hf://")):
         try:
@@ -306,9 +323,10 @@ def _model_uri_problems(model: ModelSpec) -> list[str]:
         problems.append(problem)
     fetch_fields = [f for f, v in (("credentials", model.credentials), ("endpoint", model.endpoint),
                                    ("cache", model.cache != ModelCacheSpec())) if v]
-    if fetch_fields and not (model.uri or "").startswith(("s3://", "hf://")):
+    if fetch_fields and not lora and not (model.uri or "").startswith(("s3://", "hf://")):
         problems.append(f"spec.model.{', spec.model.'.join(fetch_fields)}: only for an s3:// or hf:// "
-                        "spec.model.uri (what the init container fetches)")
+                        "spec.model.uri (what the init container fetches) or LoRA adapters (what the engines "
+                        "fetch)")
     return problems
 
 
@@ -342,7 +360,10 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                       served_name=m.get("servedModelName") or name, tokenizer=m.get("tokenizer"),
                       endpoint=m.get("endpoint"), credentials=_credentials(m),
                       cache=_model_cache(m, problems))
-    problems += _model_uri_problems(model)
+    engine_data = root.data.get("engine")
+    lora = bool(root.data.get("loraAdapters")) or (isinstance(engine_data, dict)
+                                                    and engine_data.get("enableLora") is True)
+    problems += _model_uri_problems(model, lora)
     if model.source == "uri" and model.uri is None:
         problems.append("spec.model.uri is required when spec.model.source is uri")
     if model.source == "pvc" and model.pvc_claim is None:
@@ -370,7 +391,13 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         scheduling_policy=e.get("schedulingPolicy"), enable_prefix_caching=e.get("enablePrefixCaching"),
         preemption_mode=e.get("preemptionMode"), runtime=e.get("runtime"), tensor_parallel_size=tp_size,
         shared_memory_size=e.get("sharedMemorySize") or ("8Gi" if tp_size > 1 else "2Gi"),
-        nccl=NCCLSpec(socket_ifname=nc.get("socketIfname"), debug=nc.get("debug")))
+        nccl=NCCLSpec(socket_ifname=nc.get("socketIfname"), debug=nc.get("debug")),
+        enable_lora=e.get("enableLora"), max_loras=e.get("maxLoras"), max_lora_rank=e.get("maxLoraRank"),
+        max_cpu_loras=e.get("maxCpuLoras"))
+    if (isinstance(engine.max_cpu_loras, int) and isinstance(engine.max_loras, int)
+            and engine.max_cpu_loras < engine.max_loras):
+        problems.append(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be at least spec.engine.maxLoras "
+                        f"({engine.max_loras}): the adapters of one batch are all in host memory")
     if (isinstance(engine.max_num_seqs, int) and isinstance(engine.max_num_batched_tokens, int)
             and engine.max_num_batched_tokens < engine.max_num_seqs):
         problems.append(f"spec.engine.maxNumBatchedTokens ({engine.max_num_batched_tokens}) must be at least "
@@ -485,12 +512,16 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     if vllm and admin_key is not None:
         problems.append("spec.adminApiKeySecret is a kvmesh engine flag: runtime vllm has no admin key")
 
+    adapters = _lora_adapters(root, model, problems)
+    if vllm and (engine.enable_lora or adapters):
+        problems.append("spec.engine.enableLora and spec.loraAdapters need runtime kvmesh: the operator loads "
+                        "adapters through kvmesh's admin endpoints")
     svc = InferenceService(
         name=name, namespace=namespace, model=model, image=root.get("image") or S.DEFAULT_IMAGE,
         image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
         resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
         tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"),
-        admin_api_key_secret=admin_key)
+        admin_api_key_secret=admin_key, lora_adapters=adapters)
     if suffix := next((x for x in S.CHILD_SUFFIXES if name.endswith(x)), None):
         problems.append(f"metadata.name {name!r} must not end in {suffix!r}: it would collide with the children "
                         f"of InferenceService {name[:-len(suffix)]!r}; choose another name")
@@ -500,3 +531,48 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     if problems:
         raise SpecError(problems)
     return svc
+
+
+def _lora_adapters(root: _Reader, model: ModelSpec, problems: list[str]) -> tuple[LoRAAdapterSpec, ...]:
+    """spec.loraAdapters: names unique and not the model's, sources the engine pods can reach."""
+    items = root.get("loraAdapters") or []
+    item_schema = S.SPEC_SCHEMA["properties"]["loraAdapters"]["items"]
+    out: list[LoRAAdapterSpec] = []
+    for i, item in enumerate(items):
+        a = _Reader(item, f"spec.loraAdapters[{i}]", problems, item_schema)
+        name, source = a.get("name"), a.get("source")
+        for key, value in (("name", name), ("source", source)):
+            if value is None and isinstance(item, dict) and item.get(key) is None:
+                problems.append(f"spec.loraAdapters[{i}].{key} is required")
+        if name is None or source is None:
+            continue
+        if (problem := _lora_source_problem(f"spec.loraAdapters[{i}].source", source, model)) is not None:
+            problems.append(problem)
+        out.append(LoRAAdapterSpec(name, source))
+    names = [a.name for a in out]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"spec.loraAdapters names must be unique: {', '.join(dup)} given more than once")
+    if model.served_name in names:
+        problems.append(f"spec.loraAdapters name {model.served_name!r} is the model's own name "
+                        f"(spec.model.servedModelName): choose another")
+    return tuple(out)
+
+
+def _lora_source_problem(where: str, source: str, model: ModelSpec) -> str | None:
+    if source.startswith("/"):
+        return None
+    if source.startswith("pvc://"):
+        claim = source[len("pvc://"):].partition("/")[0]
+        if model.source != "pvc" or claim != model.pvc_claim or not source[len("pvc://" + claim) + 1:]:
+            return (f"{where} {source!r}: a pvc:// adapter must be a path on the model's claim "
+                    f"(spec.model.source pvc, pvc://<spec.model.pvc.claimName>/path): the engine pods mount that "
+                    f"claim only (or use an absolute path, s3:// or hf://)")
+    elif not source.startswith(("s3://", "hf://")):
+        kind = "a URL" if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", source) else "not an absolute path"
+        return (f"{where} {source!r} is {kind}: it must be an absolute path (in the image or under /models), "
+                f"pvc://claim/path, s3://bucket/prefix or hf://org/name[@revision]")
+    try:
+        parse_source(source)
+    except FetchError as e:
+        return f"{where} {e}"
+    return None

@@ -19,7 +19,7 @@ import kopf
 
 from kvmesh.index.layout import KeySpace
 
-from . import API_VERSION, GROUP, KIND, PLURAL, VERSION, autoscale, crd, redis_auth, redis_cleanup
+from . import API_VERSION, GROUP, KIND, PLURAL, VERSION, autoscale, crd, lora_sync, redis_auth, redis_cleanup
 from . import resources as R
 from . import status as S
 from .apply import NotOwned, apply, controlled_by, fingerprint_key, fingerprints_update
@@ -35,8 +35,9 @@ class OperatorConfig:
     resync_seconds: float = 15.0  # timer: repair drift, refresh status, autoscale
     cleanup_retries: int = 3  # Redis cleanup attempts at deletion before giving up
     cleanup_delay_seconds: float = 10.0  # between those attempts
-    metrics_port: int = R.ENGINE_PORT  # where the autoscaler scrapes engine pods
+    metrics_port: int = R.ENGINE_PORT  # engine pods' HTTP port: autoscaler scrapes, LoRA adapter loads
     router_metrics_port: int = R.ROUTER_PORT  # where it scrapes router pods (minReplicas 0: held requests)
+    lora_retry_seconds: float = 60.0  # before asking a pod again to load an adapter it refused
     operator_namespace: str | None = None  # the managed Redis' NetworkPolicy admits the operator from here
     watch_secrets: bool = False  # watch the Secrets the operator owns (needs list/watch on Secrets)
 
@@ -75,6 +76,14 @@ def _warned(memo: Any) -> set[str]:
     if getattr(memo, "forbidden_warned", None) is None:
         memo.forbidden_warned = set()
     return memo.forbidden_warned
+
+
+def _lora_state(memo: Any, uid: str) -> lora_sync.SyncState:
+    """One service's adapter syncs: the adapters its pods refused (retried after
+    OperatorConfig.lora_retry_seconds) and the lock that keeps two syncs apart."""
+    if getattr(memo, "lora_states", None) is None:
+        memo.lora_states = {}
+    return memo.lora_states.setdefault(uid, lora_sync.SyncState())
 
 
 def _kube(memo: Any) -> KubeClient:
@@ -173,7 +182,8 @@ async def external_redis_checksum(kube: KubeClient, svc: crd.InferenceService, r
 
 async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any, meta: Any, status: Any,
                patch: Any, autoscaled: int | None, warned: set[str] | None = None,
-               operator_namespace: str | None = None, full_sweep: bool = True) -> None:
+               operator_namespace: str | None = None, full_sweep: bool = True,
+               config: OperatorConfig | None = None, lora_state: lora_sync.SyncState | None = None) -> None:
     """Make every child match the spec, delete the ones no longer wanted, then write status.
 
     `warned`: optional kinds already logged as forbidden (shared across syncs to log each once).
@@ -249,9 +259,13 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         patch.status["childFingerprints"] = fingerprints_update(recorded, fingerprints)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc))) or {}
     want = replicas if replicas is not None else int((engine.get("spec") or {}).get("replicas") or 0)
-    pods = await _engine_pods(kube, svc) if svc.model.remote else []
+    pods = await _engine_pods(kube, svc) if svc.model.remote or svc.lora_enabled else []
+    adapters = await _sync_adapters(kube, svc, pods, body, config or OperatorConfig(),
+                                    lora_state or lora_sync.SyncState()) if svc.lora_enabled else None
+    if adapters is None and status.get("loraAdapters") is not None:
+        patch.status["loraAdapters"] = None  # NOTE: LoRA turned off: a merge patch keeps what it does not name
     patch.status.update(S.build_status(svc, observed, want, meta.get("generation"), previous, _now(), forbidden,
-                                       [str(c) for c in conflicts], pods))
+                                       [str(c) for c in conflicts], pods, adapters))
     if auth is not None:
         patch.status["redisAuthChecksum"] = auth
     if conflicts:
@@ -259,6 +273,17 @@ async def sync(kube: KubeClient, svc: crd.InferenceService, uid: str, body: Any,
         if not already:
             kopf.event(body, type="Warning", reason="NameConflict", message="; ".join(map(str, conflicts)))
         raise ChildConflict("; ".join(map(str, conflicts)))
+
+
+async def _sync_adapters(kube: KubeClient, svc: crd.InferenceService, pods: list[dict[str, Any]], body: Any,
+                         config: OperatorConfig, state: lora_sync.SyncState
+                         ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """spec.loraAdapters onto the ready engine pods; (status.loraAdapters, AdaptersReady)."""
+    done = await lora_sync.sync_adapters(kube, svc, pods, config.metrics_port, state, config.lora_retry_seconds)
+    for reason, message in done.actions:
+        kopf.event(body, type="Warning" if reason == "LoRAAdapterRefused" else "Normal", reason=reason,
+                   message=message)
+    return done.statuses, done.condition
 
 
 async def _engine_pods(kube: KubeClient, svc: crd.InferenceService) -> list[dict[str, Any]]:
@@ -455,7 +480,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         autoscaled = status.get("replicas") if svc.autoscaling.enabled else None
         try:
             await sync(_kube(memo), svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace)
+                       config.operator_namespace, config=config, lora_state=_lora_state(memo, uid))
         except ChildConflict as err:  # shown in status; retried when the spec changes (and by resync)
             raise kopf.PermanentError(str(err)) from err
 
@@ -476,7 +501,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             autoscaled = status.get("replicas")
         with contextlib.suppress(ChildConflict):  # already in status; looked at again next tick
             await sync(kube, svc, uid, body, meta, status, patch, autoscaled, _warned(memo),
-                       config.operator_namespace, full_sweep=False)
+                       config.operator_namespace, full_sweep=False, config=config, lora_state=_lora_state(memo, uid))
 
     if config.watch_secrets:
         # NOTE: only Secrets labelled as the operator's (the managed Redis' passwords); needs list/watch
@@ -491,6 +516,7 @@ def make_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def delete(name: str, namespace: str, uid: str, spec: Any, body: Any, retry: int, memo: Any,
                      patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         patch.status["phase"] = "Terminating"
+        (getattr(memo, "lora_states", None) or {}).pop(uid, None)
         try:
             svc = crd.parse(name, namespace, dict(spec or {}))
         except crd.SpecError:

@@ -217,6 +217,12 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
         config["tensor_parallel_size"] = e.tensor_parallel_size
     if svc.router.cache_salt_from != "none":
         config["cache_salt_from"] = svc.router.cache_salt_from
+    # NOTE: the sizing flags only, never the adapters: those are loaded on the running pods
+    # (lora_sync), so the list can change without a new config hash (a rollout)
+    if svc.lora_enabled:
+        config.update(enable_lora=True, max_loras=e.max_loras, max_lora_rank=e.max_lora_rank)
+        if e.max_cpu_loras is not None:
+            config["max_cpu_loras"] = e.max_cpu_loras
     return config
 
 
@@ -306,7 +312,9 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": svc.model.pvc_claim,
                                                                    "readOnly": True}})
-    if svc.model.remote:
+    # NOTE: with LoRA on, s3:// and hf:// adapters are fetched by the engine itself: the model
+    # cache is there whatever the adapter list holds, so the list never changes the template
+    if svc.model.remote or svc.lora_enabled:
         mounts.append(MF.cache_mount())
         volumes.append(MF.cache_volume(svc))
         env += MF.fetch_env(svc)

@@ -37,6 +37,8 @@ K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # model.uri's remote sources, as kvmesh.common.storage.uri parses them (bucket names: AWS's rules)
 S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 HF_URI_PATTERN = r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@.+)?$"
+# loraAdapters[].name: a `model` name clients send (and a label value of the engines' metrics)
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 REDIS_URL_PATTERN = r"^rediss?://.+"  # no unix:// or other schemes: the operator itself connects at deletion
 # NOTE: child names are <name>-engine, -router, -redis, -engine-config…: a resource named like a
 # child of another one (`foo-engine`) would collide with it (`foo`'s headless Service).
@@ -115,8 +117,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                     "model.cache; required when source is uri.", minLength=1),
         "endpoint": _str("S3-compatible endpoint of an s3:// uri (AWS_ENDPOINT_URL, path-style "
                          "addressing: MinIO, Ceph, ...); unset: AWS S3.", pattern=r"^https?://.+"),
-        "credentials": _obj("Secret holding the credentials of an s3:// / hf:// uri; each key, where the "
-                            "Secret has it, becomes the variable it is named after.", {
+        "credentials": _obj("Secret holding the credentials of an s3:// / hf:// uri (and of s3:// / hf:// "
+                            "loraAdapters); each key, where the Secret has it, becomes the variable it is named "
+                            "after.", {
             "secretName": _str("Secret in the InferenceService's namespace.", pattern=K8S_NAME_PATTERN,
                                maxLength=253),
             "accessKeyIdKey": _str("Key of AWS_ACCESS_KEY_ID.", default="AWS_ACCESS_KEY_ID", minLength=1),
@@ -151,9 +154,6 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                  "self.uri.matches('" + HF_URI_PATTERN + "')",
          "message": "model.uri must be an absolute path inside the image, s3://bucket/prefix or "
                     "hf://org/name[@revision]"},
-        {"rule": "(!has(self.credentials) && !has(self.endpoint) && !has(self.cache)) || (has(self.uri) && "
-                 "(self.uri.startsWith('s3://') || self.uri.startsWith('hf://')))",
-         "message": "model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri"},
         {"rule": "!has(self.tokenizer) || self.tokenizer.startsWith('/')",
          "message": "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face "
                     "ids and URLs are not downloaded"},
@@ -200,13 +200,24 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                                  maxLength=128),
             "debug": _str("NCCL_DEBUG log level.", enum=NCCL_DEBUG_LEVELS, default="WARN"),
         }, default={}),
+        "enableLora": _bool("Serve LoRA adapters (--enable-lora) even while loraAdapters is empty, so that "
+                            "adding the first adapter or removing the last one does not roll the pods; on "
+                            "by itself while loraAdapters has entries.", False),
+        "maxLoras": _int("LoRA adapters in one batch (--max-loras): the adapter slots of every layer.",
+                         minimum=1, maximum=256, default=1),
+        "maxLoraRank": _int("Largest LoRA rank accepted (--max-lora-rank); every slot is sized for it.",
+                            minimum=1, maximum=512, default=16),
+        "maxCpuLoras": _int("LoRA adapters kept read in host memory, least recently used evicted "
+                            "(--max-cpu-loras). Default: maxLoras.", minimum=1),
     }, rules=[{"rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
                "message": "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"},
               {"rule": "self.runtime != 'vllm' || self.schedulingPolicy in ['fcfs', 'priority']",
                "message": "engine.schedulingPolicy sjf and dynamic are kvmesh-only; runtime vllm takes fcfs or "
                           "priority"},
               {"rule": "self.runtime != 'vllm' || self.preemptionMode == 'recompute'",
-               "message": "engine.preemptionMode swap and auto are kvmesh-only; runtime vllm recomputes"}],
+               "message": "engine.preemptionMode swap and auto are kvmesh-only; runtime vllm recomputes"},
+              {"rule": "!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras",
+               "message": "engine.maxCpuLoras must be at least engine.maxLoras"}],
         default={}),
     "router": _obj("The KV-aware router in front of the engines.", {
         "enabled": _bool("Deploy the router; when false the Service points straight at the engines.", True),
@@ -304,6 +315,27 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     "adminApiKeySecret": _secret_ref("Secret whose key the engines' admin endpoints (POST /reset_prefix_cache) "
                                      "require (--admin-api-key; runtime kvmesh). Default: the API key.",
                                      "admin-api-key"),
+    "loraAdapters": {
+        "type": "array", "maxItems": 256,
+        "description": "LoRA adapters served on the model, each a `model` name of its own. The operator loads "
+                       "and unloads them on the running engine pods (POST /v1/load_lora_adapter, with the admin "
+                       "key): changing this list never rolls the pods.",
+        "items": _obj("One adapter (PEFT format: adapter_config.json + adapter_model.safetensors).", {
+            "name": _str("The `model` name clients send for it.", pattern=LORA_NAME_PATTERN, maxLength=128),
+            "source": _str("An absolute path in the image or under /models (the model claim), "
+                           "pvc://<model claim>/path, or s3://bucket/prefix / hf://org/name[@revision] (fetched "
+                           "by the engine pod into model.cache, with model.credentials).",
+                           minLength=1, maxLength=1024),
+        }, required=["name", "source"]),
+        "x-kubernetes-validations": [
+            {"rule": "self.all(a, self.exists_one(b, b.name == a.name))",
+             "message": "loraAdapters names must be unique"},
+            {"rule": "self.all(a, a.source.startsWith('/') || a.source.startsWith('pvc://') || "
+                     "a.source.matches('" + S3_URI_PATTERN + "') || a.source.matches('" + HF_URI_PATTERN + "'))",
+             "message": "loraAdapters[].source must be an absolute path, pvc://claim/path, s3://bucket/prefix or "
+                        "hf://org/name[@revision]"},
+        ],
+    },
 }, required=["model"], rules=[
     {"rule": "self.engine.runtime != 'vllm' || has(self.image)",
      "message": "spec.image is required with engine.runtime vllm (a vLLM image, e.g. vllm/vllm-openai:v0.11.0)"},
@@ -343,11 +375,30 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
              "(self.router.enabled && self.router.mode == 'builtin')",
      "message": "autoscaling.minReplicas 0 needs kvmesh's router (router.enabled, mode builtin): it holds the "
                 "requests that wake the engines"},
+    # NOTE: a spec-level rule (not model's): with LoRA on, the engines fetch s3:// / hf:// adapters
+    # with the model's endpoint, credentials and cache
+    {"rule": "(!has(self.model.credentials) && !has(self.model.endpoint) && !has(self.model.cache)) || "
+             "(has(self.model.uri) && (self.model.uri.startsWith('s3://') || self.model.uri.startsWith('hf://'))) "
+             "|| self.engine.enableLora || (has(self.loraAdapters) && size(self.loraAdapters) > 0)",
+     "message": "model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri, or to "
+                "LoRA adapters (engine.enableLora, loraAdapters)"},
+    {"rule": "self.engine.runtime != 'vllm' || (!self.engine.enableLora && "
+             "(!has(self.loraAdapters) || size(self.loraAdapters) == 0))",
+     "message": "engine.enableLora and loraAdapters need runtime kvmesh (the operator loads adapters through "
+                "kvmesh's admin endpoints)"},
+    {"rule": "!has(self.loraAdapters) || !has(self.model.servedModelName) || "
+             "self.loraAdapters.all(a, a.name != self.model.servedModelName)",
+     "message": "loraAdapters names must differ from model.servedModelName"},
+    {"rule": "!has(self.loraAdapters) || self.loraAdapters.all(a, !a.source.startsWith('pvc://') || "
+             "(self.model.source == 'pvc' && has(self.model.pvc) && "
+             "a.source.startsWith('pvc://' + self.model.pvc.claimName + '/')))",
+     "message": "a pvc:// loraAdapters source must be a path on the model's claim (model.source pvc, "
+                "pvc://<model.pvc.claimName>/path): the engine pods mount that claim only"},
 ])
 
 _CONDITION = _obj("A KServe-style condition.", {
     "type": _str("ChildrenOwned, ModelReady, EnginesReady, RouterReady, RedisReady, IngressReady, "
-                 "AutoscalingReady, InferencePoolReady or Ready."),
+                 "AutoscalingReady, InferencePoolReady, AdaptersReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),
@@ -372,6 +423,17 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
                                      "write left them; a different live hash means an edit to revert."),
     "conditions": {"type": "array", "description": "Conditions.", "items": _CONDITION,
                    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    "loraAdapters": {"type": "array", "description": "Each adapter of spec.loraAdapters on the ready engine pods.",
+                     "items": _obj("One adapter's state.", {
+                         "name": _str("The adapter's name."),
+                         "source": _str("Its source, as in the spec."),
+                         "ready": {"type": "boolean", "description": "Loaded on every ready engine pod."},
+                         "pods": {"type": "array", "items": {"type": "string"},
+                                  "description": "The ready engine pods that serve it."},
+                         "reason": _str("Loaded, Loading, or why it is not: NotFound, FetchFailed, RankTooLarge, "
+                                        "UnsupportedTarget, BaseModelMismatch, Refused, PodUnreachable."),
+                         "message": _str("The engine's answer for a refused adapter (pod: message)."),
+                     }, required=["name"])},
 })
 
 

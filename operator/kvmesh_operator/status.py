@@ -3,7 +3,8 @@
 Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
 ModelReady (only for an s3:// / hf:// model: its fetch by the engine pods' init containers), EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
 InferencePoolReady (only in router.mode inference-pool: the pool's conditions as its gateways report
-them), and Ready (all of them True).
+them), AdaptersReady (only with LoRA on: spec.loraAdapters on every ready engine pod, see `lora`), and
+Ready (all of them True).
 `lastTransitionTime` only moves when a condition's status flips.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from . import resources as R
 from .crd import InferenceService
 
 CONDITION_TYPES = ("ModelReady", "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
-                   "InferencePoolReady")
+                   "InferencePoolReady", "AdaptersReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
 
@@ -136,10 +137,11 @@ def inference_pool_condition(svc: InferenceService, observed: Observed,
 
 def conditions(svc: InferenceService, observed: Observed, want: int,
                forbidden: Set[str] = frozenset(), conflicts: Sequence[str] = (),
-               pods: Sequence[dict[str, Any]] = ()) -> list[dict[str, str]]:
+               pods: Sequence[dict[str, Any]] = (), adapters: dict[str, str] | None = None) -> list[dict[str, str]]:
     """The component conditions plus Ready, without timestamps; `forbidden`: optional kinds RBAC refuses;
     `conflicts`: children whose names are taken by objects the operator does not own (ChildrenOwned);
-    `pods`: the engine pods (ModelReady of an s3:// / hf:// model reads their fetch-model containers)."""
+    `pods`: the engine pods (ModelReady of an s3:// / hf:// model reads their fetch-model containers);
+    `adapters`: AdaptersReady as `lora.adapters_condition` made it (None: LoRA off)."""
     out = []
     if conflicts:
         out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
@@ -176,6 +178,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
         out.append(autoscaling)
     if (pool := inference_pool_condition(svc, observed, forbidden)) is not None:
         out.append(pool)
+    if adapters is not None:
+        out.append(adapters)
     failing = [c for c in out if c["status"] != "True"]
     if failing:
         first = failing[0]
@@ -199,8 +203,11 @@ def stamp(new: list[dict[str, str]], previous: list[dict[str, Any]] | None, now:
 
 def build_status(svc: InferenceService, observed: Observed, want: int, generation: int | None,
                  previous: list[dict[str, Any]] | None, now: str, forbidden: Set[str] = frozenset(),
-                 conflicts: Sequence[str] = (), pods: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    conds = stamp(conditions(svc, observed, want, forbidden, conflicts, pods), previous, now)
+                 conflicts: Sequence[str] = (), pods: Sequence[dict[str, Any]] = (),
+                 adapters: tuple[list[dict[str, Any]], dict[str, str]] | None = None) -> dict[str, Any]:
+    """`adapters`: (status.loraAdapters, AdaptersReady) of the last adapter sync; None: LoRA off."""
+    conds = stamp(conditions(svc, observed, want, forbidden, conflicts, pods,
+                             adapters[1] if adapters is not None else None), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
     is_ready = conds[-1]["status"] == "True"
@@ -213,7 +220,7 @@ def build_status(svc: InferenceService, observed: Observed, want: int, generatio
         url = f"http://{address}"
     return {"phase": phase, "observedGeneration": generation, "model": svc.model.served_name,
             "replicas": want, "readyReplicas": ready_replicas, "selector": R.selector_string(svc),
-            "url": url, "conditions": conds}
+            "url": url, "conditions": conds, **({"loraAdapters": adapters[0]} if adapters is not None else {})}
 
 
 def invalid_status(problems: list[str], generation: int | None, previous: list[dict[str, Any]] | None,

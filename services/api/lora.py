@@ -3,6 +3,8 @@
 
 An adapter is registered here only once the engine has read, checked and cached it, so a
 request naming it never meets a half-loaded adapter; a refused adapter changes nothing.
+A `lora_path` may be a storage URI (s3://, hf://, pvc://, as `--model` takes): it is fetched
+into the node's model cache first (`fetch_adapter`), with the model's credentials and cache.
 """
 from __future__ import annotations
 
@@ -14,7 +16,18 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.api.errors import APIError
+from kvmesh.common.storage import FetchError, FetchOptions, fetch, is_uri
 from kvmesh.engine.lora.request import LoRARequest
+
+ADAPTER_CONFIG = "adapter_config.json"   # what a fetched adapter directory must hold
+
+
+def fetch_adapter(path: str) -> str:
+    """The local directory of a `lora_path`: a local path as it is, a storage URI fetched into
+    the node's model cache first (blocking). FetchError, naming the URI, when it cannot be had."""
+    if not is_uri(path):
+        return path
+    return str(fetch(path, FetchOptions(required_file=ADAPTER_CONFIG)).path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +75,9 @@ class ServedLoRAs:
     """name -> LoRARequest of every adapter this server serves (read by the routes)."""
     base_model_name: str = ""
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    # name -> the lora_path as the client gave it (a URI before its fetch): /v1/models' `root`,
+    # which the operator compares with its spec
+    roots: dict[str, str] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _lock: asyncio.Lock | None = None
 
@@ -78,19 +94,32 @@ class ServedLoRAs:
             self._lock = asyncio.Lock()
         return self._lock
 
+    def _check_free(self, name: str) -> None:
+        if name in self.adapters or name == self.base_model_name:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
+                           code="lora_adapter_exists", param="lora_name")
+
     async def load(self, engine, body: LoadLoRAAdapterRequest) -> str:
-        """400 when the name is taken (the base model's included) or the adapter is refused."""
+        """400 when the name is taken (the base model's included), the adapter cannot be
+        fetched or is refused."""
+        name = body.lora_name
+        self._check_free(name)
+        # NOTE: fetched outside the lock: a slow download must not hold up other loads and
+        # unloads; the name is checked again under the lock before it is registered
+        try:
+            local = await asyncio.to_thread(fetch_adapter, body.lora_path)
+        except FetchError as e:
+            raise APIError(400, f"cannot fetch the lora adapter '{name}': {e}",
+                           code="invalid_lora_adapter", param="lora_path") from None
         async with self._guard():
-            name = body.lora_name
-            if name in self.adapters or name == self.base_model_name:
-                raise APIError(400, f"The lora adapter '{name}' has already been loaded.",
-                               code="lora_adapter_exists", param="lora_name")
-            req = self.new_request(name, body.lora_path)
+            self._check_free(name)
+            req = self.new_request(name, local)
             try:
                 await engine.add_lora(req)
             except ValueError as e:       # LoRAAdapterError: nothing changed
                 raise APIError(400, str(e), code="invalid_lora_adapter", param="lora_path") from None
             self.adapters[name] = req
+            self.roots[name] = body.lora_path
             return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, engine, body: UnloadLoRAAdapterRequest) -> str:
@@ -102,12 +131,13 @@ class ServedLoRAs:
                                code="lora_adapter_not_found", param="lora_name")
             # NOTE: unregistered first: no new request names it; running ones finish with it
             del self.adapters[body.lora_name]
+            self.roots.pop(body.lora_name, None)
             await engine.remove_lora(req.lora_int_id)
             return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
     def model_cards(self, created: int, max_model_len: int) -> list[dict]:
         """/v1/models entries: each adapter with its `parent` (vLLM's `root` is its path)."""
         return [{"id": name, "object": "model", "created": created, "owned_by": "kvmesh",
-                 "root": req.lora_path, "parent": req.base_model_name,
+                 "root": self.roots.get(name, req.lora_path), "parent": req.base_model_name,
                  "max_model_len": max_model_len}
                 for name, req in self.adapters.items()]

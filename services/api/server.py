@@ -23,7 +23,7 @@ import uvicorn
 
 from kvmesh.api import tool_parsers
 from kvmesh.api.app import ServerState, create_app, warm_up
-from kvmesh.api.lora import LoRAModulePath
+from kvmesh.api.lora import LoRAModulePath, fetch_adapter
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
@@ -193,12 +193,14 @@ def lora_module_paths(args: argparse.Namespace, config: EngineConfig) -> list[Lo
 
 
 def _register_lora_modules(state: ServerState, engine, modules: list[LoRAModulePath]) -> None:
-    """Load the --lora-modules adapters before serving (a refused one fails the start-up)."""
+    """Load the --lora-modules adapters before serving (a refused one, or a URI that cannot be
+    fetched, fails the start-up)."""
     state.loras.base_model_name = engine.model_name
     for m in modules:
-        req = state.loras.new_request(m.name, m.path, m.base_model_name)
+        req = state.loras.new_request(m.name, fetch_adapter(m.path), m.base_model_name)
         engine.add_lora(req)
         state.loras.adapters[m.name] = req
+        state.loras.roots[m.name] = m.path
         logger.info("LoRA adapter %s loaded from %s", m.name, m.path)
 
 

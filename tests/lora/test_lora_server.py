@@ -23,14 +23,30 @@ PROMPT = [17, 42, 99, 5, 63, 120, 7, 201, 33]
 
 
 @pytest.fixture(scope="module")
-def server(llama_base, llama_adapters, tmp_path_factory):
+def moto():
+    """A real S3-protocol server (moto's) the engine fetches s3:// adapters from."""
+    from s3_server import MotoServer
+    server = MotoServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(llama_base, llama_adapters, tmp_path_factory, moto):
     tmp = tmp_path_factory.mktemp("server")
+    # NOTE: the variables an engine pod gets from the operator: the node's model cache, the
+    # store's endpoint and credentials, the model claim's mount (pvc://)
+    env = {**moto.env(), "KVMESH_MODEL_CACHE_DIR": str(tmp / "cache"), "KVMESH_PVC_MOUNT": str(tmp / "pvc"),
+           "HF_HUB_OFFLINE": "1"}
     srv = start_server(
         tmp, "--model", str(llama_base), "--served-model-name", "tiny", "--enable-lora",
         "--max-loras", "2", "--max-lora-rank", "16", "--admin-api-key", "adm", "--cpu-threads", "1",
         "--num-kv-blocks", "256", "--block-size", "4", "--max-model-len", "128",
         "--lora-modules", f"all={llama_adapters['all']}",
-        json.dumps({"name": "od", "path": str(llama_adapters["o-down"]), "base_model_name": "tiny-v0"}))
+        json.dumps({"name": "od", "path": str(llama_adapters["o-down"]), "base_model_name": "tiny-v0"}),
+        env=env)
+    srv.pvc_root = tmp / "pvc"
     yield srv
     assert srv.stop() == 0
 
@@ -101,6 +117,54 @@ def test_a_bad_adapter_is_a_400_and_changes_nothing(server, llama_base, tmp_path
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, headers=ADMIN)
     assert r.status_code == 404
     assert r.json()["error"]["message"] == "The lora adapter 'nope' cannot be found."
+    assert _models(server) == [("tiny", None), ("all", "tiny"), ("od", "tiny-v0")]
+
+
+def _load(server, name: str, path: str) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                      headers=ADMIN, timeout=60)
+
+
+def _unload(server, name: str) -> None:
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_an_adapter_from_a_storage_uri_is_fetched_then_served(server, moto, refs, llama_adapters):
+    import shutil
+    src = llama_adapters["qv-rslora"]
+    s3 = moto.client()
+    s3.create_bucket(Bucket="adapters")
+    for f in src.iterdir():
+        s3.upload_file(str(f), "adapters", f"team/qv/{f.name}")
+    shutil.copytree(src, server.pvc_root / "loras" / "qv")
+    for name, uri in (("qv-s3", "s3://adapters/team/qv"), ("qv-pvc", "pvc://models/loras/qv")):
+        r = _load(server, name, uri)
+        assert (r.status_code, r.text) == (200, f"Success: LoRA adapter '{name}' added successfully.")
+        assert _complete(_client(server), name) == refs["qv"]
+    # the URI as given is the adapter's root (what the operator compares with its spec)
+    roots = {m["id"]: m.get("root") for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    assert (roots["qv-s3"], roots["qv-pvc"]) == ("s3://adapters/team/qv", "pvc://models/loras/qv")
+    _unload(server, "qv-s3")
+    _unload(server, "qv-pvc")
+
+
+def test_an_adapter_that_cannot_be_fetched_is_a_400_naming_it(server, moto):
+    s3 = moto.client()
+    s3.create_bucket(Bucket="holes")
+    s3.put_object(Bucket="holes", Key="notlora/config.json", Body=b"{}")
+    cases = [("s3://holes/none", "cannot fetch the lora adapter 'bad': s3://holes/none: "),
+             ("s3://holes/notlora", "cannot fetch the lora adapter 'bad': s3://holes/notlora: no "
+                                    "adapter_config.json among the fetched files (config.json)"),
+             ("hf://org/absent", "cannot fetch the lora adapter 'bad': hf://org/absent: "),
+             ("pvc://models/absent", "cannot fetch the lora adapter 'bad': pvc://models/absent: no such file"),
+             ("gs://bucket/x", "cannot fetch the lora adapter 'bad': gs://bucket/x: gs:// is not supported")]
+    for uri, message in cases:
+        r = _load(server, "bad", uri)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"].startswith(message), (uri, error)
+        assert (error["code"], error["param"]) == ("invalid_lora_adapter", "lora_path")
     assert _models(server) == [("tiny", None), ("all", "tiny"), ("od", "tiny-v0")]
 
 

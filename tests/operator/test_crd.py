@@ -41,7 +41,8 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
     assert defaulted["engine"] == {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192, "blockSize": 16,
                                    "kvCacheMemoryFraction": 0.9, "schedulingPolicy": "fcfs",
                                    "enablePrefixCaching": True, "preemptionMode": "recompute",
-                                   "runtime": "kvmesh", "nccl": {"debug": "WARN"}}
+                                   "runtime": "kvmesh", "nccl": {"debug": "WARN"},
+                                   "enableLora": False, "maxLoras": 1, "maxLoraRank": 16}
     assert defaulted["router"] == {"enabled": True, "strategy": "kv-aware", "replicas": 1, "mode": "builtin",
                                    "cacheSaltFrom": "none", "exposeRouteHeaders": False, "inferencePool": {
                                        "endpointPickerImage": "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0",
@@ -227,11 +228,30 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                 "cache": {"hostPath": "/var/lib/kvmesh", "claimName": "models"}}},
      ["spec.model.cache takes hostPath or claimName, not both",
       "spec.model.endpoint, spec.model.cache: only for an s3:// or hf:// spec.model.uri (what the init "
-      "container fetches)"]),
+      "container fetches) or LoRA adapters (what the engines fetch)"]),
     ({"model": {"source": "uri", "uri": "hf://org/model@v1"}, "image": "vllm/vllm-openai:v0.11.0",
       "engine": {"runtime": "vllm"}},
      ["spec.engine.runtime vllm needs a spec.model.uri inside the image: s3:// and hf:// models are fetched "
       "for runtime kvmesh"]),
+    ({"model": {}, "engine": {"maxLoras": 4, "maxCpuLoras": 2}},
+     ["spec.engine.maxCpuLoras (2) must be at least spec.engine.maxLoras (4): the adapters of one batch are all in "
+      "host memory"]),
+    ({"model": {}, "loraAdapters": [{"name": "sql", "source": "/a"}, {"name": "sql", "source": "/b"}]},
+     ["spec.loraAdapters names must be unique: sql given more than once"]),
+    ({"model": {}, "loraAdapters": [{"name": "sql", "source": "org/sql-lora"}]},
+     ["spec.loraAdapters[0].source 'org/sql-lora' is not an absolute path: it must be an absolute path (in the "
+      "image or under /models), pvc://claim/path, s3://bucket/prefix or hf://org/name[@revision]"]),
+    ({"model": {"servedModelName": "base"}, "loraAdapters": [{"name": "base", "source": "/a"}]},
+     ["spec.loraAdapters name 'base' is the model's own name (spec.model.servedModelName): choose another"]),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "weights"}},
+      "loraAdapters": [{"name": "sql", "source": "pvc://adapters/sql"}]},
+     ["spec.loraAdapters[0].source 'pvc://adapters/sql': a pvc:// adapter must be a path on the model's claim "
+      "(spec.model.source pvc, pvc://<spec.model.pvc.claimName>/path): the engine pods mount that claim only (or "
+      "use an absolute path, s3:// or hf://)"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0",
+      "engine": {"runtime": "vllm", "enableLora": True}},
+     ["spec.engine.enableLora and spec.loraAdapters need runtime kvmesh: the operator loads adapters through "
+      "kvmesh's admin endpoints"]),
 ]
 
 

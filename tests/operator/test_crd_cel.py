@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 35
+    assert len(RULES) == 41
 
 
 @pytest.mark.parametrize("spec", [
@@ -71,8 +71,17 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
     {"model": {"source": "uri", "uri": "s3://models/team/llama", "endpoint": "http://minio:9000",
                "credentials": {"secretName": "s3"}, "cache": {"hostPath": "/var/lib/kvmesh", "maxSize": "200G"}}},
     {"model": {"source": "uri", "uri": "hf://org/model@v1", "cache": {"claimName": "models"}}},
+    {"model": {"source": "pvc", "pvc": {"claimName": "weights"}}, "engine": {"maxLoras": 4, "maxLoraRank": 64,
+                                                                          "maxCpuLoras": 8},
+     "loraAdapters": [{"name": "sql", "source": "pvc://weights/loras/sql"}, {"name": "chat.v2", "source": "s3://adapters/chat"},
+                      {"name": "Hf_1", "source": "hf://org/lora@main"}, {"name": "img", "source": "/opt/loras/x"}]},
+    {"model": {}, "engine": {"enableLora": True}, "loraAdapters": []},
+    {"model": {"source": "uri", "uri": "/opt/models/m", "endpoint": "http://minio:9000",
+               "credentials": {"secretName": "s3"}, "cache": {"hostPath": "/var/lib/kvmesh"}},
+     "loraAdapters": [{"name": "sql", "source": "s3://adapters/sql"}]},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
-        "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model"])
+        "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model", "lora-adapters",
+        "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -116,10 +125,20 @@ CEL_MESSAGES = [
      "model.tokenizer must be an absolute path (inside the image or under /models); Hugging Face ids and URLs "
      "are not downloaded"],
     ["model.uri must be an absolute path inside the image, s3://bucket/prefix or hf://org/name[@revision]"],
-    ["model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri",
+    ["model.credentials, model.endpoint and model.cache apply to an s3:// or hf:// model.uri, or to LoRA adapters "
+     "(engine.enableLora, loraAdapters)",
      "model.cache takes hostPath or claimName, not both"],
     ["engine.runtime vllm needs a model.uri inside the image: s3:// and hf:// models are fetched for runtime "
      "kvmesh"],
+    ["engine.maxCpuLoras must be at least engine.maxLoras"],
+    ["loraAdapters names must be unique"],
+    ["loraAdapters[].source must be an absolute path, pvc://claim/path, s3://bucket/prefix or "
+     "hf://org/name[@revision]"],
+    ["loraAdapters names must differ from model.servedModelName"],
+    ["a pvc:// loraAdapters source must be a path on the model's claim (model.source pvc, "
+     "pvc://<model.pvc.claimName>/path): the engine pods mount that claim only"],
+    ["engine.enableLora and loraAdapters need runtime kvmesh (the operator loads adapters through kvmesh's admin "
+     "endpoints)"],
 ]
 
 

@@ -11,10 +11,14 @@ from kvmesh.common.storage.errors import FetchError
 _MAX_HEADER = 100 << 20         # the safetensors format's own limit on its JSON header
 
 
-def check_model_dir(path: Path, uri: str) -> None:
-    """FetchError (reason "unparsable") naming the first file that does not parse."""
+def check_model_dir(path: Path, uri: str, required: str | None = None) -> None:
+    """FetchError (reason "unparsable") naming the first file that does not parse; `required`:
+    the file the directory must hold (None: a model's config.json or a *.gguf)."""
     files = sorted(p for p in path.iterdir() if p.is_file())
-    if not any(p.name == "config.json" or p.suffix == ".gguf" for p in files):
+    if required is not None and not any(p.name == required for p in files):
+        raise FetchError(uri, "not_found", f"no {required} among the fetched files "
+                         f"({', '.join(p.name for p in files) or 'none'})")
+    if required is None and not any(p.name == "config.json" or p.suffix == ".gguf" for p in files):
         raise FetchError(uri, "not_found", "no config.json or *.gguf among the model's files "
                          f"({', '.join(p.name for p in files) or 'none'})")
     for p in files:

@@ -38,6 +38,8 @@ class FetchOptions:
     max_bytes: int | None = None    # its size bound; None: KVMESH_MODEL_CACHE_MAX_SIZE (or none)
     workers: int = 8                # parallel ranged reads
     chunk_bytes: int = 16 << 20     # bytes one ranged read asks for
+    required_file: str | None = None  # what the fetched directory must hold; None: a model's
+                                      # config.json or *.gguf ("adapter_config.json": a LoRA adapter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ def fetch(model: str, options: FetchOptions | None = None) -> FetchedModel:
     with startup_phase("fetching model", source.uri):
         if source.scheme == "hf":
             snapshot = fetch_hf(source, root, options.workers)
-            check_model_dir(snapshot, source.uri)
+            check_model_dir(snapshot, source.uri, options.required_file)
             return FetchedModel(snapshot, source.name)
         return _fetch_s3(source, root, options)
 
@@ -97,7 +99,7 @@ def _fetch_s3(source: ModelSource, root: Path, options: FetchOptions) -> Fetched
                 cache.make_room(entry, total, source.uri)
                 progress = download(source.uri, store, files, entry.model_dir,
                                     workers=options.workers, chunk_bytes=options.chunk_bytes)
-                check_model_dir(entry.model_dir, source.uri)
+                check_model_dir(entry.model_dir, source.uri, options.required_file)
                 cache.commit(entry, source.uri, version, total)
                 seconds = progress.close()
                 logger.info("fetched %s: %s in %.1f s (%.1f MiB/s) into %s", source.uri,

@@ -2,7 +2,7 @@
 
 As vLLM and KServe do, only the files the engine reads are fetched (no .bin / .pth duplicates,
 no ONNX exports, no README images): the config, the weights, the tokenizer, the chat template
-and the generation config.
+and the generation config (and a LoRA adapter's adapter_config.json).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ ALLOW_PATTERNS = (
     "chat_template*",                 # chat_template.jinja / chat_template.json
     "generation_config.json",
     "*.gguf",
+    "adapter_config.json",            # a PEFT LoRA adapter's (its weights: *.safetensors)
 )
 
 
