@@ -40,6 +40,9 @@ class RouterConfig:
     heartbeat_timeout_s: float = 1.0        # a slower heartbeat read counts as Redis down
     connect_timeout_s: float = 2.0          # backend connect timeout (then try another)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # a request for a LoRA adapter no backend lists goes to the best backend anyway, whose engine
+    # loads it (its --lora-resolver-dir); off: such a request is a 404
+    lora_load_on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
