@@ -1,0 +1,67 @@
+"""--lora-resolver-dir (vLLM's filesystem resolver): which directory entries are adapters of this
+base model, and the flag's checks. Loading on demand through a real server: test_lora_router.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.api.lora_resolver import ENV_DIR, FilesystemResolver
+
+
+def _adapter(root: Path, name: str, **config) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_find_a_lora_of_this_base_by_model_path_or_served_name(tmp_path):
+    sql = _adapter(tmp_path, "sql", peft_type="LORA", base_model_name_or_path="/models/tiny")
+    served = _adapter(tmp_path, "law", peft_type="LORA", base_model_name_or_path="tiny")
+    r = FilesystemResolver(tmp_path, ("/models/tiny",))
+    assert r.find("sql", "tiny") == str(sql)
+    assert r.find("law", "tiny") == str(served)
+    assert r.find("law", "other") is None
+
+
+def test_find_refuses_what_is_no_lora_of_this_base(tmp_path):
+    _adapter(tmp_path, "other-base", peft_type="LORA", base_model_name_or_path="/models/big")
+    _adapter(tmp_path, "ia3", peft_type="IA3", base_model_name_or_path="/models/tiny")
+    (tmp_path / "no-config").mkdir()
+    (tmp_path / "bad-json").mkdir()
+    (tmp_path / "bad-json" / "adapter_config.json").write_text("{not json")
+    (tmp_path / "a-file").write_text("x")
+    _adapter(tmp_path / "nested", "deep", peft_type="LORA", base_model_name_or_path="/models/tiny")
+    _adapter(tmp_path.parent, "outside", peft_type="LORA", base_model_name_or_path="/models/tiny")
+    r = FilesystemResolver(tmp_path, ("/models/tiny",))
+    for name in ("other-base", "ia3", "no-config", "bad-json", "a-file", "missing",
+                 "nested/deep", "../outside", "..", ".", ""):
+        assert r.find(name, "tiny") is None, name
+
+
+def test_flag_then_vllm_env_then_off(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    assert FilesystemResolver.from_flag(None, ("m",), True) is None
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    assert FilesystemResolver.from_flag(None, ("m", ""), True) == FilesystemResolver(tmp_path, ("m",))
+    other = tmp_path / "o"
+    other.mkdir()
+    assert FilesystemResolver.from_flag(str(other), ("m",), True).root == other
+    with pytest.raises(ValueError, match=r"needs --enable-lora$"):
+        FilesystemResolver.from_flag(str(other), ("m",), False)
+    with pytest.raises(ValueError, match=r"is not a directory$"):
+        FilesystemResolver.from_flag(str(tmp_path / "missing"), ("m",), True)
+
+
+def test_a_resolver_dir_that_is_no_directory_is_a_cli_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--enable-lora",
+                        "--lora-resolver-dir", str(tmp_path / "missing"), "--allocator", "none",
+                        "--log-level", "warning"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().endswith(f"kvmesh serve: error: --lora-resolver-dir: "
+                                     f"{tmp_path / 'missing'} is not a directory")
