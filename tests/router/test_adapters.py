@@ -11,6 +11,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvmesh.router.adapters import (AdapterDirectory, AdapterRoute, BackendModels, UnknownModel,
                                     parse_models)
+from kvmesh.router.app import create_app
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.main import build_parser, config_from_args
 from kvmesh.router.routing_policy import BackendState
 
 from .conftest import UvicornThread, free_port
@@ -98,3 +101,52 @@ def test_refresh_keeps_only_backends_that_answer_a_model_list():
     finally:
         for s in (good, *bad):
             s.stop()
+
+
+def _engine(name: str, adapters: tuple[str, ...]) -> FastAPI:
+    """A fake engine (a stand-in: the real ones are in tests/lora/test_lora_router.py) serving
+    base model m and `adapters`; every completion answers with its name."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_card("m"), *(_card(a, "m") for a in adapters)]}
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"choices": [{"text": name}]}
+    return app
+
+
+def test_an_adapter_whose_holders_all_fail_is_a_503_naming_it():
+    """Fault injection: the one backend holding `sql` stops listening after the router read its
+    adapters; a request for `sql` is never sent to the backend without it (503 naming the
+    adapter), while base-model requests still go there."""
+    holder = UvicornThread(_engine("holder", ("sql",))).start()
+    other = UvicornThread(_engine("other", ())).start()
+    cfg = RouterConfig(backends=(holder.url, other.url), health_interval_s=60.0)
+    router = UvicornThread(create_app(cfg, None, "m")).start()
+    try:
+        def ask(model: str) -> httpx.Response:
+            return httpx.post(f"{router.url}/v1/completions", json={"model": model, "prompt": "x"})
+        assert [ask("sql").json()["choices"][0]["text"] for _ in range(2)] == ["holder", "holder"]
+        holder.stop()
+        r = ask("sql")
+        assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["code"]) == \
+            (503, "no healthy backend holds the LoRA adapter `sql`", "no_healthy_backend")
+        assert ask("m").json()["choices"][0]["text"] == "other"
+    finally:
+        router.stop()
+        other.stop()
+        holder.stop()
+
+
+def test_lora_load_on_demand_flag():
+    base = ["--redis-url", "redis://127.0.0.1:1/0", "--backends", "http://127.0.0.1:9"]
+    assert config_from_args(build_parser().parse_args(base)).lora_load_on_demand is False
+    assert config_from_args(build_parser().parse_args(
+        [*base, "--lora-load-on-demand"])).lora_load_on_demand is True
