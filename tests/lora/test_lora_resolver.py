@@ -2,14 +2,21 @@
 base model, and the flag's checks. Loading on demand through a real server: test_lora_router.py."""
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvmesh.api.errors import APIError
+from kvmesh.api.lora import ServedLoRAs
 from kvmesh.api.lora_resolver import ENV_DIR, FilesystemResolver
+from kvmesh.common.config import EngineConfig
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.engine import LLMEngine
 
 
 def _adapter(root: Path, name: str, **config) -> Path:
@@ -65,3 +72,33 @@ def test_a_resolver_dir_that_is_no_directory_is_a_cli_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().endswith(f"kvmesh serve: error: --lora-resolver-dir: "
                                      f"{tmp_path / 'missing'} is not a directory")
+
+
+def test_served_loras_resolve_loads_once_and_refuses_cleanly(llama_base, llama_adapters, tmp_path):
+    """ServedLoRAs.resolve over a real AsyncLLMEngine: three concurrent first requests for one
+    adapter load it once (one id, one engine load); an adapter that is found and refused (rank
+    over --max-lora-rank) is a 400 that registers nothing; a name not found is None."""
+    shutil.copytree(llama_adapters["o-down"], tmp_path / "od")
+    shutil.copytree(llama_adapters["all"], tmp_path / "big")
+    config = json.loads((tmp_path / "big" / "adapter_config.json").read_text())
+    (tmp_path / "big" / "adapter_config.json").write_text(json.dumps({**config, "r": 32}))
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=str(llama_base), enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=2,
+        dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)))
+    engine.start()
+    loras = ServedLoRAs("tiny", resolver=FilesystemResolver(tmp_path, (str(llama_base),)))
+    try:
+        async def run():
+            first = await asyncio.gather(*(loras.resolve(engine, "od") for _ in range(3)))
+            with pytest.raises(APIError) as e:
+                await loras.resolve(engine, "big")
+            return first, e.value, await loras.resolve(engine, "missing")
+        first, refused, missing = asyncio.run(run())
+        assert [r.lora_int_id for r in first] == [1, 1, 1] and first[0].lora_path == str(tmp_path / "od")
+        assert engine.engine.list_loras() == {1}
+        assert (refused.status, refused.code) == (400, "invalid_lora_adapter")
+        assert refused.message.startswith("LoRA adapter 'big' was found but could not be loaded: ")
+        assert missing is None
+        assert list(loras.adapters) == ["od"]
+    finally:
+        engine.shutdown()
