@@ -70,7 +70,13 @@ class AdapterDirectory:
         no longer in `backends`."""
         results = await asyncio.gather(*(self._poll(http, b.url, headers, timeout_s)
                                          for b in backends))
-        self.models = {b.url: m for b, m in zip(backends, results) if m is not None}
+        models = {b.url: m for b, m in zip(backends, results) if m is not None}
+        for url, m in models.items():
+            old = self.models.get(url)
+            if old is None or old.adapters.keys() != m.adapters.keys():
+                logger.info("backend %s serves LoRA adapters: %s", url,
+                            ", ".join(sorted(m.adapters)) or "none")
+        self.models = models
 
     @staticmethod
     async def _poll(http: httpx.AsyncClient, url: str, headers: dict[str, str],
