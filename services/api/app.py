@@ -207,12 +207,14 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         logger.exception("unhandled error")
         return error_json(500, "internal server error")
 
-    def serving(model: str | None) -> ServingContext:
+    async def serving(model: str | None) -> ServingContext:
         """The context for a request naming `model`: 503 while loading, then 404 for a model
-        this server does not serve."""
+        this server does not serve (an adapter in --lora-resolver-dir is loaded first)."""
         ctx = state.context()
         if model is not None and model != ctx.model_name:
             lora = state.loras.get(model)
+            if lora is None and state.loras.resolver is not None:
+                lora = await state.loras.resolve(ctx.engine, model)
             if lora is None:
                 raise APIError(404, f"The model `{model}` does not exist.",
                                code="model_not_found", param="model")
@@ -254,26 +256,26 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def completions(body: CompletionRequest, request: Request):
-        ctx = serving(body.model)
+        ctx = await serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", responses=error_responses(400, 401, 404, 429, 503))
     async def chat(body: ChatCompletionRequest, request: Request):
-        ctx = serving(body.model)
+        ctx = await serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/v1/embeddings", responses=error_responses(400, 401, 404, 429, 503))
     async def embeddings(body: EmbeddingRequest, request: Request):
-        ctx = serving(body.model)
+        ctx = await serving(body.model)
         body.cache_salt = state.cache_salt_from.salt(request.headers, body.cache_salt)
         return await create_embedding(ctx, body, request, state.pooling,
                                       ctx.engine.engine.loaded.config.hidden_size)
 
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 503))
     async def tokenize(body: TokenizeRequest):
-        ctx = serving(body.model)
+        ctx = await serving(body.model)
         if body.messages is not None:
             ids = await off_loop(message_chars(body.messages), apply_template, ctx.tokenizer,
                                  body.messages, body.add_generation_prompt)
@@ -286,7 +288,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/detokenize", responses=error_responses(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest):
-        ctx = serving(body.model)
+        ctx = await serving(body.model)
         vocab = ctx.engine.engine.vocab_size
         bad = [t for t in body.tokens if t >= vocab]
         if bad:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.api.errors import APIError
 from kvmesh.common.storage import FetchError, FetchOptions, fetch, is_uri
+from kvmesh.api.lora_resolver import FilesystemResolver
 from kvmesh.engine.lora.request import LoRARequest
 
 ADAPTER_CONFIG = "adapter_config.json"   # what a fetched adapter directory must hold
@@ -78,6 +79,7 @@ class ServedLoRAs:
     # name -> the lora_path as the client gave it (a URI before its fetch): /v1/models' `root`,
     # which the operator compares with its spec
     roots: dict[str, str] = field(default_factory=dict)
+    resolver: FilesystemResolver | None = None   # --lora-resolver-dir: adapters loaded on demand
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _lock: asyncio.Lock | None = None
 
@@ -121,6 +123,29 @@ class ServedLoRAs:
             self.adapters[name] = req
             self.roots[name] = body.lora_path
             return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def resolve(self, engine, name: str) -> LoRARequest | None:
+        """Adapter `name`, loaded from the resolver's directory if it is not served yet (as
+        /v1/load_lora_adapter loads it); None when no resolver finds it; 400 when one is found
+        and refused (nothing changes)."""
+        if self.resolver is None or name == self.base_model_name:
+            return self.adapters.get(name)
+        async with self._guard():
+            # NOTE: concurrent first requests for one adapter: the first loads it, the rest
+            # find it registered once the lock is theirs
+            if name in self.adapters:
+                return self.adapters[name]
+            path = self.resolver.find(name, self.base_model_name)
+            if path is None:
+                return None
+            req = self.new_request(name, path)
+            try:
+                await engine.add_lora(req)
+            except ValueError as e:       # LoRAAdapterError: nothing changed
+                raise APIError(400, f"LoRA adapter '{name}' was found but could not be loaded: "
+                               f"{e}", code="invalid_lora_adapter", param="model") from None
+            self.adapters[name] = req
+            return req
 
     async def unload(self, engine, body: UnloadLoRAAdapterRequest) -> str:
         """404 naming an adapter this server does not serve."""

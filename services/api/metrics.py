@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from kvmesh.api.lora_metrics import LoRACounters
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.observers import EngineObserver, StepReport
 from kvmesh.engine.outputs import RequestOutput
@@ -104,6 +105,8 @@ class EngineMetrics(EngineObserver):
         # position -> accepted tokens; every position of k from the start (0 until accepted)
         self.spec_per_pos = ([0.0] * engine.config.speculative_config.num_speculative_tokens
                              if self.spec_enabled else [])
+        # --enable-lora: per-adapter request counters
+        self.lora = LoRACounters() if engine is not None and engine.lora is not None else None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -127,6 +130,11 @@ class EngineMetrics(EngineObserver):
             for out in outputs:
                 self._on_output(out, now)
 
+    def on_request_added(self, request_id: str, samples, trace_context) -> None:
+        if self.lora is not None:
+            with self._lock:
+                self.lora.added(request_id, samples)
+
     def _on_spec(self, s) -> None:
         self.spec["spec_decode_num_drafts"] += s.spec_num_drafts
         self.spec["spec_decode_num_draft_tokens"] += s.spec_num_draft_tokens
@@ -140,6 +148,8 @@ class EngineMetrics(EngineObserver):
     def _on_output(self, out: RequestOutput, now: float) -> None:
         new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
         self.counters["generation_tokens"] += new_tokens
+        if self.lora is not None:
+            self.lora.output(out, new_tokens)
         rid = out.request_id
         arrival = out.metrics.get("arrival_time", now)
         if new_tokens:
@@ -167,6 +177,8 @@ class EngineMetrics(EngineObserver):
         with self._lock:
             self._last_token.pop(request_id, None)
             self.success["abort"] = self.success.get("abort", 0.0) + 1
+            if self.lora is not None:
+                self.lora.aborted(request_id)
 
     def count_rejected(self) -> None:
         with self._lock:
@@ -258,6 +270,8 @@ class EngineMetrics(EngineObserver):
                 c = CounterMetricFamily(name, name.split(":", 1)[1].replace("_", " "), labels=labels)
                 c.add_metric(values, value)
                 yield c
+            if self.lora is not None:
+                yield from self.lora.families(self.model_name)
 
     def _spec_families(self, prefix: str, labels: list[str], values: list[str]):
         for name, help_ in SPEC_COUNTERS.items():

@@ -24,6 +24,7 @@ import uvicorn
 from kvmesh.api import tool_parsers
 from kvmesh.api.app import ServerState, create_app, warm_up
 from kvmesh.api.lora import LoRAModulePath, fetch_adapter
+from kvmesh.api.lora_resolver import FilesystemResolver
 from kvmesh.api.metrics import EngineMetrics
 from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.common.access_log import FLAG_HELP as ACCESS_LOG_HELP, keep_access_log_clean
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served at start (needs --enable-lora): name=path, or JSON "
                    '{"name": ..., "path": ..., "base_model_name": ...}; each is a model name')
+    p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="load a LoRA adapter a request names on demand from DIR/<name>/ when it "
+                   "is a PEFT LoRA of this base model (needs --enable-lora; default: "
+                   "$VLLM_LORA_RESOLVER_CACHE_DIR, else off)")
     _add_limit_args(p)
     kv_publishing.add_args(p)
     add_engine_args(p)
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
                                      enable_kv_events=bool(args.redis_url) or zmq_events is not None)
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         args.lora_module_paths = lora_module_paths(args, config)
+        lora_resolver = FilesystemResolver.from_flag(args.lora_resolver_dir, (args.model or "",),
+                                                     config.enable_lora)
         init_tracing(endpoint=args.otlp_traces_endpoint)
     except ValueError as e:
         print(f"kvmesh serve: error: {e}", file=sys.stderr)
@@ -274,6 +281,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
                         pooling=PoolingParams(args.pooling),
                         admin_api_key=resolve_api_key(args.admin_api_key, args.admin_api_key_file,
                                                       "KVMESH_ADMIN_API_KEY"))
+    state.loras.resolver = lora_resolver
     warning = open_bind_warning(args.host, state.api_key)
     if warning:
         logger.warning(warning)

@@ -77,7 +77,8 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple = 
     return h.digest()
 
 
-def _block0_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+def block0_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+    """Block 0's extra keys: the cache salt, then the LoRA adapter's name (each when set)."""
     keys = () if cache_salt is None else ({"cache_salt": cache_salt},)
     # NOTE: the name, as vLLM's prefix cache keys an adapter: a router computes it from the
     # request's `model` alone. Reusing a name for other weights must reset the prefix cache.
@@ -105,7 +106,7 @@ def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, *, seed: str |
     hashes: list[BlockHash] = []
     end = len(token_ids) - len(token_ids) % block_size
     for pos in range(start, end, block_size):
-        extra = _block0_keys(cache_salt, lora_name) if pos == 0 else ()
+        extra = block0_extra_keys(cache_salt, lora_name) if pos == 0 else ()
         parent = hash_block(parent, token_ids[pos:pos + block_size], extra)
         hashes.append(parent)
     return hashes

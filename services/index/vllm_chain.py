@@ -3,13 +3,16 @@
 Pure state, no I/O (the subscriber, vllm_subscriber.py, does the sockets and Redis). A
 BlockStored carries its blocks' token ids and its parent's ENGINE hash; the chain keeps
 engine hash -> kvmesh hash for every block the engine holds, so it can extend kvmesh's chained
-hash (kvmesh.common.block_hash) from the parent. What kvmesh's hash cannot express (a LoRA
-adapter's blocks, multimodal extra keys, another block size, a parent it never saw) is left out
-and counted: a missing index entry costs a prefix hit, a wrong one would misroute.
+hash (kvmesh.common.block_hash) from the parent. A LoRA adapter's chain gets the adapter's name
+in block 0, as kvmesh's engines hash it (vLLM puts the name first in every block's extra keys),
+so the router's lookup for that adapter matches it. What kvmesh's hash cannot express (an
+adapter known by its id alone, multimodal extra keys, another block size, a parent it never
+saw) is left out and counted: a missing index entry costs a prefix hit, a wrong one would
+misroute.
 """
 from __future__ import annotations
 
-from kvmesh.common.block_hash import BlockHash, hash_block
+from kvmesh.common.block_hash import BlockHash, block0_extra_keys, hash_block
 from kvmesh.index.vllm_wire import ExternalHash, WireRemoved, WireStored
 
 Entry = tuple[BlockHash, str]      # (kvmesh hash, tier)
@@ -27,14 +30,18 @@ class EngineBlockChain:
         """Apply a BlockStored; returns the entries that became present."""
         n = len(e.block_hashes)
         parent = self.root if e.parent_block_hash is None else self._hash.get(e.parent_block_hash)
-        salt = _salt(e.extra_keys, e.parent_block_hash is None)
-        if (parent is None or e.lora or e.block_size != self.block_size
+        lora = e.lora_name if e.lora else None
+        keys = _without_lora(e.extra_keys, lora)
+        salt = False if keys is False else _salt(keys, e.parent_block_hash is None)
+        if (parent is None or (e.lora and lora is None) or e.block_size != self.block_size
                 or len(e.token_ids) != n * e.block_size or salt is False):
             self.skipped_blocks += n
             return []
         added = []
         for i, engine_hash in enumerate(e.block_hashes):
-            extra = ({"cache_salt": salt},) if i == 0 and salt else ()
+            # NOTE: below a chain's block 0 the adapter and salt ride in the parent's hash
+            first = i == 0 and e.parent_block_hash is None
+            extra = block0_extra_keys(salt or None, lora) if first else ()
             parent = hash_block(parent, e.token_ids[i * e.block_size:(i + 1) * e.block_size],
                                 extra)
             known = self._hash.get(engine_hash)
@@ -69,6 +76,19 @@ class EngineBlockChain:
     def entries(self) -> set[Entry]:
         """Every (kvmesh hash, tier) the engine holds, as far as the events said."""
         return {(self._hash[h], t) for h, tiers in self._tiers.items() for t in tiers}
+
+
+def _without_lora(extra_keys: list | None, lora_name: str | None) -> list | None | bool:
+    """Each block's extra keys without the adapter's name vLLM puts first in them; False when
+    a block's keys do not start with it."""
+    if not extra_keys or lora_name is None:
+        return extra_keys
+    out = []
+    for keys in extra_keys:
+        if not isinstance(keys, (list, tuple)) or not keys or keys[0] != lora_name:
+            return False
+        out.append(list(keys[1:]) or None)
+    return out
 
 
 def _salt(extra_keys: list | None, first_block: bool) -> str | None | bool:

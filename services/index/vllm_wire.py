@@ -115,8 +115,9 @@ class WireStored:
     token_ids: list[int]
     block_size: int
     medium: str                 # lower-case tier: gpu / cpu / storage
-    lora: bool                  # a LoRA adapter's blocks (kvmesh's hash cannot express them)
-    extra_keys: list | None     # per-block extra keys (cache salt, multimodal ids), as sent
+    lora: bool                  # a LoRA adapter's blocks (lora_id or lora_name set)
+    extra_keys: list | None     # per-block extra keys (adapter, multimodal ids, salt), as sent
+    lora_name: str | None = None  # the adapter's served name (vLLM 0.32 sends it beside lora_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,8 @@ def _event(raw: Any) -> WireEvent:
         return WireStored(_hashes(f.get("block_hashes")), parent, tokens, size,
                           str(f.get("medium") or "GPU").lower(),
                           f.get("lora_id") is not None or f.get("lora_name") is not None,
-                          f.get("extra_keys"))
+                          f.get("extra_keys"),
+                          f["lora_name"] if isinstance(f.get("lora_name"), str) else None)
     if kind == "BlockRemoved":
         _, f = _fields(raw, _REMOVED_FIELDS)
         return WireRemoved(_hashes(f.get("block_hashes")), str(f.get("medium") or "GPU").lower())

@@ -37,6 +37,7 @@ from kvmesh.common.openai_errors import error_body, error_json
 from kvmesh.index.connect import redis_client_kwargs
 from kvmesh.index.hashing import prompt_block_hashes
 from kvmesh.index.lookup import PrefixIndex
+from kvmesh.router.adapters import AdapterDirectory, AdapterRoute, UnknownModel
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.hold import RequestHold
@@ -135,6 +136,7 @@ class RouterState:
         self.rr = itertools.count()
         self.rng = random.Random()
         self.recent = RecentRoutes()
+        self.adapters = AdapterDirectory()       # which backend holds which LoRA adapter
         self.redis = None
         self.index: PrefixIndex | None = None
         self.redis_ok = False
@@ -169,6 +171,7 @@ class RouterState:
         if self.vllm is not None:
             await asyncio.to_thread(self.vllm.sync, self.pool)
         await self.refresh_load()
+        await self.refresh_adapters()
         self._tasks = [asyncio.create_task(self._health_loop()),
                        asyncio.create_task(self._load_loop())]
 
@@ -196,6 +199,7 @@ class RouterState:
                     next_discover = time.monotonic() + self.cfg.discover_interval_s
                 await self.pool.check_health(self.http, scrape_load=not self.redis_ok)
                 self.hold.wake()        # held requests re-check: a backend may have healed
+                await self.refresh_adapters()
                 if self.vllm is not None:
                     await asyncio.to_thread(self.vllm.sync, self.pool)
                 self._export_health()
@@ -214,6 +218,13 @@ class RouterState:
                     purged = await self.index.purge_dead_pods()
                     if purged:
                         logger.info("purged expired pods from the prefix index: %s", purged)
+
+    async def refresh_adapters(self) -> None:
+        """Read the healthy backends' `/v1/models` (their LoRA adapters). NOTE: with
+        --api-key the router sends its own key: the engines are expected to accept it."""
+        headers = {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        await self.adapters.refresh(self.http, self.pool.healthy(), headers,
+                                    self.pool.health_timeout_s)
 
     async def refresh_load(self) -> None:
         if self.index is None:
@@ -280,6 +291,11 @@ class RouterState:
         if not isinstance(body, dict):
             return error_json(400, "request body must be a JSON object")
         cfg = self.cfg
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        try:
+            route = self.adapters.route(model, self.model_name, cfg.lora_load_on_demand)
+        except UnknownModel as e:
+            return error_json(404, str(e), "model_not_found", param="model")
         session_key = request.headers.get(cfg.session_header) if cfg.session_header else None
         hits: dict[str, int] = {}
         hashes: list[bytes] = []
@@ -293,10 +309,10 @@ class RouterState:
                 ids = prompt_token_ids(self.tokenizer, endpoint, body)
             # NOTE: the engine derives the same salt from the same forwarded headers.
             salt = self.salt_from.salt(request.headers, body.get("cache_salt"))
-            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed, salt)
+            hashes = prompt_block_hashes(ids, cfg.block_size, cfg.hash_seed, salt,
+                                         route.lora_name)
             num_blocks = len(hashes)
-            model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
-            hits, index = await self.lookup(model, hashes)
+            hits, index = await self.lookup(route.index_model, hashes)
             if index != "ok":
                 self.metrics.fallbacks.inc()
             else:
@@ -305,11 +321,15 @@ class RouterState:
         stream = body.get("stream") is True
         tried: set[str] = set()
         while True:
-            candidates = [b for b in self.pool.states() if b.url not in tried]
+            candidates = [b for b in self.pool.states() if b.url not in tried
+                          and (route.holders is None or b.url in route.holders)]
             decision = choose(candidates, hits, num_blocks, cfg.strategy, next(self.rr),
                               self.rng, session_key, index == "ok", cfg.policy,
                               "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
             if decision is None:
+                if route.holders is not None and self.pool.healthy():
+                    # the adapter's holders failed: the healthy backends cannot serve it
+                    return _no_backend(route)
                 held = await self.hold.wait(request, lambda: bool(self.pool.healthy()), arrived)
                 if held is not None:
                     return held
@@ -438,6 +458,13 @@ class RouterState:
             return last_error or error_json(503, "no healthy backend answered /v1/models",
                                             "no_healthy_backend")
         return JSONResponse({"object": "list", "data": list(seen.values())})
+
+
+def _no_backend(route: AdapterRoute) -> Response:
+    if route.holders is not None:
+        return error_json(503, f"no healthy backend holds the LoRA adapter `{route.lora_name}`",
+                          "no_healthy_backend")
+    return error_json(503, "no healthy backend to serve the request", "no_healthy_backend")
 
 
 def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None) -> FastAPI:

@@ -43,6 +43,9 @@ class RouterConfig:
     # scale to zero (hold.py): wait this long for a ready engine instead of a 503 at once; 0: off
     hold_timeout_s: float = 0.0
     max_held_requests: int = 256            # held at once; more get a 503 with Retry-After
+    # a request for a LoRA adapter no backend lists goes to the best backend anyway, whose engine
+    # loads it (its --lora-resolver-dir); off: such a request is a 404
+    lora_load_on_demand: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
          "(default: %(default)s)")
     flag("--max-held-requests", type=int,
          help="requests held at once; more get a 503 with Retry-After (default: %(default)s)")
+    flag("--lora-load-on-demand", action="store_true",
+         help="send a request for a LoRA adapter that no backend lists (in /v1/models) to the "
+         "best backend by prefix and load, whose engine loads it from its --lora-resolver-dir; "
+         "default: such a request is a 404")
     p.add_argument("--log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     return p
@@ -94,8 +98,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=resolve_api_key(args.api_key, args.api_key_file),
         expose_route_headers=args.expose_route_headers, cache_salt_from=args.cache_salt_from,
         session_header=args.session_header, namespace=args.namespace, service=args.service,
-        lookup_timeout_s=args.lookup_timeout_s,
         hold_timeout_s=args.hold_timeout_s, max_held_requests=args.max_held_requests,
+        lookup_timeout_s=args.lookup_timeout_s, lora_load_on_demand=args.lora_load_on_demand,
         redis_password=os.environ.get("KVMESH_REDIS_PASSWORD") or None)
 
 

@@ -71,7 +71,8 @@ def test_every_router_flag_default_is_the_router_configs():
     assert seen == {"backend_port", "backend_kind", "kv_events_port", "kv_events_replay_port",
                     "kv_events_topic", "strategy", "model", "tokenizer", "block_size",
                     "hash_seed", "api_key", "expose_route_headers", "cache_salt_from",
-                    "session_header", "namespace", "service", "lookup_timeout_s"}
+                    "session_header", "namespace", "service", "lookup_timeout_s",
+                    "lora_load_on_demand", "hold_timeout_s", "max_held_requests"}
     cfg = router_main.config_from_args(parser.parse_args(ROUTER_REQUIRED))
     assert cfg == RouterConfig(redis_url="redis://127.0.0.1:1/0", backends=("http://127.0.0.1:9",))
 

@@ -59,11 +59,17 @@ def test_events_become_kvmesh_hashes_in_the_index(pub, redis_server):
         pub.send(stored([7001, 7002], None, PROMPT[:8], extra_keys=[[TENANT], None]))
         assert wait_until(lambda: lookup(redis_server.url, PROMPT, TENANT) == {POD: 2})
         # blocks kvmesh's hash cannot express are left out, never written wrong
-        pub.send(stored([6001], None, PROMPT[:4], lora_id=3, lora_name="ad"))
+        pub.send(stored([6001], None, PROMPT[:4], lora_id=3))            # an adapter without a name
         pub.send(stored([6002], None, PROMPT[:4], extra_keys=[[["mm", "img0", 0]]]))
         pub.send(VStored([6003], None, PROMPT[:8], 8))                   # another block size
         pub.send(stored([6004], 424242, PROMPT[:4]))                     # unknown parent
         assert wait_until(lambda: sub.skipped_blocks == 4)
+        # a named adapter's blocks are indexed under the adapter: only its lookups match them
+        pub.send(stored([5001, 5002], None, PROMPT[:8], lora_id=3, lora_name="ad",
+                        extra_keys=[["ad"], ["ad"]]))
+        ad = prompt_block_hashes(PROMPT, BS, "kvmesh", lora_name="ad")
+        assert wait_until(lambda: index_call(redis_server.url, "lookup", MODEL, ad) == {POD: 2})
+        assert lookup(redis_server.url, PROMPT) == {POD: 3} and sub.skipped_blocks == 4
 
         pub.send(VRemoved([9003, 12345]))                  # 12345: never stored, ignored
         assert wait_until(lambda: lookup(redis_server.url, PROMPT) == {POD: 2})
@@ -234,3 +240,32 @@ def test_the_chain_rehashes_tokens_and_tracks_tiers():
     assert chain.removed(WireRemoved([b"\x02", b"\x09"], "cpu")) == [(want[1], "cpu")]
     chain.clear()
     assert chain.entries() == set()
+
+
+def test_the_chain_keys_an_adapters_blocks_by_its_name():
+    """A LoRA adapter's blocks (vLLM puts its name first in every block's extra keys, the cache
+    salt after it in block 0) get kvmesh's hashes of that adapter, as the router looks them up;
+    an adapter known only by its id, or keys that do not start with its name, are left out."""
+    from kvmesh.common.block_hash import root_hash
+    from kvmesh.index.vllm_chain import EngineBlockChain
+    from kvmesh.index.vllm_wire import WireStored
+    chain = EngineBlockChain(root_hash("kvmesh"), BS)
+    want = prompt_block_hashes(PROMPT, BS, "kvmesh", lora_name="ad")
+    assert want != prompt_block_hashes(PROMPT, BS, "kvmesh")
+    assert chain.stored(WireStored([1, 2], None, PROMPT[:8], BS, "gpu", True, [["ad"], ["ad"]],
+                                   "ad")) == [(want[0], "gpu"), (want[1], "gpu")]
+    assert chain.stored(WireStored([3], 2, PROMPT[8:12], BS, "gpu", True, [["ad"]], "ad")) \
+        == [(want[2], "gpu")]
+    # without per-block keys (an older vLLM): the name alone
+    assert chain.stored(WireStored([4], None, PROMPT[:4], BS, "cpu", True, None, "ad")) \
+        == [(want[0], "cpu")]
+    salted = prompt_block_hashes(PROMPT, BS, "kvmesh", TENANT, lora_name="ad")
+    assert chain.stored(WireStored([5, 6], None, PROMPT[:8], BS, "gpu", True,
+                                   [["ad", TENANT], ["ad"]], "ad")) == \
+        [(salted[0], "gpu"), (salted[1], "gpu")]
+    assert chain.skipped_blocks == 0
+    assert chain.stored(WireStored([7], None, PROMPT[:4], BS, "gpu", True, None, None)) == []
+    assert chain.stored(WireStored([8], None, PROMPT[:4], BS, "gpu", True, [["other"]], "ad")) == []
+    assert chain.stored(WireStored([9], None, PROMPT[:4], BS, "gpu", True, [["ad", ["mm", 0]]],
+                                   "ad")) == []
+    assert chain.skipped_blocks == 3
