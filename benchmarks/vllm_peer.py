@@ -15,6 +15,15 @@ With "profile_dir", the timed `generate` runs under vLLM's own torch profiler (i
 writes a Chrome trace there, which `benchmarks/torch_trace_breakdown.py` sorts into the categories
 of `profile_engine.py`. The profiler slows the run: its wall time is not a throughput number.
 
+With "lora" and "cases" (benchmarks/lora_throughput.py), one engine with `enable_lora` runs
+several timed cases, each request naming an adapter (or null: the base model):
+
+    {..., "lora": {"max_loras": 8, "max_cpu_loras": 8, "max_lora_rank": 16,
+                   "adapters": {"r8-00": {"id": 1, "path": "/abs/dir"}, ...}},
+     "cases": [{"name": "...", "warmup": [{..., "lora": "r8-00"}], "requests": [...]}, ...]}
+
+and the result has "cases": [{"name", "outputs", "wall_s", "cpu_s"}, ...].
+
 RESULT.json:
 
     {"system": "vllm 0.32.0", "outputs": [[token ids], ...], "wall_s": 12.3, "cpu_s": 24.1,
@@ -93,13 +102,49 @@ def run(spec: dict) -> dict:
                      + (f", torch profiler on (trace in {profile_dir})" if profile_dir else ""))}
 
 
+def run_lora(spec: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    lora = spec["lora"]
+    t_load = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
+              enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
+              max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
+              max_model_len=int(spec["max_model_len"]), enable_lora=True,
+              max_loras=int(lora["max_loras"]), max_cpu_loras=int(lora["max_cpu_loras"]),
+              max_lora_rank=int(lora["max_lora_rank"]))
+    load_s = time.perf_counter() - t_load
+    adapters = {name: LoRARequest(name, int(a["id"]), a["path"]) for name, a in lora["adapters"].items()}
+
+    def go(reqs: list[dict]) -> list[list[int]]:
+        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in reqs]
+        params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]),
+                                 min_tokens=int(r["max_tokens"]), ignore_eos=True) for r in reqs]
+        loras = [adapters[r["lora"]] if r.get("lora") else None for r in reqs]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    cases = []
+    for case in spec["cases"]:
+        go(case.get("warmup") or [])
+        c0, t0 = _tree_cpu_s(), time.perf_counter()
+        outputs = go(case["requests"])
+        cases.append({"name": case["name"], "outputs": outputs, "wall_s": time.perf_counter() - t0,
+                      "cpu_s": _tree_cpu_s() - c0})
+    return {"system": f"vllm {vllm.__version__}", "cases": cases, "load_s": load_s,
+            "note": f"vllm {vllm.__version__}, enable_lora, max_loras={lora['max_loras']}"}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_peer.py REQUEST.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)
-    result = run(spec)
+    result = run_lora(spec) if "cases" in spec else run(spec)
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0
