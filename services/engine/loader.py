@@ -132,7 +132,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     p = _model_path(path)
     dev = resolve_device(device)
     backend = _resolve_backend(attention_backend, dev)
-    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
+    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p),
+                       phase="weight_load"):
         return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer,
                      quantization, quant_activations)
 
@@ -153,11 +154,11 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
     except OSError:
         cached = False
     if cached:
-        phase = startup_phase("loading CPU kernels", f"cached in {where}")
+        phase = startup_phase("loading CPU kernels", f"cached in {where}", phase="kernel_build")
     else:
         phase = startup_phase("building CPU kernels", f"once per machine, usually about "
                               f"{CPU_KERNELS_BUILD_ESTIMATE_S:.0f} s; cached in {where}",
-                              CPU_KERNELS_BUILD_ESTIMATE_S)
+                              CPU_KERNELS_BUILD_ESTIMATE_S, phase="kernel_build")
     with phase:
         cpu_kernels.load()
     return resolve_backend(requested, dev)
