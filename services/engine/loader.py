@@ -211,7 +211,8 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
         weights = _safetensors_weights(files, rules)
     else:
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
-                               keep_quantized=quant == "gguf", activations=quant_activations)
+                               keep_quantized=quant == "gguf", activations=quant_activations,
+                               dtype=dt)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
