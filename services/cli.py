@@ -44,10 +44,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
     import logging
+    import time
     from pathlib import Path
 
     from kvmesh.common.storage import FetchOptions, fetch
     from kvmesh.common.storage.cache import parse_size
+    from kvmesh.common.storage.summary import FetchSummary, model_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("botocore").setLevel(logging.WARNING)    # "Found credentials in ..."
@@ -60,10 +62,20 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
             workers=args.workers, chunk_bytes=parse_size(args.chunk_size))
         if options.chunk_bytes < 1:
             raise ValueError("--chunk-size must be at least 1 byte")
-        print(fetch(args.uri, options).path)
+        t0 = time.monotonic()
+        fetched = fetch(args.uri, options)
+        seconds = time.monotonic() - t0
+        print(fetched.path)
     except ValueError as e:          # FetchError is one: it names the URI, never a secret
         print(f"kvmesh fetch: error: {e}", file=sys.stderr)
         return 2
+    if args.summary_file:
+        summary = FetchSummary(args.uri, model_bytes(fetched.path), fetched.fetched_bytes, seconds)
+        try:
+            Path(args.summary_file).write_text(summary.to_json())
+        except OSError as e:         # the model is fetched: a summary that cannot be written is no failure
+            logging.getLogger("kvmesh.fetch").warning("cannot write the summary to %s: %s",
+                                                      args.summary_file, e)
     return 0
 
 
@@ -94,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--workers", type=int, default=8, help="parallel ranged reads (default: 8)")
     fetch.add_argument("--chunk-size", default="16Mi", help="bytes one ranged read asks for "
                        "(default: 16Mi)")
+    fetch.add_argument("--summary-file", default=None, metavar="PATH",
+                       help="when done, write the model's size and the fetch's time there as JSON "
+                       "(sizeBytes, fetchedBytes, fetchSeconds); the operator's init container "
+                       "passes its termination log, /dev/termination-log")
 
     sub.add_parser("serve", help="serve the OpenAI-compatible API (kvmesh serve --help)", add_help=False)
     sub.add_parser("router", help="run the KV-aware router (kvmesh router --help)", add_help=False)
