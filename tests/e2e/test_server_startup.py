@@ -96,7 +96,8 @@ def test_serve_logs_each_phase_once_logs_requests_without_secrets_and_exits_clea
     assert all(re.fullmatch(r'INFO: +127\.0\.0\.1:\d+ - "[A-Z]+ /[a-z0-9/_]* HTTP/1\.1" \d{3} '
                             r"[A-Za-z ]+", line) for line in access), access
     api = [line.split(" - ", 1)[1] for line in access if "/ready" not in line]
-    assert api == ['"POST /v1/completions HTTP/1.1" 200 OK',
+    assert api == ['"GET /metrics HTTP/1.1" 200 OK',
+                   '"POST /v1/completions HTTP/1.1" 200 OK',
                    '"POST /v1/chat/completions HTTP/1.1" 200 OK',
                    '"POST /v1/completions HTTP/1.1" 401 Unauthorized'], access
     for secret in (KEY, PROMPT, "api_key"):
