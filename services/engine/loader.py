@@ -149,11 +149,7 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
     if dev.type != "cpu" or requested not in ("auto", "cpu") or not cpu_kernels.enabled():
         return resolve_backend(requested, dev)
     where = cache_dir() / "cpu-kernels"
-    try:
-        cached = any((where / cpu_kernels.build_key()).glob("*.so"))
-    except OSError:
-        cached = False
-    if cached:
+    if cpu_kernels.cached():
         phase = startup_phase("loading CPU kernels", f"cached in {where}", phase="kernel_build")
     else:
         phase = startup_phase("building CPU kernels", f"once per machine, usually about "
