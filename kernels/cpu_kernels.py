@@ -113,12 +113,16 @@ def build_or_reason(build: Callable[[], object]) -> tuple[object | None, str | N
     extension (these kernels, kernels/quant) goes through this one policy."""
     if not enabled():
         return None, "KVMESH_CPU_KERNELS=0"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None, "no C++ compiler (c++) on PATH"
     try:
         return build(), None
+    except NoCompiler as e:
+        return None, str(e)
     except Exception as e:   # noqa: BLE001 - any build failure means: run without them
         return None, f"build failed: {e}"
+
+
+class NoCompiler(RuntimeError):
+    """Nothing cached or prebuilt to load, and no compiler to build it."""
 
 
 def load(path: str | None = None):
@@ -197,6 +201,8 @@ def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: 
         ext = _prebuilt(name, subdir, sources, headers)
         if ext is not None:
             return ext
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise NoCompiler("no C++ compiler (c++) on PATH")
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
     # wait here and then load the result. torch's builder has a lock of its own, a plain file

@@ -110,6 +110,20 @@ def test_a_prebuilt_library_that_does_not_load_is_built_here_instead(probe, tmp_
     assert ext.__file__.startswith(str(tmp_path / "cache" / "probe"))   # the native build
 
 
+def test_an_image_without_a_compiler_loads_the_prebuilt_library_and_says_why_when_none_fits(
+        probe, tmp_path, monkeypatch):
+    source, out, lib = probe
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(prebuilt.ENV, str(out))
+    monkeypatch.setattr(prebuilt, "cpu_flags", lambda: V3)
+    build = lambda: cpu_kernels.build_extension("kvmesh_probe_build", "probe", (source,), ())  # noqa: E731
+    ext, why = cpu_kernels.build_or_reason(build)
+    assert (ext.isa(), why) == ("avx2", None)
+    monkeypatch.setattr(prebuilt, "cpu_flags", lambda: V3 - {"avx2"})       # none fits this CPU
+    assert cpu_kernels.build_or_reason(build) == (None, "no C++ compiler (c++) on PATH")
+
+
 def test_the_command_line_refuses_an_unknown_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prebuilt.main([str(tmp_path), "--targets", "avx2,sse2"])
