@@ -6,7 +6,9 @@ objects, in one run, as a ratio (issue 27's target: at least 80 %).
              the interpreter's start-up is not counted against it
     copy     boto3's TransferManager (`download_file`: multipart ranged GETs of `chunk` bytes on
              `workers` threads) for every object, the objects themselves on a pool of `workers`
-             threads, in this process: the client, the listing and the downloads are timed
+             threads, in a process of its own too: the client, the listing and the downloads are
+             timed, boto3's import is not (NOTE: a fresh process on both sides, so each loads
+             botocore's S3 model when it makes its client)
 
 Both read the same bytes (the model's files) into an empty directory; repetitions alternate
 which goes first. The store is whatever `endpoint` is (cold_start.py runs a moto server on
@@ -51,8 +53,20 @@ def kvmesh_fetch(uri: str, env: dict[str, str], workers: int, chunk: int, timeou
 
 
 def parallel_copy(bucket: str, prefix: str, keys: list[str], env: dict[str, str], workers: int,
-                  chunk: int) -> FetchRun:
-    """`keys` (under `prefix`) downloaded with boto3's TransferManager on `workers` threads."""
+                  chunk: int, timeout_s: float = 1800) -> FetchRun:
+    """`keys` (under `prefix`) downloaded with boto3's TransferManager on `workers` threads, by
+    this file run as a process."""
+    done = subprocess.run([sys.executable, __file__, bucket, prefix, str(workers), str(chunk), *keys],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"parallel copy of s3://{bucket}/{prefix} failed ({done.returncode}): "
+                           f"{done.stderr[-2000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return FetchRun("parallel copy", got["bytes"], got["seconds"])
+
+
+def _copy(bucket: str, prefix: str, keys: list[str], env: dict[str, str], workers: int,
+          chunk: int) -> FetchRun:
     import boto3
     from boto3.s3.transfer import TransferConfig
 
@@ -106,3 +120,10 @@ def table(runs: list[FetchRun]) -> str:
     lines.append(f"\nkvmesh fetch / parallel copy (median bandwidth): {ratio(runs):.0%} (target: >= 80 %)")
     return "\n".join(lines)
 
+
+
+if __name__ == "__main__":          # the copy's own process: BUCKET PREFIX WORKERS CHUNK KEY...
+    import os
+    bucket_, prefix_, workers_, chunk_, *keys_ = sys.argv[1:]
+    run_ = _copy(bucket_, prefix_, keys_, dict(os.environ), int(workers_), int(chunk_))
+    print(json.dumps({"bytes": run_.bytes, "seconds": run_.seconds}))
