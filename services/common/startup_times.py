@@ -13,6 +13,7 @@ should hand a recorder to the others.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,21 +29,30 @@ class StartupTimes:
     # process start (as the kernel counts it, interpreter start-up included) -> ready; None
     # until the server is ready
     total_s: float | None = None
-    # the phases open now, outermost first: an inner one's time is taken off its parent's
-    _open: list[list] = field(default_factory=list)
+    # per thread, the phases open now, outermost first: an inner one's time is taken off its
+    # parent's (NOTE: per thread, so two models loaded at once in one process, as tests do,
+    # never nest into each other)
+    _open: dict[int, list[list]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin(self, phase: str) -> None:
         if phase not in self.seconds:
             raise ValueError(f"unknown start-up phase {phase!r}; one of {', '.join(PHASES)}")
-        self._open.append([phase, 0.0])          # [phase, seconds of nested phases]
+        with self._lock:
+            # [phase, seconds of nested phases]
+            self._open.setdefault(threading.get_ident(), []).append([phase, 0.0])
 
     def end(self, phase: str, elapsed_s: float) -> None:
-        """Close the innermost open phase (`phase`), `elapsed_s` after it began."""
-        name, nested = self._open.pop()
-        assert name == phase, (name, phase)      # phases are context managers: strictly nested
-        self.seconds[phase] += max(0.0, elapsed_s - nested)
-        if self._open:
-            self._open[-1][1] += elapsed_s
+        """Close this thread's innermost open phase (`phase`), `elapsed_s` after it began."""
+        with self._lock:
+            stack = self._open[threading.get_ident()]
+            name, nested = stack.pop()
+            assert name == phase, (name, phase)  # phases are context managers: strictly nested
+            self.seconds[phase] += max(0.0, elapsed_s - nested)
+            if stack:
+                stack[-1][1] += elapsed_s
+            else:
+                del self._open[threading.get_ident()]
 
     def series(self) -> list[tuple[str, float]]:
         """(phase label, seconds) for the gauge: every phase, then the total once known."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 
 import pytest
@@ -57,6 +58,28 @@ def test_each_phase_adds_its_duration_and_a_nested_phase_is_taken_off_its_parent
     times.total_s = 13.75
     assert times.series()[-1] == ("total", 13.75)
     assert times.summary().endswith("warmup 0.0 s, total 13.8 s")
+
+
+def test_phases_on_two_threads_never_nest_into_each_other(times):
+    clock = FakeClock()
+    inner_open, outer_may_end = threading.Event(), threading.Event()
+
+    def other_thread():
+        with _phase("loading weights", "weight_load", clock):
+            inner_open.set()
+            outer_may_end.wait(10)
+            clock.now += 1.0                  # the weights' second second
+
+    with _phase("allocating the KV cache", "kv_alloc", clock):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        inner_open.wait(10)
+        clock.now += 1.0
+        outer_may_end.set()
+        t.join(10)
+    # both phases ran 2 s; neither is taken off the other
+    assert (times.seconds["kv_alloc"], times.seconds["weight_load"]) == (2.0, 2.0)
+    assert times._open == {}
 
 
 def test_a_failed_phase_still_counts_its_time_and_the_log_says_how_long(times, caplog):
