@@ -9,10 +9,11 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 # uv fetches a self-contained CPython build, so the image needs no distribution Python packages.
 FROM ghcr.io/astral-sh/uv:0.9.5 AS uv
 
-# The C++ CPU kernels, built for the CPU targets the image serves (kernels/prebuilt.py: x86-64-v3,
-# x86-64-v4, x86-64-v4 + AVX512-BF16) in a stage that has a compiler; only the libraries and the
-# OpenMP runtime they link reach the image, so a CPU engine pod loads them instead of compiling
-# for minutes (a CPU without any of these targets, or a changed source, still builds natively).
+# The C++ CPU kernels, built for the CPU targets the image serves (kernels/prebuilt.py: x86-64-v3
+# and x86-64-v4, with the VNNI and BF16 extensions) in a stage that has a compiler; only the
+# libraries and the OpenMP runtime they link reach the image, so a CPU engine pod loads them
+# instead of compiling for minutes (a CPU without any of these targets, or a changed source,
+# still builds natively).
 FROM ${CUDA_IMAGE} AS kernels
 ARG PYTHON_VERSION=3.11.14
 ARG TORCH_VERSION=2.13.0

@@ -141,7 +141,10 @@ def load(path: str | None = None):
             log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels",
                         state["why"])
         else:
-            log.info("C++ CPU kernels: the %s path (built with %s)", ext.isa(), " ".join(_flags(path)))
+            where = prebuilt.root()
+            how = ("prebuilt" if where is not None and str(ext.__file__).startswith(str(where))
+                   else f"built with {' '.join(_flags(path))}")
+            log.info("C++ CPU kernels: the %s path (%s)", ext.isa(), how)
         state["ext"] = ext
         return ext
 

@@ -1,12 +1,13 @@
 """C++ extensions built ahead of time for named CPU targets, shipped in the image, loaded without a
 compiler when this machine has no native build cached.
 
-    python -m kvmesh.kernels.prebuilt DIR [--targets avx512_bf16,avx512,avx2]   # at image build
+    python -m kvmesh.kernels.prebuilt DIR [--targets avx512_bf16,avx2]           # at image build
     KVMESH_PREBUILT_KERNELS=DIR kvmesh serve ...                                  # at run time
 
 A native build (`-march=native`, cpu_kernels) is keyed by this CPU's model and flags, so one
 built on the image builder never matches a node. A target here is built for an ISA level instead
-(`-march=x86-64-v3`, `x86-64-v4`, `x86-64-v4 -mavx512bf16`), into `DIR/<subdir>/<target>-<key>/`,
+(`-march=x86-64-v3` or `x86-64-v4`, with AVX-VNNI, AVX512-VNNI, AVX512-BF16 where named), into
+`DIR/<subdir>/<target>-<key>/`,
 the key hashing the sources, headers, flags and torch version but no machine. At load, the widest
 target whose CPU flags this machine has is imported as it is (no ninja, no compiler). The image
 puts the OpenMP runtime the libraries need (`libgomp.so.1`) in DIR itself, for images without
@@ -36,10 +37,17 @@ log = logging.getLogger(__name__)
 ENV = "KVMESH_PREBUILT_KERNELS"
 _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe")
 _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-# target -> (compiler flags in place of -march=native, CPU flags it needs); widest first
+# target -> (compiler flags in place of -march=native, CPU flags it needs); widest first. The
+# macros the sources test (kernels/csrc/vec.h, kernels/quant/csrc) pick each one's code paths:
+# AVX512-BF16 for the CPU kernels, the int8 dot product's VNNI (AVX512-VNNI, AVX-VNNI) for the
+# quantized GEMM. NOTE: every CPU with AVX512-BF16 known (Cooper Lake, Sapphire Rapids, Zen 4)
+# also has AVX512-VNNI.
 TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16"), (*_V4, "avx512_bf16")),
+    "avx512_bf16": (("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+                    (*_V4, "avx512_vnni", "avx512_bf16")),
+    "avx512_vnni": (("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni")),
     "avx512": (("-march=x86-64-v4",), _V4),
+    "avx2_vnni": (("-march=x86-64-v3", "-mavxvnni"), (*_V3, "avx_vnni")),
     "avx2": (("-march=x86-64-v3",), _V3),
 }
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno")
