@@ -25,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,6 +115,9 @@ def build(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path
                        extra_cflags=[*CFLAGS, *TARGETS[target][0]], extra_ldflags=list(LDFLAGS),
                        build_directory=str(build_dir), verbose=False, is_python_module=False)
     lib = build_dir / f"{name}.so"
+    if not lib.is_file():
+        raise RuntimeError(f"building {name} for {target} left no {lib} (one process builds one "
+                           "target: torch renames a module built twice)")
     for leftover in build_dir.iterdir():            # keep the library only: the image stays small
         if leftover != lib:
             leftover.unlink()
@@ -142,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not targets:
         p.error(f"unknown target(s) {', '.join(unknown) or '(none)'}; use {', '.join(TARGETS)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if len(targets) > 1:
+        # NOTE: a process of its own per target: torch's builder gives a module name built a
+        # second time in one process (other flags) a new name, `NAME_v1`, which no loader asks for
+        for target in targets:
+            done = subprocess.run([sys.executable, "-m", "kvmesh.kernels.prebuilt", str(args.out),
+                                   "--targets", target])
+            if done.returncode != 0:
+                return done.returncode
+        return 0
     for target in targets:
         for name, subdir, sources, headers in extensions():
             lib = build(name, subdir, sources, headers, target, args.out)

@@ -125,6 +125,15 @@ def test_an_image_without_a_compiler_loads_the_prebuilt_library_and_says_why_whe
     assert cpu_kernels.build_or_reason(build) == (None, "no C++ compiler (c++) on PATH")
 
 
+def test_a_second_target_of_one_name_in_one_process_is_a_clear_error(probe, tmp_path):
+    """The fault main() avoids with a process per target: torch renames the module it builds a
+    second time (other flags) to NAME_v1, so the library the loader looks for is not there."""
+    source, _, _ = probe
+    with pytest.raises(RuntimeError, match=r"building kvmesh_probe_build for avx512 left no .*"
+                       r"kvmesh_probe_build\.so \(one process builds one target"):
+        prebuilt.build("kvmesh_probe_build", "probe", (source,), (), "avx512", tmp_path)
+
+
 def test_the_command_line_refuses_an_unknown_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prebuilt.main([str(tmp_path), "--targets", "avx2,sse2"])
