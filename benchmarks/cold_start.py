@@ -2,7 +2,7 @@
 model in the same run; and the fetch bandwidth of `kvmesh fetch` against a plain parallel copy.
 
     python benchmarks/cold_start.py --models builtin,random-1b --sources local,s3 \\
-        --systems kvmesh,vllm --repeats 3 --out bench-out/cold-start
+        --systems kvmesh,vllm --repeats 3
     python benchmarks/cold_start.py --models random-tiny --repeats 1 --systems kvmesh   # smoke
 
 One case is a system x a model x a source; each repetition starts a fresh server process:
@@ -311,15 +311,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fetch-bandwidth runs of each tool (s3 source; default: --repeats; 0: none)")
     p.add_argument("--fetch-workers", type=int, default=8, help="parallel reads of both tools (default: 8)")
     p.add_argument("--fetch-chunk", type=int, default=16 << 20, help="bytes per ranged read (default: 16 MiB)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="both systems' --dtype, and the built-in model's HF copy (default: bfloat16)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="both systems' (default: 2048)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of both systems (default: 1)")
-    p.add_argument("--vllm-venv", type=Path, default=default_venv())
+    p.add_argument("--vllm-venv", type=Path, default=default_venv(),
+                   help="vLLM's CPU build (default: %(default)s; see benchmarks/peer.py)")
     p.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: --enforce-eager)")
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a start may take")
     p.add_argument("--cache", type=Path, default=None, help="where random models are written "
                    "(default: OUT/models)")
-    p.add_argument("--out", type=Path, default=Path("bench-out/cold-start"))
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cold-start",
+                   help="results.json, results.md and the servers' logs (default: %(default)s)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
