@@ -125,11 +125,31 @@ _DELEGATED = {
 }
 
 
+def _restart_with_allocator_early(argv: list[str]) -> None:
+    """`kvmesh serve`'s restart with tcmalloc / jemalloc preloaded, before the server's imports
+    (torch: seconds of every cold start, paid twice when the server restarts itself after them).
+    Where the command line alone cannot tell the choice, or names a library that is not there,
+    the server does it after its full parse, as before (and reports the error)."""
+    import os
+
+    from kvmesh.common import preload
+
+    choice = preload.early_choice(argv[1:], dict(os.environ))
+    if choice is None:
+        return
+    try:
+        preload.reexec_with_allocator(choice, ["-m", "kvmesh.cli", *argv])
+    except ValueError:
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     entry = argv is None          # the process's own command line (not a caller's list)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         import importlib
+        if argv[0] == "serve" and entry:
+            _restart_with_allocator_early(argv)
         module = importlib.import_module(_DELEGATED[argv[0]])
         if argv[0] == "serve":
             return module.main(argv[1:], reexec=entry)
