@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from kvmesh.common.model_files import cache_dir
+from kvmesh.kernels import prebuilt
 from kvmesh.kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -112,12 +113,16 @@ def build_or_reason(build: Callable[[], object]) -> tuple[object | None, str | N
     extension (these kernels, kernels/quant) goes through this one policy."""
     if not enabled():
         return None, "KVMESH_CPU_KERNELS=0"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None, "no C++ compiler (c++) on PATH"
     try:
         return build(), None
+    except NoCompiler as e:
+        return None, str(e)
     except Exception as e:   # noqa: BLE001 - any build failure means: run without them
         return None, f"build failed: {e}"
+
+
+class NoCompiler(RuntimeError):
+    """Nothing cached or prebuilt to load, and no compiler to build it."""
 
 
 def load(path: str | None = None):
@@ -136,7 +141,10 @@ def load(path: str | None = None):
             log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels",
                         state["why"])
         else:
-            log.info("C++ CPU kernels: the %s path (built with %s)", ext.isa(), " ".join(_flags(path)))
+            where = prebuilt.root()
+            how = ("prebuilt" if where is not None and str(ext.__file__).startswith(str(where))
+                   else f"built with {' '.join(_flags(path))}")
+            log.info("C++ CPU kernels: the %s path (%s)", ext.isa(), how)
         state["ext"] = ext
         return ext
 
@@ -156,6 +164,33 @@ def _build(path: str | None):
     return build_extension(name, "cpu-kernels", SOURCES, HEADERS, path)
 
 
+def _prebuilt(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...]):
+    """The extension from KVMESH_PREBUILT_KERNELS (kernels/prebuilt.py), or None: none there for
+    this CPU and these sources, or it does not load (then it is built here as usual)."""
+    lib = prebuilt.find(name, subdir, sources, headers)
+    if lib is None:
+        return None
+    try:
+        ext = prebuilt.load(name, lib)
+    except (ImportError, OSError) as e:
+        log.warning("prebuilt %s in %s does not load (%s); building it here", name, lib.parent, e)
+        return None
+    log.info("%s: prebuilt for %s, from %s (no native build cached here)", name,
+             lib.parent.name.rsplit("-", 1)[0], lib.parent)
+    return ext
+
+
+def cached() -> bool:
+    """Whether loading the native CPU kernels compiles nothing: a build of them is cached here,
+    or a prebuilt library fits this CPU."""
+    try:
+        if any((cache_dir() / "cpu-kernels" / build_key()).glob("*.so")):
+            return True
+    except OSError:
+        return False
+    return prebuilt.find(NAME, "cpu-kernels", SOURCES, HEADERS) is not None
+
+
 def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...],
                     path: str | None = None):
     """Compile (or load the cached build of) one extension: `sources` for `path` (None: native)
@@ -165,6 +200,12 @@ def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: 
     from torch.utils import cpp_extension
 
     build_dir = cache_dir() / subdir / build_key(path, sources, headers)
+    if path is None and not any(build_dir.glob("*.so")):
+        ext = _prebuilt(name, subdir, sources, headers)
+        if ext is not None:
+            return ext
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise NoCompiler("no C++ compiler (c++) on PATH")
     build_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: concurrent processes (a test run's workers, several servers) build once: the others
     # wait here and then load the result. torch's builder has a lock of its own, a plain file

@@ -44,10 +44,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
     import logging
+    import time
     from pathlib import Path
 
     from kvmesh.common.storage import FetchOptions, fetch
     from kvmesh.common.storage.cache import parse_size
+    from kvmesh.common.storage.summary import FetchSummary, model_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("botocore").setLevel(logging.WARNING)    # "Found credentials in ..."
@@ -60,10 +62,20 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
             workers=args.workers, chunk_bytes=parse_size(args.chunk_size))
         if options.chunk_bytes < 1:
             raise ValueError("--chunk-size must be at least 1 byte")
-        print(fetch(args.uri, options).path)
+        t0 = time.monotonic()
+        fetched = fetch(args.uri, options)
+        seconds = time.monotonic() - t0
+        print(fetched.path)
     except ValueError as e:          # FetchError is one: it names the URI, never a secret
         print(f"kvmesh fetch: error: {e}", file=sys.stderr)
         return 2
+    if args.summary_file:
+        summary = FetchSummary(args.uri, model_bytes(fetched.path), fetched.fetched_bytes, seconds)
+        try:
+            Path(args.summary_file).write_text(summary.to_json())
+        except OSError as e:         # the model is fetched: a summary that cannot be written is no failure
+            logging.getLogger("kvmesh.fetch").warning("cannot write the summary to %s: %s",
+                                                      args.summary_file, e)
     return 0
 
 
@@ -94,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--workers", type=int, default=8, help="parallel ranged reads (default: 8)")
     fetch.add_argument("--chunk-size", default="16Mi", help="bytes one ranged read asks for "
                        "(default: 16Mi)")
+    fetch.add_argument("--summary-file", default=None, metavar="PATH",
+                       help="when done, write the model's size and the fetch's time there as JSON "
+                       "(sizeBytes, fetchedBytes, fetchSeconds); the operator's init container "
+                       "passes its termination log, /dev/termination-log")
 
     sub.add_parser("serve", help="serve the OpenAI-compatible API (kvmesh serve --help)", add_help=False)
     sub.add_parser("router", help="run the KV-aware router (kvmesh router --help)", add_help=False)
@@ -109,11 +125,31 @@ _DELEGATED = {
 }
 
 
+def _restart_with_allocator_early(argv: list[str]) -> None:
+    """`kvmesh serve`'s restart with tcmalloc / jemalloc preloaded, before the server's imports
+    (torch: seconds of every cold start, paid twice when the server restarts itself after them).
+    Where the command line alone cannot tell the choice, or names a library that is not there,
+    the server does it after its full parse, as before (and reports the error)."""
+    import os
+
+    from kvmesh.common import preload
+
+    choice = preload.early_choice(argv[1:], dict(os.environ))
+    if choice is None:
+        return
+    try:
+        preload.reexec_with_allocator(choice, ["-m", "kvmesh.cli", *argv])
+    except ValueError:
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     entry = argv is None          # the process's own command line (not a caller's list)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         import importlib
+        if argv[0] == "serve" and entry:
+            _restart_with_allocator_early(argv)
         module = importlib.import_module(_DELEGATED[argv[0]])
         if argv[0] == "serve":
             return module.main(argv[1:], reexec=entry)

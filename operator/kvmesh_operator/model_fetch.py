@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kvmesh.common.storage.summary import TERMINATION_LOG, FetchSummary
+
 from .crd import InferenceService
 
 FETCH_CACHE_DIR = "/var/cache/kvmesh/models"     # KVMESH_MODEL_CACHE_DIR in the pods
@@ -53,7 +55,7 @@ def fetch_init_container(svc: InferenceService, security: dict[str, Any]) -> dic
     """`kvmesh fetch URI` before the engine starts: the pod's events and the init container's
     log say why a model cannot be had (the URI, never a credential)."""
     return {"name": "fetch-model", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-            "args": ["fetch", svc.model.uri], "env": fetch_env(svc),
+            "args": ["fetch", svc.model.uri, "--summary-file", TERMINATION_LOG], "env": fetch_env(svc),
             "volumeMounts": [cache_mount(), {"name": "tmp", "mountPath": "/tmp"}],
             "terminationMessagePolicy": "FallbackToLogsOnError", "securityContext": security}
 
@@ -78,6 +80,28 @@ def model_condition(svc: InferenceService, pods: Sequence[dict[str, Any]]) -> di
     if fetching:
         return _cond(False, "Fetching", f"fetching {uri} ({fetching} engine pod(s))")
     return _cond(False, "AwaitingPods", f"no engine pod has started fetching {uri} yet")
+
+
+def storage_status(svc: InferenceService, pods: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """status.modelStorage: the model's size and fetch time from the fetch-model containers'
+    summaries (their termination messages); None when no pod has one. The fetch reported is the
+    one that read the most from the store (a download beats a node-cache hit; ties: the slowest),
+    `cachedPods` counts the pods that found the model in their node's cache."""
+    summaries = []
+    for pod in pods:
+        statuses = (pod.get("status") or {}).get("initContainerStatuses") or []
+        st = next((s for s in statuses if s.get("name") == "fetch-model"), None)
+        terminated = ((st or {}).get("state") or {}).get("terminated") or {}
+        if terminated.get("exitCode") == 0:
+            summary = FetchSummary.parse(terminated.get("message"))
+            if summary is not None and summary.uri == svc.model.uri:
+                summaries.append(summary)
+    if not summaries:
+        return None
+    best = max(summaries, key=lambda s: (s.fetched_bytes, s.seconds))
+    return {"uri": best.uri, "sizeBytes": best.size_bytes, "fetchedBytes": best.fetched_bytes,
+            "fetchSeconds": best.seconds,
+            "cachedPods": sum(1 for s in summaries if s.fetched_bytes == 0)}
 
 
 def _cond(ok: bool, reason: str, message: str) -> dict[str, str]:

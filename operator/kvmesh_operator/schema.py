@@ -434,6 +434,15 @@ STATUS_SCHEMA: dict[str, Any] = _obj("Observed state, written by the operator.",
                                         "UnsupportedTarget, BaseModelMismatch, Refused, PodUnreachable."),
                          "message": _str("The engine's answer for a refused adapter (pod: message)."),
                      }, required=["name"])},
+    "modelStorage": _obj("An s3:// / hf:// model as the fetch-model init containers reported it (the "
+                         "fetch that read the most from the store).", {
+        "uri": _str("The model's URI."),
+        "sizeBytes": {"type": "integer", "format": "int64", "description": "The model's bytes on disk."},
+        "fetchedBytes": {"type": "integer", "format": "int64",
+                         "description": "Bytes read from the store by that fetch (0: the node cache had it)."},
+        "fetchSeconds": _num("That fetch's wall time in seconds."),
+        "cachedPods": _int("Engine pods that found the model in their node's cache."),
+    }),
 })
 
 

@@ -218,9 +218,14 @@ def build_status(svc: InferenceService, observed: Observed, want: int, generatio
     address = _ingress_address(observed.get(("networking.k8s.io/v1", "Ingress", svc.name)))
     if svc.ingress.enabled and not svc.ingress.host and address:
         url = f"http://{address}"
-    return {"phase": phase, "observedGeneration": generation, "model": svc.model.served_name,
-            "replicas": want, "readyReplicas": ready_replicas, "selector": R.selector_string(svc),
-            "url": url, "conditions": conds, **({"loraAdapters": adapters[0]} if adapters is not None else {})}
+    out = {"phase": phase, "observedGeneration": generation, "model": svc.model.served_name,
+           "replicas": want, "readyReplicas": ready_replicas, "selector": R.selector_string(svc),
+           "url": url, "conditions": conds}
+    if (storage := MF.storage_status(svc, pods)) is not None:
+        out["modelStorage"] = storage
+    if adapters is not None:
+        out["loraAdapters"] = adapters[0]
+    return out
 
 
 def invalid_status(problems: list[str], generation: int | None, previous: list[dict[str, Any]] | None,

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvmesh.api.lora_metrics import LoRACounters
+from kvmesh.common.startup_times import StartupTimes
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.observers import EngineObserver, StepReport
 from kvmesh.engine.outputs import RequestOutput
@@ -83,9 +84,11 @@ class _Histogram:
 class EngineMetrics(EngineObserver):
     """An engine observer updated on the engine thread after every step; read by /metrics."""
 
-    def __init__(self, model_name: str, engine: LLMEngine | None = None) -> None:
+    def __init__(self, model_name: str, engine: LLMEngine | None = None,
+                 startup: StartupTimes | None = None) -> None:
         self.model_name = model_name
         self.engine = engine       # gauges are read live from it at scrape time
+        self.startup = startup     # the start-up phases' seconds (kvmesh: only; vLLM has none)
         self._lock = threading.Lock()
         self.gauges = dict.fromkeys(GAUGES, 0.0)
         self.counters = dict.fromkeys(COUNTERS, 0.0)
@@ -272,6 +275,16 @@ class EngineMetrics(EngineObserver):
                 yield c
             if self.lora is not None:
                 yield from self.lora.families(self.model_name)
+            if self.startup is not None:
+                yield self._startup_phases(labels, values)
+
+    def _startup_phases(self, labels: list[str], values: list[str]) -> GaugeMetricFamily:
+        g = GaugeMetricFamily("kvmesh:startup_phase_seconds", "Seconds of each start-up phase "
+                              "(fetch, kernel_build, weight_load, kv_alloc, warmup; 0: not run) "
+                              "and total, process start to ready.", labels=labels + ["phase"])
+        for phase, seconds in self.startup.series():
+            g.add_metric(values + [phase], seconds)
+        return g
 
     def _spec_families(self, prefix: str, labels: list[str], values: list[str]):
         for name, help_ in SPEC_COUNTERS.items():

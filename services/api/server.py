@@ -34,6 +34,7 @@ from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_f
                                   field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
 from kvmesh.common.startup import startup_phase
+from kvmesh.common.startup_times import get_startup_times, process_age_s, reset_startup_times
 from kvmesh.common.storage import resolve_engine_model
 from kvmesh.common.preload import loaded_allocator, reexec_with_allocator
 from kvmesh.common.tracing import get_tracer, init_tracing, shutdown_tracing
@@ -158,7 +159,7 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
     try:
         engine = LLMEngine(config, kv_connector=kv_publishing.kv_connector(args))
         _register_lora_modules(state, engine, getattr(args, "lora_module_paths", []))
-        metrics = EngineMetrics(engine.model_name, engine)
+        metrics = EngineMetrics(engine.model_name, engine, startup=get_startup_times())
         engine.add_observer(metrics)
         async_engine = AsyncLLMEngine(
             engine, max_waiting=args.max_waiting or None,
@@ -174,12 +175,15 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         state.tool_parser = tool_parsers.get_tool_parser(args.tool_call_parser,
                                                          engine.tokenizer.chat_template)
         state.engine = async_engine
-        with startup_phase("warm-up", "a one-token generation"):
+        with startup_phase("warm-up", "a one-token generation", phase="warmup"):
             asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
         frozen = freeze_after_startup()       # NOTE: no full-heap GC pauses while serving
+        times = get_startup_times()
+        times.total_s = process_age_s()
         state.ready = True
         logger.info("ready: model %s, max_model_len %d (%d start-up objects frozen out of the "
-                    "garbage collector)", engine.model_name, engine.max_model_len, frozen)
+                    "garbage collector); start-up: %s", engine.model_name, engine.max_model_len,
+                    frozen, times.summary())
     except Exception as e:  # noqa: BLE001 - shown by /health; the pod restarts
         logger.exception("model loading failed")
         state.load_error = f"model loading failed: {e}"
@@ -230,6 +234,7 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
     """`kvmesh serve`. reexec: this process is the command's own (not a test calling main), so it
     may restart itself once with the allocator preloaded (see kvmesh.common.preload)."""
     args = parse_args(argv)
+    reset_startup_times()        # NOTE: this server's phases only, also when a test calls main()
     if reexec:
         try:
             reexec_with_allocator(args.allocator, ["-m", "kvmesh.cli", "serve", *(argv or [])])

@@ -117,3 +117,25 @@ def reexec_with_allocator(choice: str, argv: list[str]) -> None:
     print(f"kvmesh: restarting with {lib} preloaded (--allocator none to keep glibc malloc)",
           file=sys.stderr, flush=True)
     os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def early_choice(argv: list[str], env: dict[str, str]) -> str | None:
+    """The `--allocator` choice of `kvmesh serve ARGV` read from the command line and the
+    environment alone, so the restart can come before the server's imports (torch: seconds);
+    None where only the full parse can tell: a `--config` file (it may name one), `--help`, an
+    abbreviated `--alloc...`, a flag without its value."""
+    choice = env.get("KVMESH_ALLOCATOR", "auto")
+    for i, arg in enumerate(argv):
+        flag, has_value, value = arg.partition("=")
+        if flag in ("-h", "--help", "--config") or (flag.startswith("--con") and "--config".startswith(flag)):
+            return None
+        if flag == "--allocator":
+            if has_value:
+                choice = value
+            elif i + 1 < len(argv):
+                choice = argv[i + 1]
+            else:
+                return None
+        elif len(flag) > 2 and "--allocator".startswith(flag):
+            return None
+    return choice

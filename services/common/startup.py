@@ -7,7 +7,8 @@ logs `loading weights (SmolLM2-135M-Instruct) ...` when the phase begins and `lo
 done in 2.3 s` when it ends (or `... failed after`). On a terminal, a phase that runs longer than
 PROGRESS_AFTER_S also shows a live line on stderr (elapsed time, and the share of the estimate
 when the phase has one), erased when the phase ends; anywhere else (a pod's log, a file, a pipe)
-only the plain lines are written.
+only the plain lines are written. With `phase=` (one of startup_times.PHASES) the duration is
+also added to the process's StartupTimes, read by /metrics and the readiness line.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
+
+from kvmesh.common.startup_times import get_startup_times
 
 logger = logging.getLogger("kvmesh.startup")
 
@@ -77,20 +80,31 @@ def _is_terminal(stream: TextIO) -> bool:
 
 @contextmanager
 def startup_phase(name: str, detail: str = "", estimate_s: float | None = None,
-                  stream: TextIO | None = None) -> Iterator[None]:
+                  stream: TextIO | None = None, phase: str | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
     """Log the phase `name` as it begins and ends, with its duration; `detail` says what it works
-    on, `estimate_s` how long it usually takes (shown on the terminal's live line)."""
+    on, `estimate_s` how long it usually takes (shown on the terminal's live line), `phase` the
+    StartupTimes phase its duration counts in (None: none)."""
     stream = sys.stderr if stream is None else stream
+    times = get_startup_times() if phase is not None else None
+    if times is not None:
+        times.begin(phase)
     logger.info("%s%s ...", name, f" ({detail})" if detail else "")
-    t0 = time.monotonic()
+    t0 = clock()
     progress = _Progress(name, estimate_s, stream) if _is_terminal(stream) else None
     try:
         yield
     except BaseException:
         if progress is not None:
             progress.stop()
-        logger.info("%s: failed after %.1f s", name, time.monotonic() - t0)
+        elapsed = clock() - t0
+        if times is not None:
+            times.end(phase, elapsed)
+        logger.info("%s: failed after %.1f s", name, elapsed)
         raise
     if progress is not None:
         progress.stop()
-    logger.info("%s: done in %.1f s", name, time.monotonic() - t0)
+    elapsed = clock() - t0
+    if times is not None:
+        times.end(phase, elapsed)
+    logger.info("%s: done in %.1f s", name, elapsed)

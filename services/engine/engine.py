@@ -166,7 +166,7 @@ class LLMEngine:
                                          enable_events=config.enable_kv_events)
         kv_gib = num_gpu_blocks * self.block_bytes / (1 << 30)
         with startup_phase("allocating the KV cache", f"{num_gpu_blocks} blocks, {kv_gib:.2f} "
-                           f"GiB; swap space {config.swap_space:g} GiB"):
+                           f"GiB; swap space {config.swap_space:g} GiB", phase="kv_alloc"):
             if self.executor is not None:
                 self.runner = self.executor.make_runner(self.loaded, config.block_size,
                                                         num_gpu_blocks, num_cpu_blocks, config.seed,

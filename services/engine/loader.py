@@ -132,7 +132,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     p = _model_path(path)
     dev = resolve_device(device)
     backend = _resolve_backend(attention_backend, dev)
-    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p)):
+    with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p),
+                       phase="weight_load"):
         return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer,
                      quantization, quant_activations)
 
@@ -148,16 +149,12 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
     if dev.type != "cpu" or requested not in ("auto", "cpu") or not cpu_kernels.enabled():
         return resolve_backend(requested, dev)
     where = cache_dir() / "cpu-kernels"
-    try:
-        cached = any((where / cpu_kernels.build_key()).glob("*.so"))
-    except OSError:
-        cached = False
-    if cached:
-        phase = startup_phase("loading CPU kernels", f"cached in {where}")
+    if cpu_kernels.cached():
+        phase = startup_phase("loading CPU kernels", f"cached in {where}", phase="kernel_build")
     else:
         phase = startup_phase("building CPU kernels", f"once per machine, usually about "
                               f"{CPU_KERNELS_BUILD_ESTIMATE_S:.0f} s; cached in {where}",
-                              CPU_KERNELS_BUILD_ESTIMATE_S)
+                              CPU_KERNELS_BUILD_ESTIMATE_S, phase="kernel_build")
     with phase:
         cpu_kernels.load()
     return resolve_backend(requested, dev)
@@ -210,7 +207,8 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
         weights = _safetensors_weights(files, rules)
     else:
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
-                               keep_quantized=quant == "gguf", activations=quant_activations)
+                               keep_quantized=quant == "gguf", activations=quant_activations,
+                               dtype=dt)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)

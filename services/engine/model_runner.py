@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from kvmesh.common.startup import startup_phase
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.cuda_graphs import CudaGraphs, padded_size
 from kvmesh.engine.input_batch import BatchInput, InputBatch
@@ -78,7 +79,11 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphs | None = None
         if opts.cuda_graphs and device.type == "cuda" and self.pad_sizes:
             self.cuda_graphs = CudaGraphs(self.input_batch, self._forward, opts.max_model_len)
-            report = self.cuda_graphs.capture(self.pad_sizes)
+            # NOTE: counted as kernel_build (vLLM's "graph capturing"), not as the KV allocation
+            # whose phase it runs inside
+            with startup_phase("capturing CUDA graphs", f"{len(self.pad_sizes)} decode batch sizes",
+                               phase="kernel_build"):
+                report = self.cuda_graphs.capture(self.pad_sizes)
             # NOTE: a size that failed to capture runs eagerly, unpadded
             self.pad_sizes = report.captured
             logger.info("CUDA graphs: captured %d decode batch sizes %s in %.1f s, %.1f MiB%s",

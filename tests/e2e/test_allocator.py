@@ -62,3 +62,41 @@ def test_a_missing_allocator_library_is_a_clear_error(capsys):
 
     assert server.main(["--allocator", "/no/libfast.so"], reexec=True) == 2
     assert "kvmesh serve: error: --allocator /no/libfast.so: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    ([], {}, "auto"),
+    ([], {"KVMESH_ALLOCATOR": "none"}, "none"),
+    (["--port", "8001", "--allocator", "none"], {"KVMESH_ALLOCATOR": "auto"}, "none"),
+    (["--allocator=/opt/libjemalloc.so.2", "--host", "0.0.0.0"], {}, "/opt/libjemalloc.so.2"),
+    # only the full parse can tell: a config file may name one, help prints and exits, argparse
+    # takes abbreviations, a flag without its value is an error it reports
+    (["--config", "serve.yaml"], {}, None),
+    (["--config=serve.yaml"], {}, None),
+    (["--conf", "serve.yaml"], {}, None),
+    (["--help"], {}, None),
+    (["-h"], {}, None),
+    (["--alloc", "none"], {}, None),
+    (["--allocator"], {}, None),
+])
+def test_the_allocator_choice_the_command_line_alone_tells(argv, env, want):
+    assert preload.early_choice(argv, env) == want
+
+
+def test_kvmesh_serve_restarts_before_it_imports_the_server_or_torch():
+    """The restart costs an interpreter start, not the server's imports (seconds of torch)."""
+    probe = (
+        "import sys\n"
+        "from kvmesh.common import preload\n"
+        "def restart(choice, argv):\n"
+        "    heavy = sorted(m for m in ('torch', 'kvmesh.api.server') if m in sys.modules)\n"
+        "    print('restart', choice, argv, heavy)\n"
+        "    sys.exit(0)\n"
+        "preload.reexec_with_allocator = restart\n"
+        "sys.argv = ['kvmesh', 'serve', '--allocator', 'none', '--port', '8001']\n"
+        "from kvmesh.cli import main\n"
+        "main()\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("restart none ['-m', 'kvmesh.cli', 'serve', '--allocator', 'none', "
+                                   "'--port', '8001'] []")

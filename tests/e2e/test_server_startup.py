@@ -47,6 +47,7 @@ def test_serve_logs_each_phase_once_logs_requests_without_secrets_and_exits_clea
             stdout=out, stderr=err, env=env)
     try:
         assert wait_until(lambda: _ready(url), timeout=300, interval=0.2), err_path.read_text()
+        phase_seconds = _startup_gauge(url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                          extra_body={"ignore_eos": True})
@@ -78,6 +79,16 @@ def test_serve_logs_each_phase_once_logs_requests_without_secrets_and_exits_clea
         assert (len(begun), len(ended)) == (1, 1), (phase, stderr)
         ends.append(ended[0].start())
     assert ends == sorted(ends) and ends[-1] < stderr.index("kvmesh.serve: ready"), stderr
+    # the readiness line names each phase's seconds, as /metrics has them (a local model: no fetch)
+    ready = re.search(r"kvmesh\.serve: ready: .*; start-up: (.*)$", stderr, re.M)
+    assert ready, stderr
+    logged = dict((p, float(s)) for p, s in re.findall(r"(\w+) (\d+\.\d) s", ready.group(1)))
+    assert list(logged) == list(phase_seconds) == ["fetch", "kernel_build", "weight_load",
+                                                   "kv_alloc", "warmup", "total"]
+    assert {p: round(s, 1) for p, s in phase_seconds.items()} == logged
+    assert phase_seconds["fetch"] == 0.0
+    assert all(phase_seconds[p] > 0 for p in ("kernel_build", "weight_load", "kv_alloc", "warmup"))
+    assert phase_seconds["total"] > sum(s for p, s in phase_seconds.items() if p != "total")
     assert stderr.rstrip().endswith("Finished server process [%d]" % proc.pid), stderr
 
     # one access line per request, uvicorn's format, without the query string or a secret
@@ -85,11 +96,18 @@ def test_serve_logs_each_phase_once_logs_requests_without_secrets_and_exits_clea
     assert all(re.fullmatch(r'INFO: +127\.0\.0\.1:\d+ - "[A-Z]+ /[a-z0-9/_]* HTTP/1\.1" \d{3} '
                             r"[A-Za-z ]+", line) for line in access), access
     api = [line.split(" - ", 1)[1] for line in access if "/ready" not in line]
-    assert api == ['"POST /v1/completions HTTP/1.1" 200 OK',
+    assert api == ['"GET /metrics HTTP/1.1" 200 OK',
+                   '"POST /v1/completions HTTP/1.1" 200 OK',
                    '"POST /v1/chat/completions HTTP/1.1" 200 OK',
                    '"POST /v1/completions HTTP/1.1" 401 Unauthorized'], access
     for secret in (KEY, PROMPT, "api_key"):
         assert secret not in stdout and secret not in stderr, secret
+
+
+def _startup_gauge(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^kvmesh:startup_phase_seconds\{model_name="[^"]+",phase="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def _ready(url: str) -> bool:

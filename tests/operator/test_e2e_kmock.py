@@ -526,7 +526,8 @@ async def test_a_remote_model_is_fetched_first_and_a_failed_fetch_is_shown(clust
                                             "credentials": {"secretName": "s3-creds"}}})
     dep = await wait_for(lambda: obj(server, "apps/v1/deployments", "s3m-engine"), what="the engine Deployment")
     (init,) = dep["spec"]["template"]["spec"]["initContainers"]
-    assert (init["name"], init["args"]) == ("fetch-model", ["fetch", "s3://models/team/llama"])
+    assert (init["name"], init["args"]) == ("fetch-model", ["fetch", "s3://models/team/llama", "--summary-file",
+                                                            "/dev/termination-log"])
     await wait_for(lambda: _cond(_cr(server, "s3m"), "ModelReady").get("reason") == "AwaitingPods",
                    what="ModelReady AwaitingPods")
     # play the kubelet: an engine pod whose fetch-model container exited 2 with kvmesh fetch's message
@@ -541,3 +542,19 @@ async def test_a_remote_model_is_fetched_first_and_a_failed_fetch_is_shown(clust
                         and c, what="ModelReady FetchFailed")
     assert _cond(cr, "ModelReady")["message"] == FETCH_ERROR
     assert (_cond(cr, "Ready")["reason"], _cond(cr, "Ready")["message"]) == ("ModelNotReady", FETCH_ERROR)
+    assert "modelStorage" not in cr["status"]
+    # a second pod fetched it: its termination message is kvmesh fetch's summary
+    summary = ('{"uri": "s3://models/team/llama", "sizeBytes": 2471000000, "fetchedBytes": 2471000000, '
+               '"fetchSeconds": 12.5}')
+    await _post(server, f"/api/v1/namespaces/{NAMESPACE}/pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "s3m-engine-8e0a", "namespace": NAMESPACE,
+                     "labels": {"app.kubernetes.io/component": "engine", "kvmesh.io/inference-service": "s3m"}},
+        "spec": {"containers": [{"name": "engine", "image": "kvmesh"}]},
+        "status": {"initContainerStatuses": [{"name": "fetch-model", "state": {"terminated": {
+            "exitCode": 0, "reason": "Completed", "message": summary}}}]}})
+    cr = await wait_for(lambda: (c := _cr(server, "s3m")) and "modelStorage" in c.get("status", {}) and c,
+                        what="status.modelStorage")
+    assert cr["status"]["modelStorage"] == {"uri": "s3://models/team/llama", "sizeBytes": 2471000000,
+                                            "fetchedBytes": 2471000000, "fetchSeconds": 12.5, "cachedPods": 0}
+    assert _cond(cr, "ModelReady")["reason"] == "Fetched"

@@ -123,7 +123,9 @@ def test_a_remote_model_is_fetched_by_an_init_container_into_the_node_cache() ->
                            ("AWS_SESSION_TOKEN", "AWS_SESSION_TOKEN"), ("HF_TOKEN", "HF_TOKEN")))]
     assert pod["initContainers"] == [{
         "name": "fetch-model", "image": svc.image, "imagePullPolicy": svc.image_pull_policy,
-        "args": ["fetch", "s3://models/team/tiny-llama"], "env": fetch_env,
+        # the summary in the termination message: status.modelStorage (size, fetch time)
+        "args": ["fetch", "s3://models/team/tiny-llama", "--summary-file", "/dev/termination-log"],
+        "env": fetch_env,
         "volumeMounts": [{"name": "fetched-models", "mountPath": "/var/cache/kvmesh/models"},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePolicy": "FallbackToLogsOnError", "securityContext": R.CONTAINER_SECURITY}]
@@ -142,7 +144,8 @@ def test_a_remote_model_is_fetched_by_an_init_container_into_the_node_cache() ->
     claim = _svc({"model": {"source": "uri", "uri": "hf://org/m@v1", "cache": {"claimName": "models"}}})
     claim_pod = R.build_engine_deployment(claim, OWNER, 1)["spec"]["template"]["spec"]
     assert {"name": "fetched-models", "persistentVolumeClaim": {"claimName": "models"}} in claim_pod["volumes"]
-    assert claim_pod["initContainers"][0]["args"] == ["fetch", "hf://org/m@v1"]
+    assert claim_pod["initContainers"][0]["args"] == ["fetch", "hf://org/m@v1", "--summary-file",
+                                                      "/dev/termination-log"]
 
 
 def test_engine_deployment_full() -> None:

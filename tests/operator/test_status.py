@@ -212,3 +212,35 @@ def test_a_failed_fetch_is_why_the_service_is_not_ready() -> None:
                                     "message": ERROR, "lastTransitionTime": NOW}
     # a model in the image has no ModelReady at all
     assert "ModelReady" not in [c["type"] for c in S.conditions(SVC, _observed(_dep(1)), 1)]
+
+
+def _done(summary: str | None) -> dict[str, Any]:
+    return _pod({"terminated": {"exitCode": 0, "reason": "Completed",
+                                **({"message": summary} if summary is not None else {})}})
+
+
+def _summary(fetched: int, seconds: float, uri: str = "s3://models/team/llama") -> str:
+    return (f'{{"uri": "{uri}", "sizeBytes": 5000, "fetchedBytes": {fetched}, '
+            f'"fetchSeconds": {seconds}}}')
+
+
+def test_model_storage_reports_the_download_and_counts_the_node_cache_hits() -> None:
+    def storage(pods):
+        return S.build_status(REMOTE, _observed(_dep(0, 1)), 1, 1, None, NOW, pods=pods).get("modelStorage")
+
+    # nothing to report: no pod, a running or failed fetch, a success without a summary (an
+    # older image), a summary of another URI (the spec changed since), a message that is no summary
+    failed = _pod({"terminated": {"exitCode": 2, "reason": "Error", "message": ERROR}})
+    assert storage([]) is None
+    assert storage([_pod({"running": {}}), failed, _done(None), _done("fetched"),
+                    _done(_summary(5000, 3.0, uri="s3://models/team/other"))]) is None
+    # two downloads (the slower of equal reads wins), a resumed one that read less, a cache hit
+    pods = [_done(_summary(0, 0.2)), _done(_summary(5000, 3.0)), _done(_summary(5000, 4.5)),
+            _done(_summary(1200, 9.0)), failed]
+    assert storage(pods) == {"uri": "s3://models/team/llama", "sizeBytes": 5000, "fetchedBytes": 5000,
+                             "fetchSeconds": 4.5, "cachedPods": 1}
+    # every pod found it cached: the model's size, and how long a cache hit took
+    assert storage([_done(_summary(0, 0.25))]) == {"uri": "s3://models/team/llama", "sizeBytes": 5000,
+                                                   "fetchedBytes": 0, "fetchSeconds": 0.25, "cachedPods": 1}
+    # a model in the image: no modelStorage
+    assert "modelStorage" not in S.build_status(SVC, _observed(_dep(1)), 1, 1, None, NOW, pods=pods)

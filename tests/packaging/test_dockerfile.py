@@ -86,9 +86,20 @@ def test_the_image_installs_with_the_constraints() -> None:
     assert "COPY docker/constraints.txt ./docker/constraints.txt" in DOCKERFILE
     copy, install = DOCKERFILE.index("COPY docker/constraints.txt"), DOCKERFILE.index("-c docker/constraints.txt")
     assert copy < install
-    # NOTE: `pip install .` is the one step resolving the project's dependencies; it must be constrained.
+    # NOTE: `pip install .` is the one step resolving the project's dependencies; it must be constrained
+    # (in the stage that prebuilds the C++ kernels as in the image itself: the same kvmesh, torch).
     assert [line.strip() for line in DOCKERFILE.splitlines() if re.search(r"pip install\b.*(\s\.\s|\s\.$)", line)] \
-        == ['RUN pip install --no-cache-dir -c docker/constraints.txt "torch==${TORCH_VERSION}" . \\']
+        == ['RUN pip install --no-cache-dir -c docker/constraints.txt "torch==${TORCH_VERSION}" . \\'] * 2
+
+
+def test_the_image_ships_the_kernels_prebuilt_for_its_cpu_targets() -> None:
+    """kernels/prebuilt.py in a stage with a compiler; the image takes its folder and names it."""
+    assert "FROM ${CUDA_IMAGE} AS kernels" in DOCKERFILE
+    assert "python -m kvmesh.kernels.prebuilt /opt/kvmesh/kernels" in DOCKERFILE
+    assert "COPY --from=kernels /opt/kvmesh/kernels /opt/kvmesh/kernels" in DOCKERFILE
+    assert "KVMESH_PREBUILT_KERNELS=/opt/kvmesh/kernels" in DOCKERFILE
+    final = DOCKERFILE[DOCKERFILE.rindex("\nFROM "):]
+    assert "apt-get" not in final and "g++" not in final      # no compiler in the image itself
 
 
 def test_parse_pins() -> None:

@@ -61,7 +61,7 @@ def fetch(model: str, options: FetchOptions | None = None) -> FetchedModel:
             raise FetchError(source.uri, "not_found", f"no such file or directory {path}")
         return FetchedModel(path, source.name if source.scheme == "pvc" else None)
     root = options.cache_dir or default_root()
-    with startup_phase("fetching model", source.uri):
+    with startup_phase("fetching model", source.uri, phase="fetch"):
         if source.scheme == "hf":
             snapshot = fetch_hf(source, root, options.workers)
             check_model_dir(snapshot, source.uri, options.required_file)

@@ -1,4 +1,4 @@
-"""GGUF file -> (HF config dict, HF-named float32 weights).
+"""GGUF file -> (HF config dict, HF-named weights in the served dtype).
 
 Our lean reader (common/gguf_reader.py) parses, the `gguf` package dequantizes; this module maps
 llama.cpp's names and layout back to HF's: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`), the Q/K row
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvmesh.common.gguf_reader import open_gguf
+from kvmesh.engine.models.gguf_tensors import tensor_in_dtype
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, format_name, is_supported
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,12 @@ class GGUFFile:
     # ---------------------------------------------------------------------------- weights
 
     def weights(self, num_heads: int, num_kv_heads: int, keep_quantized: bool = False,
-                activations: str = "int8") -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """(HF name, float32 tensor) for every tensor, dequantized and un-permuted; with
-        `keep_quantized`, 2-D tensors in a format the quantized kernels read come as
-        QuantizedWeight (their blocks, rows un-permuted), the others dequantized with a log line
-        per format."""
-        from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
+                activations: str = "int8", dtype: torch.dtype = torch.float32,
+                ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF name, tensor in `dtype`) for every tensor, dequantized and un-permuted (straight
+        into `dtype`: see gguf_tensors); with `keep_quantized`, 2-D tensors in a format the
+        quantized kernels read come as QuantizedWeight (their blocks, rows un-permuted), the
+        others dequantized with a log line per format."""
         from gguf.quants import dequantize  # noqa: PLC0415
 
         permuted = _ARCHITECTURES[self.arch][1]
@@ -135,19 +136,16 @@ class GGUFFile:
                                 format_name(t.ggml_type), t.name,
                                 ", ".join(f[0] for f in FORMATS.values()))
             try:
-                qtype = GGMLQuantizationType(t.ggml_type)
-                arr = dequantize(t.data, qtype).reshape(t.shape)
+                tensor = tensor_in_dtype(t, dtype, dequantize)
             except Exception as e:
                 raise ValueError(f"cannot dequantize GGUF tensor {t.name} (ggml type {t.ggml_type}) "
                                  f"in {self.path}: {e}") from None
-            arr = np.asarray(arr, dtype=np.float32)
+            # NOTE: unpermute_rows on a torch tensor copies into a contiguous one, in `dtype`
             if permuted and ".self_attn.q_proj." in name:
-                arr = unpermute_rows(arr, num_heads)
+                tensor = unpermute_rows(tensor, num_heads)
             elif permuted and ".self_attn.k_proj." in name:
-                arr = unpermute_rows(arr, num_kv_heads)
-            if not arr.flags.writeable or not arr.flags.c_contiguous:
-                arr = np.array(arr, copy=True)
-            yield name, torch.from_numpy(arr)
+                tensor = unpermute_rows(tensor, num_kv_heads)
+            yield name, tensor
 
     def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
                    activations: str) -> QuantizedWeight:
@@ -179,12 +177,12 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's Q/K permutation (convert_hf_to_gguf `permute`).
 
     llama.cpp rotates interleaved pairs (GPT-J style); to use it for HF's rotate-half layout its
     converter reorders each head's rows from [half0 | half1] to interleaved. This is the inverse:
-    per head, rows (pair, 2) -> (2, pair).
+    per head, rows (pair, 2) -> (2, pair). `w`: a numpy array or a torch tensor.
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
