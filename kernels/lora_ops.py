@@ -31,6 +31,7 @@ class Padded:
     keep: torch.Tensor | None     # [n] int64 positions in S * L of the real rows (None: no padding)
     slots: torch.Tensor           # [S] int64
     length: int                   # L
+    slot_range: tuple[int, int] | None = None   # the slots are lo..hi-1: A[lo:hi] is a view
 
 
 def sgmv_add(x: torch.Tensor,               # [T, K]
@@ -46,8 +47,15 @@ def sgmv_add(x: torch.Tensor,               # [T, K]
     if padded is not None:
         segs, length = padded.slots.shape[0], padded.length
         xs = x.index_select(0, padded.gather).view(segs, length, -1)
-        y = torch.bmm(xs, a.index_select(0, padded.slots).transpose(1, 2))
-        delta = torch.bmm(y, b.index_select(0, padded.slots).transpose(1, 2)).view(segs * length, -1)
+        if padded.slot_range is not None:
+            lo, hi = padded.slot_range
+            a_s, b_s = a[lo:hi], b[lo:hi]
+        else:
+            # NOTE: a copy of S slots' weights per call: the manager's slots are usually the
+            # consecutive 0..S-1 (every slot in use), which takes the branch above
+            a_s, b_s = a.index_select(0, padded.slots), b.index_select(0, padded.slots)
+        y = torch.bmm(xs, a_s.transpose(1, 2))
+        delta = torch.bmm(y, b_s.transpose(1, 2)).view(segs * length, -1)
         acc = out.index_select(0, rows)
         acc += delta if padded.keep is None else delta.index_select(0, padded.keep)
         out.index_copy_(0, rows, acc)

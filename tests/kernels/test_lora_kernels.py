@@ -48,6 +48,7 @@ LAYOUTS = {
     "decode-mixed": [1, -1, 0, 2, 1, -1, 0, 2, 2],
     "prefill-runs": [2] * 20 + [-1] * 5 + [0] * 37 + [1] * 3,
     "base-gaps": [-1, -1, 3, -1, 3, 3, -1],
+    "sparse-slots": [3, 1, 3, 1, -1, 3],          # slots 1 and 3: the weights gathered
 }
 
 

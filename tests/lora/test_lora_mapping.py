@@ -43,12 +43,21 @@ def test_several_segments_of_similar_length_are_padded_for_two_bmm():
     assert p.length == 3 and p.slots.tolist() == [0, 1]
     assert p.gather.tolist() == [0, 3, 4, 1, 2, 0]       # the padding repeats rows[0]
     assert p.keep.tolist() == [0, 1, 2, 3, 4]
+    assert p.slot_range == (0, 2)                        # slots 0..1: the weights are views
 
 
-def test_padding_beyond_twice_the_rows_falls_back_to_the_loop():
+def test_slots_with_a_gap_gather_their_weights():
     m = LoRAMapping()
-    # slot 0 has 6 tokens, slots 1 and 2 one each: 3 x 6 = 18 padded rows for 8 real
-    m.update([0, 1, 2], [6, 1, 1], CPU)
-    assert m.padded is None and m.runs == [(0, 6), (6, 7), (7, 8)]
+    m.update([3, 1, 3, 1], [1, 1, 1, 1], CPU)
+    assert m.padded.slots.tolist() == [1, 3] and m.padded.slot_range is None
+
+
+def test_padding_beyond_four_times_the_rows_falls_back_to_the_loop():
+    m = LoRAMapping()
+    # slot 0 has 20 tokens, slots 1-4 one each: 5 x 20 = 100 padded rows for 24 real
+    m.update([0, 1, 2, 3, 4], [20, 1, 1, 1, 1], CPU)
+    assert m.padded is None and m.runs == [(0, 20), (20, 21), (21, 22), (22, 23), (23, 24)]
+    m.update([0, 1, 2, 3], [13, 1, 1, 1], CPU)          # 4 x 13 = 52 for 16: padded
+    assert m.padded.length == 13
     m.update([1, 0, 0, 1], [1, 1, 1, 1], CPU)           # equal segments: no padding at all
     assert m.padded.keep is None and m.padded.gather.tolist() == [1, 2, 0, 3]

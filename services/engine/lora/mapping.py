@@ -19,7 +19,9 @@ import torch
 
 from kvmesh.kernels.lora_ops import Padded
 
-PAD_WASTE = 2.0     # padded rows / real rows up to which two bmm beat a loop of 2 x S GEMMs
+# padded rows / real rows up to which two bmm beat a loop of 2 x S GEMMs: measured on the
+# built-in model (docs/LORA.md), a GEMM call costs tens of microseconds whatever its few rows
+PAD_WASTE = 4.0
 
 
 class LoRAMapping:
@@ -78,5 +80,7 @@ def _pad(rows: np.ndarray, starts: np.ndarray, slots: list[int], length: int) ->
     keep = (np.repeat(np.arange(segs) * length, seg_len)
             + np.arange(rows.size) - np.repeat(starts[:-1], seg_len))
     gather[keep] = rows
+    contiguous = slots == list(range(slots[0], slots[0] + segs))
     return Padded(torch.from_numpy(gather), None if keep.size == gather.size else torch.from_numpy(keep),
-                  torch.tensor(slots, dtype=torch.int64), length)
+                  torch.tensor(slots, dtype=torch.int64), length,
+                  (slots[0], slots[0] + segs) if contiguous else None)
