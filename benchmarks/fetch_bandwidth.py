@@ -124,8 +124,9 @@ def table(runs: list[FetchRun]) -> str:
 if __name__ == "__main__":          # the copy's own process: BUCKET PREFIX WORKERS CHUNK KEY...
     import os
     if len(sys.argv) < 6:
-        sys.exit("usage: fetch_bandwidth.py BUCKET PREFIX WORKERS CHUNK KEY... (the copy's own process, "
-                 "started by benchmarks/cold_start.py; run that one)")
+        print("usage: fetch_bandwidth.py BUCKET PREFIX WORKERS CHUNK KEY... (the copy's own process, "
+              "started by benchmarks/cold_start.py; run that one)", file=sys.stderr)
+        sys.exit(2)
     bucket_, prefix_, workers_, chunk_, *keys_ = sys.argv[1:]
     run_ = _copy(bucket_, prefix_, keys_, dict(os.environ), int(workers_), int(chunk_))
     print(json.dumps({"bytes": run_.bytes, "seconds": run_.seconds}))
