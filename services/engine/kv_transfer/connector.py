@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,8 @@ class MooncakeConnector(KVConnector):
         self._lock = threading.Lock()
         self._bytes = self._transfers = self._failures = 0
         self._seconds = 0.0
-        self.recent: list[Transfer] = []     # finished reads not yet taken (tracing)
+        # called with every finished read, on the loader thread (metrics, tracing)
+        self.transfer_listeners: list[Callable[[Transfer], None]] = []
         self.pins: PinTable | None = None
         self.side_channel: SideChannel | None = None
         self.loader: Loader | None = None
@@ -101,13 +103,11 @@ class MooncakeConnector(KVConnector):
                 self._transfers += 1
             else:
                 self._failures += 1
-            self.recent.append(t)
-            del self.recent[:-256]           # NOTE: bounded when nobody takes them
-
-    def take_transfers(self) -> list[Transfer]:
-        with self._lock:
-            out, self.recent = self.recent, []
-        return out
+        for listener in list(self.transfer_listeners):
+            try:
+                listener(t)
+            except Exception:  # noqa: BLE001 - an observer's bug must not stop the reads
+                logger.exception("a KV-transfer listener failed")
 
     # ---- the store interface (--kv-share): nothing stored, nothing fetched ------------------
     def prefetch(self, req_id: str, block_hashes: list[bytes]) -> None:
