@@ -55,6 +55,9 @@ class KVConnectorStats:
 class KVConnector(ABC):
     """A store of full KV blocks shared between engines, keyed by chained block hash."""
 
+    # True for a prefill/decode hand-off connector: the scheduler then calls the hooks below
+    handoff: bool = False
+
     @abstractmethod
     def prefetch(self, req_id: str, block_hashes: list[bytes]) -> None:
         """Start fetching these blocks for a waiting request; never blocks the caller."""

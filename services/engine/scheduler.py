@@ -109,7 +109,8 @@ class Scheduler:
         self.speculator: Speculator | None = (
             Speculator(config.speculative_config) if config.speculative_config else None)
         # --kv-transfer-config: prompts read from a prefill engine, prompts kept for a decode one
-        self.handoff: Handoff | None = Handoff(kv, kv_connector) if kv_connector else None
+        self.handoff: Handoff | None = (Handoff(kv, kv_connector)
+                                        if getattr(kv_connector, "handoff", False) else None)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:

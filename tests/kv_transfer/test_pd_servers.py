@@ -62,15 +62,19 @@ def _kt(role: str, engine_id: str, **extra) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    """colocated, prefill (kv_producer), decode (kv_consumer), and a second prefill engine
-    whose pins time out after 1 s (the timeout and the killed-producer tests)."""
+    """prefill (kv_producer), decode (kv_consumer), and a second producer whose pins time out
+    after 1 s: "colocated", as requests without kv_transfer_params run there as on any engine
+    (the reference answers), and the timeout and killed-producer tests' prefill engine.
+
+    NOTE: three processes, not four: on a loaded 2-core machine each start costs most of this
+    file's time."""
     tmp = tmp_path_factory.mktemp("pd")
     common = ("--model", str(tiny_model), "--num-kv-blocks", "96", "--max-model-len", "1024",
-              "--cpu-threads", "1")
-    flags = {"colocated": (), "prefill": ("--kv-transfer-config", _kt("kv_producer", "prefill-0")),
+              "--cpu-threads", "1", "--swap-space", "0", "--allocator", "none")
+    flags = {"prefill": ("--kv-transfer-config", _kt("kv_producer", "prefill-0")),
              "decode": ("--kv-transfer-config", _kt("kv_consumer", "decode-0")),
-             "prefill2": ("--kv-transfer-config", _kt("kv_producer", "prefill-1",
-                                                      pinned_timeout_s=1))}
+             "colocated": ("--kv-transfer-config", _kt("kv_producer", "prefill-1",
+                                                       pinned_timeout_s=1))}
     # NOTE: the engine's speed is not under test: the torch kernels spare a C++ build
     env = {"OMP_NUM_THREADS": "1", "KVMESH_CPU_KERNELS": "0"}
     with ThreadPoolExecutor(len(flags)) as pool:
@@ -160,7 +164,7 @@ def test_a_prefix_hit_on_the_decode_side_reads_fewer_blocks(cluster):
 
 
 def test_pinned_blocks_are_freed_after_the_timeout_when_nobody_reads_them(cluster):
-    pre2 = cluster["prefill2"]
+    pre2 = cluster["colocated"]
     params = prefill(pre2, words(60, 100), "xfer-unread")
     assert len(params["remote_block_ids"]) == 6
     # never read: the pin expires after pinned_timeout_s (1 s) and the pool is whole again
@@ -170,20 +174,6 @@ def test_pinned_blocks_are_freed_after_the_timeout_when_nobody_reads_them(cluste
     r = httpx.get(params["remote_bootstrap_addr"] + "/query",
                   params={"transfer_id": "xfer-unread"}, timeout=5)
     assert r.status_code == 404
-
-
-def test_a_killed_producer_makes_the_consumer_prefill_locally(cluster):
-    col, pre2, dec = cluster["colocated"], cluster["prefill2"], cluster["decode"]
-    prompt = words(70, 200)
-    params = prefill(pre2, prompt, "xfer-killed")
-    pre2.proc.send_signal(signal.SIGKILL)
-    pre2.proc.wait(10)
-    failures0 = metric(dec.url, "kvmesh:kv_transfer_failures_total")
-    computed0 = metric(dec.url, "kvmesh:prompt_tokens_computed_total")
-    assert decode(dec, prompt, params) == colocated(col, prompt)
-    assert metric(dec.url, "kvmesh:kv_transfer_failures_total") == failures0 + 1
-    assert metric(dec.url, "kvmesh:prompt_tokens_computed_total") - computed0 == 200
-    assert "reading its prompt KV failed; computing it here" in dec.log()
 
 
 def test_chat_carries_the_params_on_the_final_streamed_chunk(cluster):
@@ -212,7 +202,6 @@ def test_chat_carries_the_params_on_the_final_streamed_chunk(cluster):
     ("prefill", {"do_remote_prefill": True, "remote_engine_id": "p", "transfer_id": "t",
                  "remote_bootstrap_addr": "http://127.0.0.1:1"},
      "kv_transfer_params.do_remote_prefill"),
-    ("colocated", {"do_remote_decode": True}, "kv_transfer_params"),
     ("prefill", {"do_remote_decode": 1}, "kv_transfer_params.do_remote_decode"),
     ("prefill", {"remote_host": "h"}, "kv_transfer_params.remote_host"),
 ])
@@ -230,3 +219,17 @@ def test_several_prompts_with_one_hand_off_are_a_400(cluster):
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "kv_transfer_params"
 
+
+def test_a_killed_producer_makes_the_consumer_prefill_locally(cluster):
+    pre2, dec = cluster["colocated"], cluster["decode"]
+    prompt = words(70, 200)
+    expected = colocated(pre2, prompt)
+    params = prefill(pre2, prompt, "xfer-killed")
+    pre2.proc.send_signal(signal.SIGKILL)         # NOTE: last test: the fixture's "colocated"
+    pre2.proc.wait(10)
+    failures0 = metric(dec.url, "kvmesh:kv_transfer_failures_total")
+    computed0 = metric(dec.url, "kvmesh:prompt_tokens_computed_total")
+    assert decode(dec, prompt, params) == expected
+    assert metric(dec.url, "kvmesh:kv_transfer_failures_total") == failures0 + 1
+    assert metric(dec.url, "kvmesh:prompt_tokens_computed_total") - computed0 == 200
+    assert "reading its prompt KV failed; computing it here" in dec.log()

@@ -55,6 +55,7 @@ def kv_layout(kv_cache: torch.Tensor) -> KVLayout:
 
 
 class MooncakeConnector(KVConnector):
+    handoff = True
     def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor, block_size: int) -> None:
         if kv_cache.device.type != "cpu":
             # NOTE: the non-CUDA Mooncake build registers host memory only
