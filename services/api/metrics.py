@@ -191,6 +191,11 @@ class EngineMetrics(EngineObserver):
                               "KV blocks held for decode engines to read.", labels=labels)
         g.add_metric(values, float(s.pinned_blocks))
         yield g
+        handoff = getattr(self.engine.scheduler, "handoff", None)
+        c = CounterMetricFamily("kvmesh:kv_transfer_timeouts", "KV reads given up after "
+                                "transfer_timeout_s (the prompt was computed here).", labels=labels)
+        c.add_metric(values, float(handoff.num_timeouts if handoff is not None else 0))
+        yield c
         h = HistogramMetricFamily("kvmesh:kv_transfer_seconds", "Duration of each KV read "
                                   "(side-channel round trips included).", labels=labels)
         h.add_metric(values, self.transfer_seconds.buckets(), self.transfer_seconds.total)

@@ -197,7 +197,7 @@ class Scheduler:
     def poll_handoff(self, stats: SchedulerStats) -> None:
         """P/D: requests whose remote prompt KV arrived run (those whose read failed wait
         for a local prefill); pins read or timed out are freed. Also called while idle."""
-        polled = self.handoff.poll(stats)
+        polled = self.handoff.poll(stats, self.clock())
         for req in polled.ready:
             self._join(self.running, req)
         for req in polled.failed:

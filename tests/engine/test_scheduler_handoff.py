@@ -158,3 +158,19 @@ def test_an_aborted_producer_request_pins_nothing(harness):
     h.step()
     h.sched.abort_requests(["r0"])
     assert req.kv_transfer_result is None and h.kv.num_free_blocks == 64
+
+
+def test_a_read_past_its_deadline_is_given_up_and_computed_here(harness):
+    conn = Connector()
+    conn.load_timeout_s = 2.5
+    h = harness(kv_connector=conn, enable_prefix_caching=True)
+    req = h.add(10, max_tokens=1, kv_transfer_params=REMOTE)
+    assert plan(h.step()) == [] and plan(h.step()) == [] and plan(h.step()) == []   # t = 0, 1, 2
+    out = h.step()                                       # t = 3: past 2.5 s, computed here
+    assert plan(out) == [("r0", 0, 10, True)]
+    assert h.sched.handoff.num_timeouts == 1
+    assert req.is_finished and h.kv.num_free_blocks == 64 - 2   # the read's blocks stay parked
+    conn.end("r0", True)                                 # the read returns late: ignored, freed
+    h.sched.poll_handoff(h.step().stats)
+    assert h.kv.num_free_blocks == 64 and req.output_token_ids == [7]
+    h.kv.check_invariants([])

@@ -127,6 +127,7 @@ def test_a_long_prompt_through_the_pair_is_the_colocated_answer(cluster):
     assert metric(dec.url, "kvmesh:kv_transfer_bytes_total") == loaded // BLOCK * block_bytes
     assert metric(dec.url, "kvmesh:kv_transfer_seconds_count") == 1
     assert metric(dec.url, "kvmesh:kv_transfer_failures_total") == 0
+    assert metric(dec.url, "kvmesh:kv_transfer_timeouts_total") == 0
     # the producer's blocks are released once read: its pool is back where it started
     assert wait_until(lambda: metric(pre.url, "kvmesh:kv_transfer_pinned_blocks") == 0, 5)
     assert wait_until(lambda: metric(pre.url, "kvmesh:kv_cache_usage_perc") == 0, 5)

@@ -63,6 +63,8 @@ class MooncakeConnector(KVConnector):
                              "(CPU engines); a CUDA cache needs Mooncake's CUDA build or NIXL")
         self.config = config
         self.block_size = block_size
+        # the scheduler gives a read up after this long (the request is then computed here)
+        self.load_timeout_s = config.transfer_timeout_s
         self.layout = kv_layout(kv_cache)
         self._kv_cache = kv_cache                    # NOTE: keeps the registered memory alive
         self.transfer = MooncakeTransfer(config.kv_ip, config.protocol, config.device_name)

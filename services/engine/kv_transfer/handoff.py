@@ -42,6 +42,10 @@ class Handoff:
         self._num_parked = 0
         # NOTE: one read per request: a failed one is computed here, also after a preemption
         self._tried: set[str] = set()
+        # a read not ended after this long is given up: computed here (None: no bound)
+        self.timeout_s: float | None = getattr(connector, "load_timeout_s", None)
+        self._deadlines: dict[str, float] = {}    # request id -> when its read is given up
+        self.num_timeouts = 0
 
     def wants(self, req: Request) -> bool:
         """True when `req` waits for its prompt KV from another engine (first time only)."""
@@ -68,12 +72,15 @@ class Handoff:
             req.first_scheduled_time = now
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[req.request_id] = req
+        if self.timeout_s is not None:
+            self._deadlines[req.request_id] = now + self.timeout_s
         self.connector.start_load(req, kv.get_block_ids(req.request_id)[first:limit], first)
         return True
 
-    def poll(self, stats: SchedulerStats) -> PollResult:
+    def poll(self, stats: SchedulerStats, now: float) -> PollResult:
         """The reads that ended: ready requests (computed up to the read blocks) and failed
-        ones (blocks freed, to be computed here). Parked blocks of aborted reads are freed."""
+        ones (blocks freed, to be computed here). Parked blocks of aborted reads are freed;
+        reads past their deadline are given up (their requests fail, their blocks park)."""
         out = PollResult([], [])
         bs = self.kv.block_size
         for res in self.connector.finished_loads():
@@ -82,6 +89,7 @@ class Handoff:
                 self.kv.free(key)
                 continue
             req = self.loading.pop(res.request_id, None)
+            self._deadlines.pop(res.request_id, None)
             if req is None:
                 continue
             if res.ok:
@@ -96,9 +104,27 @@ class Handoff:
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
                 out.failed.append(req)
+        for rid in [r for r, t in self._deadlines.items() if t <= now]:
+            del self._deadlines[rid]
+            req = self.loading.pop(rid)
+            logger.warning("request %s: reading its prompt KV took over %.1f s; computing it "
+                           "here", rid, self.timeout_s)
+            self.num_timeouts += 1
+            self._park(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            out.failed.append(req)
         for key in self.connector.take_released():
             self.kv.free(key)
         return out
+
+    def _park(self, req: Request) -> None:
+        """Keep a request's blocks referenced under a key until its read ends (it may still
+        write into them); the request itself holds none after this."""
+        self._num_parked += 1
+        key = f"kv-transfer-parked:{self._num_parked}"
+        self.kv.pin(req, len(self.kv.block_table(req.request_id)), key)
+        self._parked[req.request_id] = key
 
     def finish(self, req: Request, status: RequestStatus) -> bool:
         """Blocks of a request finishing with `status`: True when they were parked or pinned
@@ -106,10 +132,8 @@ class Handoff:
         rid = req.request_id
         self._tried.discard(rid)
         if self.loading.pop(rid, None) is not None:
-            self._num_parked += 1
-            key = f"kv-transfer-parked:{self._num_parked}"
-            self.kv.pin(req, len(self.kv.block_table(rid)), key)
-            self._parked[rid] = key
+            self._deadlines.pop(rid, None)
+            self._park(req)
             return True
         kept = None
         if status != RequestStatus.FINISHED_ABORTED:
