@@ -25,6 +25,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5   # max_tokens or max_model_len
     FINISHED_ABORTED = 6
     WAITING_FOR_GRAMMAR = 7  # structured outputs: its grammar compiles; the scheduler skips it
+    WAITING_FOR_REMOTE_KV = 8  # P/D consumer: its prompt KV is being read from a prefill engine
 
     @property
     def finished(self) -> bool:
@@ -82,6 +83,9 @@ class Request:
     # prompt_logprobs: entry j is token j's (None for j = 0), filled chunk by chunk at prefill
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pool_state: object = None                # pooling.PoolState while a pooled prefill runs
+    # prefill/decode disaggregation: the kv_transfer_params its final output returns (set at
+    # finish by the kv-transfer connector; None: none)
+    kv_transfer_result: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
