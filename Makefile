@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-vllm install install-test redis tcmalloc bench clean install-gpu run-gpu
+.PHONY: run test test-vllm install install-test redis tcmalloc mooncake-libs bench clean install-gpu run-gpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 
 install: $(VENV)/.installed
 
-install-test: $(VENV)/.installed-test redis tcmalloc
+install-test: $(VENV)/.installed-test redis tcmalloc mooncake-libs
 
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -41,6 +41,14 @@ tcmalloc:
 	  echo "installing libtcmalloc-minimal4 via apt"; \
 	  (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null \
 	  || { echo "could not install libtcmalloc-minimal4 (need root and apt)"; exit 1; }; }
+
+# NOTE: Mooncake's transfer engine (the `pd` extra) links libibverbs even for its TCP transport.
+mooncake-libs:
+	@ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1 \
+	  && ldconfig -p | grep -q libnuma.so.1 || { \
+	  echo "installing libibverbs1 librdmacm1 libnuma1 via apt"; \
+	  (apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1) >/dev/null \
+	  || { echo "could not install libibverbs1 librdmacm1 libnuma1 (need root and apt)"; exit 1; }; }
 
 run: install
 	$(BIN)/kvmesh serve --host $(HOST) --port $(PORT)

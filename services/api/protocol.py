@@ -54,6 +54,8 @@ class _SamplingFields(StructuredFields):
     logit_bias: dict[str, float] | None = None
     # vLLM's extension: top-k logprobs of every prompt token (0: the prompt token's only)
     prompt_logprobs: int | None = Field(None, ge=0)
+    # vLLM's prefill/decode hand-off fields (engine/kv_transfer/params.py checks them)
+    kv_transfer_params: dict[str, Any] | None = None
     # accepted and ignored, as OpenAI ignores them for generation
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None, *, reexec: bool = False) -> int:
         zmq_events = kv_publishing.kv_events_config(args)
         config = dataclasses.replace(engine_config_from_args(args),
                                      enable_kv_events=bool(args.redis_url) or zmq_events is not None)
+        if args.kv_share and config.kv_transfer_config is not None:
+            raise ValueError("--kv-share and --kv-transfer-config cannot be combined: an engine "
+                             "has one KV connector")
         cache_salt_from = CacheSaltSource.parse(args.cache_salt_from)
         args.lora_module_paths = lora_module_paths(args, config)
         lora_resolver = FilesystemResolver.from_flag(args.lora_resolver_dir, (args.model or "",),

@@ -95,9 +95,12 @@ def _full_response(ctx: ServingContext, req: ChatCompletionRequest, request_id: 
         for choice in choices:
             choice["prompt_logprobs"] = field
     completion = sum(len(c.token_ids) for c in out.outputs)
-    return {"id": request_id, "object": "chat.completion", "created": now_s(),
+    body = {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion, out.num_cached_tokens)}
+    if out.kv_transfer_params is not None:
+        body["kv_transfer_params"] = out.kv_transfer_params
+    return body
 
 
 async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
@@ -108,11 +111,11 @@ async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request
     completion = [0] * req.n                # tokens so far, per choice
     deltas = [ChoiceDeltas(plan) for _ in range(req.n)]   # content, or content and tool calls
 
-    def chunk(index: int, delta: dict, logprobs, finish_reason) -> str:
+    def chunk(index: int, delta: dict, logprobs, finish_reason, kv_params=None) -> str:
         return sse_chunk(request_id, "chat.completion.chunk", created, ctx.model_name,
                          {"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason}, usage_opts,
-                         running_usage(prompt_len, completion[index]))
+                         running_usage(prompt_len, completion[index]), kv_params)
 
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""}, None, None)
@@ -134,7 +137,8 @@ async def _stream_parts(ctx: ServingContext, req: ChatCompletionRequest, request
                 yield chunk(c.index, delta, lps if k == 0 else None, None)
             if c.finished:
                 finished.add(c.index)
-                yield chunk(c.index, {}, None, deltas[c.index].finish_reason(c.finish_reason))
+                yield chunk(c.index, {}, None, deltas[c.index].finish_reason(c.finish_reason),
+                            out.kv_transfer_params)
         if out.finished:
             cached = out.num_cached_tokens
     if usage_opts.include:

@@ -19,6 +19,7 @@ from kvmesh.common.openai_errors import error_body
 from kvmesh.engine.async_engine import (AsyncLLMEngine, ClientTooSlowError, EngineDeadError,
                                         RequestStream)
 from kvmesh.engine.input_processor import InputProcessor
+from kvmesh.engine.kv_transfer.params import parse_kv_transfer_params
 from kvmesh.engine.limits import RequestLimits
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.lora.request import LoRARequest
@@ -118,6 +119,10 @@ def checked_params(ctx: ServingContext, req: _SamplingFields, max_tokens: int | 
     field name: `names` maps SamplingParams fields to it (chat's `top_logprobs`). `structured`:
     the output constraint (structured_spec, or the tools') and the field it came from."""
     params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+    try:
+        params.kv_transfer_params = parse_kv_transfer_params(req.kv_transfer_params)
+    except ValueError as e:
+        raise bad_request(str(e), param=getattr(e, "param", "kv_transfer_params")) from None
     if structured is not None:
         params.structured_outputs = structured[0]
         names = {**(names or {}), "structured_outputs": structured[1]}
@@ -282,13 +287,17 @@ class UsageOptions:
 
 
 def sse_chunk(request_id: str, obj: str, created: int, model: str, choice: dict[str, Any],
-              usage_opts: UsageOptions, usage_so_far: dict[str, Any] | None = None) -> str:
+              usage_opts: UsageOptions, usage_so_far: dict[str, Any] | None = None,
+              kv_transfer_params: dict[str, Any] | None = None) -> str:
     """One streamed chunk with one choice. When the client asked for usage, `usage` is null on
-    every chunk but the last (OpenAI), or the usage so far with continuous_usage_stats (vLLM)."""
+    every chunk but the last (OpenAI), or the usage so far with continuous_usage_stats (vLLM).
+    `kv_transfer_params`: the finished request's (vLLM puts them on its last chunk)."""
     body = {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice]}
     if usage_opts.include:
         body["usage"] = usage_so_far if usage_opts.continuous else None
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     return sse(body)
 
 

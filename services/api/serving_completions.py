@@ -28,6 +28,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     if len(prompts) > limit:
         raise bad_request(f"at most {limit} prompts are allowed in one request, got "
                           f"{len(prompts)}", param="prompt")
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise bad_request("kv_transfer_params names one hand-off: send one prompt per request",
+                          param="kv_transfer_params")
     ctx.engine.check_capacity(len(prompts))
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and ctx.limits.max_tokens:
@@ -109,9 +112,13 @@ def _full_response(ctx: ServingContext, req: CompletionRequest, request_id: str,
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs_field(ctx, req, out)
             choices.append(choice)
-    return {"id": request_id, "object": "text_completion", "created": now_s(),
+    body = {"id": request_id, "object": "text_completion", "created": now_s(),
             "model": ctx.model_name, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens, cached)}
+    kv_params = [o.kv_transfer_params for o in outs if o.kv_transfer_params is not None]
+    if kv_params:
+        body["kv_transfer_params"] = kv_params[0]     # NOTE: one prompt only (checked above)
+    return body
 
 
 async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id: str,
@@ -125,11 +132,11 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
     completion: dict[int, int] = {}            # tokens so far, per choice index
     cached = 0
 
-    def chunk(p: int, index: int, text: str, logprobs, finish_reason) -> str:
+    def chunk(p: int, index: int, text: str, logprobs, finish_reason, kv_params=None) -> str:
         return sse_chunk(request_id, "text_completion", created, ctx.model_name,
                          {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": finish_reason}, usage_opts,
-                         running_usage(prompt_lens[p], completion.get(index, 0)))
+                         running_usage(prompt_lens[p], completion.get(index, 0)), kv_params)
 
     async for p, out in merge_streams(gens):
         for c in out.outputs:
@@ -157,7 +164,8 @@ async def _stream_parts(ctx: ServingContext, req: CompletionRequest, request_id:
                 finished.add(index)
             if text or lps or c.finished:
                 yield chunk(p, index, text, lps,
-                            ("length" if req.echo_only else c.finish_reason) if c.finished else None)
+                            ("length" if req.echo_only else c.finish_reason) if c.finished else None,
+                            out.kv_transfer_params if c.finished else None)
         if out.finished:
             cached += out.num_cached_tokens
     if usage_opts.include:

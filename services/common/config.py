@@ -6,6 +6,7 @@ import difflib
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from kvmesh.common.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvmesh.common.speculative_config import SpeculativeConfig, parse_speculative_config
 
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
@@ -69,12 +70,16 @@ class EngineConfig:
     swap_bytes_per_s: float = 4e9
     # speculative decoding (vLLM's --speculative-config: JSON text or a mapping); None: off
     speculative_config: SpeculativeConfig | None = None
+    # prefill/decode disaggregation (vLLM's --kv-transfer-config: JSON text or a mapping); None: off
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model == "":
             object.__setattr__(self, "model", None)   # "" (e.g. from a manifest) = the built-in model
         object.__setattr__(self, "speculative_config",
                            parse_speculative_config(self.speculative_config))
+        object.__setattr__(self, "kv_transfer_config",
+                           parse_kv_transfer_config(self.kv_transfer_config))
 
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -117,6 +122,8 @@ class EngineConfig:
              f"cpu_threads must be >= 1, got {self.cpu_threads}")
         need(self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
+             "--kv-transfer-config needs --tensor-parallel-size 1")
         if self.enable_lora:
             need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
             need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
@@ -248,6 +255,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_max": 4}\' (keys: method, num_speculative_tokens, prompt_lookup_min, '
               'prompt_lookup_max, model, disable_by_batch_size)')
+    flag("--kv-transfer-config", metavar="JSON",
+         help='prefill/decode disaggregation, e.g. \'{"kv_connector": "MooncakeConnector", '
+              '"kv_role": "kv_producer"}\' (keys: kv_connector, kv_role (kv_producer | '
+              'kv_consumer | kv_both), engine_id, kv_ip, kv_port, kv_connector_extra_config); '
+              'see docs/DISAGGREGATION.md')
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -208,7 +208,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len,
                                    self.block_bytes, kv_connector=self.kv_share,
                                    structured=self.structured)
-        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len)
+        kt = self.config.kv_transfer_config
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len,
+                                              kv_role=None if kt is None else kt.kv_role)
         if self.lora is not None:
             sched = self.scheduler
             self.lora.in_use = lambda: {r.lora_request.lora_int_id for r in sched.requests.values()

@@ -44,8 +44,10 @@ class InputProcessor:
     """Tokenizes prompts and validates requests against one engine's limits."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, max_model_len: int,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, kv_role: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # --kv-transfer-config's kv_role (None: off): which kv_transfer_params it can honour
+        self.kv_role = kv_role
         self.vocab_size = vocab_size          # the model's: prompt token ids must index its embedding
         self.max_model_len = max_model_len    # a prompt must leave room for one generated token
         # the deployment's bounds (kvmesh serve's --max-* flags); the defaults elsewhere
@@ -95,6 +97,26 @@ class InputProcessor:
         yield ("logit_bias", not outside,
                f"logit_bias token ids must be in the vocabulary [0, {self.vocab_size}), got "
                f"{min(outside, default=0)}")
+        yield from self._kv_transfer_checks(p)
+
+    def _kv_transfer_checks(self, p: SamplingParams):
+        kt = p.kv_transfer_params
+        if kt is None:
+            return
+        yield ("kv_transfer_params", self.kv_role is not None,
+               "kv_transfer_params needs a server started with --kv-transfer-config")
+        role = self.kv_role or ""
+        yield ("kv_transfer_params.do_remote_decode",
+               not kt.do_remote_decode or role in ("kv_producer", "kv_both"),
+               f"kv_transfer_params.do_remote_decode needs kv_role kv_producer or kv_both; "
+               f"this server is {role}")
+        yield ("kv_transfer_params.do_remote_prefill",
+               not kt.do_remote_prefill or role in ("kv_consumer", "kv_both"),
+               f"kv_transfer_params.do_remote_prefill needs kv_role kv_consumer or kv_both; "
+               f"this server is {role}")
+        yield ("kv_transfer_params", not (kt.do_remote_decode or kt.do_remote_prefill)
+               or p.prompt_logprobs is None,
+               "kv_transfer_params: prompt_logprobs need the prompt computed here; leave it out")
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text or token-id prompt; ValueError if it is empty or

@@ -201,4 +201,5 @@ class OutputProcessor:
                 metrics["first_token_time"] = first.first_token_time
         return RequestOutput(group.request_id, group.prompt, first.prompt_token_ids, completions,
                              group.finished, max(first.num_cached_tokens, 0), metrics,
-                             prompt_logprobs=first.prompt_logprobs)
+                             prompt_logprobs=first.prompt_logprobs,
+                             kv_transfer_params=first.kv_transfer_result if final else None)

@@ -50,3 +50,6 @@ class RequestOutput:
     # complete once its prefill is (shared, not copied, by every output)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None   # an embeddings request's pooled vector
+    # final output only: what the other engine of a prefill/decode pair needs (vLLM's
+    # kv_transfer_params: the producer's block ids and bootstrap address); None: nothing
+    kv_transfer_params: dict | None = None

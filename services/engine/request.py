@@ -82,6 +82,9 @@ class Request:
     # prompt_logprobs: entry j is token j's (None for j = 0), filled chunk by chunk at prefill
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pool_state: object = None                # pooling.PoolState while a pooled prefill runs
+    # prefill/decode disaggregation: the kv_transfer_params its final output returns (set at
+    # finish by the kv-transfer connector; None: none)
+    kv_transfer_result: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

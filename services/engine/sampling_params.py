@@ -3,9 +3,13 @@ input processor validates its own copy again (a caller may change the fields aft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.engine.limits import SEED_MAX, SEED_MIN, TOP_K_MAX
 from kvmesh.engine.structured.spec import StructuredOutputSpec
+
+if TYPE_CHECKING:
+    from kvmesh.engine.kv_transfer.params import KVTransferParams
 
 _GREEDY_EPS = 1e-5
 
@@ -46,6 +50,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputSpec | None = None   # constrain the output (xgrammar)
+    # prefill/decode disaggregation (vLLM's kv_transfer_params, kv_transfer/params.py); None: none
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +112,8 @@ class SamplingParams:
         yield ("seed", self.seed is None or (_is_int(self.seed)
                                              and SEED_MIN <= self.seed <= SEED_MAX),
                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        yield ("kv_transfer_params", self.kv_transfer_params is None or self.n == 1,
+               f"kv_transfer_params needs n = 1, got n = {self.n}")
 
     @property
     def greedy(self) -> bool:
