@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 from processes import free_port
 
 _HOP = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
@@ -27,9 +29,6 @@ class Exchange:
 
 def relay_app(target: str, exchanges: list[Exchange]):
     """An ASGI app forwarding everything to `target` (a base URL)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response, StreamingResponse
-
     app = FastAPI()
     client = httpx.AsyncClient(base_url=target, timeout=httpx.Timeout(None))
 
