@@ -87,7 +87,7 @@ def test_full_example_parses_every_field() -> None:
 
 
 @pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml", "vllm.yaml", "inference-pool.yaml",
-                                     "s3-model.yaml"])
+                                     "s3-model.yaml", "disaggregated.yaml"])
 def test_good_examples_pass_the_crd_schema(example: str) -> None:
     assert _schema_errors(load_example(example)) == []
 

@@ -91,6 +91,15 @@ def test_the_router_runs_in_pd_mode_on_both_roles_services():
     assert (cfg.prefill_discover, cfg.decode_discover, cfg.disaggregated) == ("pd-prefill", "pd-decode", True)
 
 
+def test_the_example_parses_and_passes_every_cel_rule():
+    from .examples import load_example
+    from .test_crd_cel import _cr, failures
+    spec = load_example("disaggregated.yaml")["spec"]
+    d = crd.parse("smol-pd", "default", spec).disaggregation
+    assert (d.prefill.replicas, d.decode.autoscaling.enabled, d.decode.autoscaling.max_replicas) == (1, True, 8)
+    assert failures(_cr(spec)) == []
+
+
 def test_rdma_reaches_the_kv_transfer_config():
     svc = _svc({"model": {}, "disaggregation": {"protocol": "rdma", "deviceName": "mlx5_0,mlx5_1"}})
     assert D.kv_transfer_config(svc, svc.disaggregation.decode)["kv_connector_extra_config"] == {
