@@ -51,6 +51,15 @@ SPEC_COUNTERS = {
 }
 SPEC_PER_POS = ("spec_decode_num_accepted_tokens_per_pos",
                 "Accepted draft tokens by their position in the draft (0 = the first).")
+# --kv-transfer-config (prefill/decode disaggregation), exported only when it is on
+KV_TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                               5.0, 10.0, 30.0)
+KV_TRANSFER_COUNTERS = {  # name -> (KVTransferStats field, help)
+    "kv_transfer_bytes": ("bytes_read", "KV bytes read from prefill engines."),
+    "kv_transfer_failures": ("failures", "KV reads that failed (the prompt was computed here)."),
+    "kv_transfer_pin_timeouts": ("pin_timeouts", "Pinned prompts freed unread after their timeout."),
+    "kv_transfer_pins_released": ("pins_released", "Pinned prompts freed once read."),
+}
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Arrival to first token.", TTFT_BUCKETS),
     "inter_token_latency_seconds": ("Time between consecutive tokens of a request.", ITL_BUCKETS),
@@ -100,7 +109,14 @@ class EngineMetrics(EngineObserver):
                       # --kv-share: requests that waited for their cross-pod KV prefetch, and
                       # those whose wait ran out (the store's own counters: kvmesh.index.metrics)
                       "kvmesh:kv_share_prefetch_waits": 0.0,
-                      "kvmesh:kv_share_prefetch_timeouts": 0.0}
+                      "kvmesh:kv_share_prefetch_timeouts": 0.0,
+                      # prompt tokens run through the model (not cache hits, not transferred KV)
+                      "kvmesh:prompt_tokens_computed": 0.0}
+        # --kv-transfer-config: each read's duration (the connector calls on its thread)
+        self.kv_transfer = getattr(engine, "kv_transfer", None)
+        self.transfer_seconds = _Histogram(KV_TRANSFER_SECONDS_BUCKETS)
+        if self.kv_transfer is not None:
+            self.kv_transfer.transfer_listeners.append(self._on_transfer)
         self._last_token: dict[str, float] = {}
         self.spec_enabled = (engine is not None
                              and engine.config.speculative_config is not None)
@@ -128,6 +144,7 @@ class EngineMetrics(EngineObserver):
             self.extra["kvmesh:requests_swapped_in"] += s.num_swapped_in
             self.extra["kvmesh:kv_share_prefetch_waits"] += s.remote_kv_waits
             self.extra["kvmesh:kv_share_prefetch_timeouts"] += s.remote_kv_timeouts
+            self.extra["kvmesh:prompt_tokens_computed"] += s.num_prompt_tokens_computed
             if s.spec_num_drafts:
                 self._on_spec(s)
             for out in outputs:
@@ -172,6 +189,30 @@ class EngineMetrics(EngineObserver):
             for c in out.outputs:
                 reason = c.finish_reason or "abort"
                 self.success[reason] = self.success.get(reason, 0.0) + 1
+
+    def _on_transfer(self, t) -> None:
+        with self._lock:
+            self.transfer_seconds.observe(t.seconds)
+
+    def _kv_transfer_families(self, labels: list[str], values: list[str]):
+        s = self.kv_transfer.transfer_stats()
+        for name, (field_name, help_) in KV_TRANSFER_COUNTERS.items():
+            c = CounterMetricFamily(f"kvmesh:{name}", help_, labels=labels)
+            c.add_metric(values, float(getattr(s, field_name)))
+            yield c
+        g = GaugeMetricFamily("kvmesh:kv_transfer_pinned_blocks",
+                              "KV blocks held for decode engines to read.", labels=labels)
+        g.add_metric(values, float(s.pinned_blocks))
+        yield g
+        handoff = getattr(self.engine.scheduler, "handoff", None)
+        c = CounterMetricFamily("kvmesh:kv_transfer_timeouts", "KV reads given up after "
+                                "transfer_timeout_s (the prompt was computed here).", labels=labels)
+        c.add_metric(values, float(handoff.num_timeouts if handoff is not None else 0))
+        yield c
+        h = HistogramMetricFamily("kvmesh:kv_transfer_seconds", "Duration of each KV read "
+                                  "(side-channel round trips included).", labels=labels)
+        h.add_metric(values, self.transfer_seconds.buckets(), self.transfer_seconds.total)
+        yield h
 
     def on_request_aborted(self, request_id: str) -> None:
         """An unfinished request was aborted (client disconnect, shutdown): it produces no final
@@ -277,6 +318,8 @@ class EngineMetrics(EngineObserver):
                 yield from self.lora.families(self.model_name)
             if self.startup is not None:
                 yield self._startup_phases(labels, values)
+            if self.kv_transfer is not None:
+                yield from self._kv_transfer_families(labels, values)
 
     def _startup_phases(self, labels: list[str], values: list[str]) -> GaugeMetricFamily:
         g = GaugeMetricFamily("kvmesh:startup_phase_seconds", "Seconds of each start-up phase "

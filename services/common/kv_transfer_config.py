@@ -21,7 +21,7 @@ PROTOCOLS = ("tcp", "rdma")
 EXTRA_KEYS = ("mooncake_protocol", "device_name", "pinned_timeout_s", "transfer_timeout_s")
 DEFAULT_BOOTSTRAP_PORT = 8998        # vLLM's Mooncake bootstrap port
 DEFAULT_PINNED_TIMEOUT_S = 30.0      # a producer frees blocks nobody read after this long
-DEFAULT_TRANSFER_TIMEOUT_S = 10.0    # a consumer falls back to a local prefill after this long
+DEFAULT_TRANSFER_TIMEOUT_S = 10.0    # a consumer gives a read up (local prefill) after this long
 
 
 @dataclass(frozen=True, slots=True)

@@ -326,6 +326,7 @@ class AsyncLLMEngine:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
                     self.engine.check_health()    # a worker process may die while idle
+                    self.engine.poll_kv_transfers()   # P/D: pins read or timed out are freed
                     self._wakeup.wait(0.5)
                     continue
                 # NOTE: step() has told its observers before any client sees an output, so once

@@ -39,6 +39,7 @@ from kvmesh.common.kv_events import KVEventBatch
 from kvmesh.kernels.linear import packed_copy_bytes
 
 if TYPE_CHECKING:
+    from kvmesh.engine.kv_transfer.connector import MooncakeConnector
     from kvmesh.engine.parallel.executor import TPExecutor
 
 logger = logging.getLogger("kvmesh.engine")
@@ -55,6 +56,8 @@ class LLMEngine:
         `kvmesh.index.kv_bytes.redis_kv_connector(url)`); None: no cross-pod KV bytes."""
         self.executor: "TPExecutor | None" = None   # tensor parallelism: the worker processes
         self.kv_share: KVConnector | None = None
+        # --kv-transfer-config: the prefill/decode hand-off (kv_transfer/connector.py)
+        self.kv_transfer: MooncakeConnector | None = None
         try:
             self._init(config, loaded, kv_connector)
         except BaseException:
@@ -71,6 +74,7 @@ class LLMEngine:
         num_gpu_blocks, num_cpu_blocks = self._size_kv_cache()
         self.kv_share = self._build_connector(kv_connector)
         self._build_cache_and_runner(num_gpu_blocks, num_cpu_blocks)
+        self.kv_transfer = self._build_kv_transfer()
         self._build_scheduler_and_processors()
         self.last_stats = SchedulerStats()
         self.num_steps = 0
@@ -197,6 +201,19 @@ class LLMEngine:
         return factory(KVConnectorContext(model_fingerprint(self.loaded.model, repr(mc)),
                                           str(self.loaded.dtype).removeprefix("torch."), layout))
 
+    def _build_kv_transfer(self) -> "MooncakeConnector | None":
+        """--kv-transfer-config: the connector that registers the runner's cache with Mooncake."""
+        kt = self.config.kv_transfer_config
+        if kt is None:
+            return None
+        from kvmesh.engine.kv_transfer.connector import MooncakeConnector  # noqa: PLC0415
+        return MooncakeConnector(kt, self.runner.kv_cache, self.config.block_size)
+
+    def poll_kv_transfers(self) -> None:
+        """While idle: free the pinned blocks that were read or timed out (a step does it too)."""
+        if self.kv_transfer is not None:
+            self.scheduler.poll_handoff(SchedulerStats())
+
     def _build_scheduler_and_processors(self) -> None:
         """The scheduler with what it consults (structured outputs, the connector), the input
         processor before it and the output processor after it."""
@@ -206,7 +223,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer.hf, vocab_size,
                                                   self.eos_token_ids)
         self.scheduler = Scheduler(self.config, self.kv_manager, self.max_model_len,
-                                   self.block_bytes, kv_connector=self.kv_share,
+                                   self.block_bytes, kv_connector=self.kv_share or self.kv_transfer,
                                    structured=self.structured)
         kt = self.config.kv_transfer_config
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len,
@@ -224,10 +241,12 @@ class LLMEngine:
             self.executor.check()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any; idempotent. A single-rank engine holds no
-        process or thread of its own."""
+        """Stop the tensor-parallel workers and the KV-transfer threads, if any; idempotent.
+        A single-rank engine without them holds no process or thread of its own."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     def _num_gpu_blocks(self) -> int:
         cfg = self.config

@@ -110,10 +110,12 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(self, request, num_new_tokens: int, new_computed_blocks: Iterable[int] = (),
-                       num_new_computed_tokens: int = 0) -> list[int] | None:
+                       num_new_computed_tokens: int = 0, cache: bool = True) -> list[int] | None:
         """Grow the request's table to hold num_computed + num_new_computed + num_new_tokens
         tokens. Returns the newly allocated block ids (copy-on-write targets first), or None,
-        with no state change, when the pool cannot supply them."""
+        with no state change, when the pool cannot supply them. `cache` False: the new full
+        blocks join the prefix cache only at a later allocation (their KV is still on its way
+        from another engine: nobody may hit them before it lands)."""
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
         rid = request.request_id
@@ -179,7 +181,7 @@ class KVCacheManager:
             table.extend(b.block_id for b in new_blocks[len(cow):])
         if is_new:
             self._tables[rid] = table
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, table, min(total, request.num_tokens) // bs)
         return [b.block_id for b in new_blocks]
 
@@ -230,6 +232,21 @@ class KVCacheManager:
         cpu = self._cpu_tables.pop(rid, None)
         if cpu:
             self._cpu_free.extend(cpu)
+
+    def pin(self, request, num_blocks: int, key: str) -> list[int]:
+        """Keep the first `num_blocks` of the request's table referenced under `key` (another
+        engine will read them) and free the rest; `free(key)` releases them. Returns their ids."""
+        rid = _rid(request)
+        assert key not in self._tables, f"table key {key!r} is in use"
+        self._num_cached.pop(rid, None)
+        table = self._tables.pop(rid, [])
+        kept, rest = table[:num_blocks], table[num_blocks:]
+        if rest:
+            blocks = self.pool.blocks
+            self.pool.free_blocks([blocks[i] for i in reversed(rest)])
+        if kept:
+            self._tables[key] = kept
+        return kept
 
     def fork(self, parent, child) -> None:
         """The child shares every block of the parent (n > 1 samples); writes trigger CoW."""

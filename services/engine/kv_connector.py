@@ -7,6 +7,15 @@
                                   pass: wants(h) / save(h, bytes) for each completed prompt block
     its owner, when done ─────▶ connector.close()
 
+Prefill/decode disaggregation (`--kv-transfer-config`, kvmesh.engine.kv_transfer) adds the
+hooks of a hand-off between two engines (vLLM's connector names in brackets), all no-ops here:
+
+    Scheduler._schedule_waiting ▶ wants_remote_prefill(req) [get_num_new_matched_tokens]
+                                  start_load(req, block ids, first block)  read in the background
+    Scheduler.schedule ────────▶ finished_loads() / take_released()   what arrived, pins to free
+    Scheduler._finish ─────────▶ request_finished(req, block ids) [request_finished]: keep the
+                                  prompt's blocks for a remote reader, and the response's params
+
 Both sides key blocks by the chained block hash, which pins the whole prefix (cache salt
 included), so bytes found under a hash are exactly what this engine would compute. Today's one
 implementation is the Redis KV-bytes store (kvmesh.index.kv_bytes, `--kv-share redis`). The
@@ -25,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvmesh.engine.request import Request
     from kvmesh.engine.sched_output import ScheduledRequest
 
 
@@ -44,6 +54,9 @@ class KVConnectorStats:
 
 class KVConnector(ABC):
     """A store of full KV blocks shared between engines, keyed by chained block hash."""
+
+    # True for a prefill/decode hand-off connector: the scheduler then calls the hooks below
+    handoff: bool = False
 
     @abstractmethod
     def prefetch(self, req_id: str, block_hashes: list[bytes]) -> None:
@@ -91,6 +104,29 @@ class KVConnector(ABC):
                 if self.wants(h):
                     self.save(h, read_block(sr.block_ids[i]))
 
+    # ---- prefill/decode hand-off (kv_transfer/connector.py); nothing to do for a store -----
+    def wants_remote_prefill(self, req: Request) -> bool:
+        """True when `req`'s prompt KV is to be read from a remote engine before it runs."""
+        return False
+
+    def start_load(self, req: Request, block_ids: list[int], first_block: int) -> None:
+        """Read prompt blocks first_block.. of `req` into `block_ids` (allocated, not yet in the
+        prefix cache) off the step thread; finished_loads() reports the outcome. With no
+        block ids (the prefix cache holds them all) it only tells the remote side it is done."""
+
+    def finished_loads(self) -> list[LoadResult]:
+        """The loads that ended since the last call (each reported once)."""
+        return []
+
+    def take_released(self) -> list[str]:
+        """KV-manager table keys of pinned blocks to free now (read, or timed out)."""
+        return []
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> FinishedTransfer | None:
+        """`req` finished (not aborted) holding `block_ids`: a FinishedTransfer keeps its first
+        blocks under a new table key for a remote reader; None frees them as usual."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Stop background work and release connections."""
@@ -98,6 +134,22 @@ class KVConnector(ABC):
     def stats(self) -> KVConnectorStats:
         """Counters since start (read from any thread, e.g. a /metrics scrape)."""
         return KVConnectorStats()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """How one remote read ended (the consumer side of a hand-off)."""
+    request_id: str
+    ok: bool                # False: the request computes its prompt here instead
+    num_blocks: int         # blocks read (0 when it failed)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedTransfer:
+    """What a finished producer request leaves behind (the producer side of a hand-off)."""
+    key: str                # the KV manager's table key that keeps the blocks referenced
+    num_blocks: int         # the table's first blocks kept: the prompt's full blocks
+    params: dict            # the response's kv_transfer_params
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5   # max_tokens or max_model_len
     FINISHED_ABORTED = 6
     WAITING_FOR_GRAMMAR = 7  # structured outputs: its grammar compiles; the scheduler skips it
+    WAITING_FOR_REMOTE_KV = 8  # P/D consumer: its prompt KV is being read from a prefill engine
 
     @property
     def finished(self) -> bool:

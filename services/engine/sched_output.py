@@ -53,7 +53,9 @@ class SchedulerStats:
     cow_copies: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
-    external_hit_tokens: int = 0       # prompt tokens whose KV was loaded from another pod (kv-share)
+    external_hit_tokens: int = 0       # prompt tokens whose KV was loaded from another pod (kv-share, P/D)
+    # prompt tokens run through the model (not prefix-cache hits, not loaded KV)
+    num_prompt_tokens_computed: int = 0
     remote_kv_waits: int = 0           # requests that began waiting for their KV prefetch
     remote_kv_timeouts: int = 0        # ... and whose wait ran out with the fetch still in flight
     kv_usage: float = 0.0

@@ -14,6 +14,7 @@ from kvmesh.common.block_hash import BlockHasher
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.kv_connector import KVConnector
+from kvmesh.engine.kv_transfer.handoff import Handoff
 from kvmesh.engine.sched_policy import Policy, make_policy
 from kvmesh.engine.request import FINISHED_STATUSES as _FINISHED, Logprob, Request, RequestStatus
 from kvmesh.engine.sched_output import (ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
@@ -50,6 +51,9 @@ def _count_scheduled(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> 
         if not sr.sample:
             stats.num_chunked_prefills += sign
     stats.num_scheduled_tokens += sign * sr.num_tokens
+    prompt_left = sr.request.num_prompt_tokens - sr.start
+    if prompt_left > 0:
+        stats.num_prompt_tokens_computed += sign * min(prompt_left, sr.num_tokens)
 
 
 class Scheduler:
@@ -104,6 +108,9 @@ class Scheduler:
         # --speculative-config: drafts for decodes, and what their verification accepted
         self.speculator: Speculator | None = (
             Speculator(config.speculative_config) if config.speculative_config else None)
+        # --kv-transfer-config: prompts read from a prefill engine, prompts kept for a decode one
+        self.handoff: Handoff | None = (Handoff(kv, kv_connector)
+                                        if getattr(kv_connector, "handoff", False) else None)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,7 +162,8 @@ class Scheduler:
             for siblings in self.pending_forks.values():
                 if req in siblings:
                     siblings.remove(req)
-        self.kv.free(req)
+        if self.handoff is None or not self.handoff.finish(req, status):
+            self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)
         self._records.pop(req.request_id, None)
@@ -175,6 +183,8 @@ class Scheduler:
         st = StepState(self.step_id, now, lambda r: self.policy.key(r, now), self.token_budget,
                        SchedulerStats(step=self.step_id, policy=self.policy.name,
                                       token_budget=self.token_budget))
+        if self.handoff is not None:
+            self.poll_handoff(st.stats)
         self._schedule_running(st)
         self._schedule_swapped(st)
         self._schedule_waiting(st)
@@ -183,6 +193,15 @@ class Scheduler:
         if self.structured is not None:
             out.grammar = self.structured.bitmask(out)
         return out
+
+    def poll_handoff(self, stats: SchedulerStats) -> None:
+        """P/D: requests whose remote prompt KV arrived run (those whose read failed wait
+        for a local prefill); pins read or timed out are freed. Also called while idle."""
+        polled = self.handoff.poll(stats, self.clock())
+        for req in polled.ready:
+            self._join(self.running, req)
+        for req in polled.failed:
+            self._join(self.waiting, req)
 
     def _schedule_running(self, st: StepState) -> None:
         """1) Running requests, best first. When blocks run out, the worst running request is
@@ -306,6 +325,13 @@ class Scheduler:
             if self._never_fits(req.num_tokens):
                 self._finish_too_long(req)
                 continue
+            if self.handoff is not None and self.handoff.wants(req):
+                started = self.handoff.start(req, st.now)
+                if started is None:
+                    break         # no blocks for its remote prompt now, as _admit failing
+                if started:
+                    self.waiting.pop(idx)    # NOTE: vLLM's WAITING_FOR_REMOTE_KVS, off the queue
+                    continue
             if self._awaiting_remote_kv(req, st.stats):
                 idx += 1          # NOTE: vLLM's WAITING_FOR_REMOTE_KVS: skipped, not blocking
                 continue
@@ -642,6 +668,7 @@ class Scheduler:
         self._add_block_counters(stats)
         stats.kv_usage = self.kv.usage
         stats.num_running = len(self.running)
-        stats.num_waiting = len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
+        stats.num_waiting = (len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
+                             + (len(self.handoff.loading) if self.handoff is not None else 0))
         stats.num_swapped = len(self.swapped)
 

@@ -14,6 +14,7 @@ them in the background.
     <HTTP server span>               (services/api/app.py; honours an incoming traceparent)
       kvmesh.request                 arrival -> finish; GenAI attributes; events preempted / swapped_in
         kvmesh.queue                 arrival -> first scheduled
+        kvmesh.kv_transfer           P/D consumer: the read of its prompt KV from a prefill engine
         kvmesh.prefill               one per prefill chunk (recomputes too); links to its step
         kvmesh.decode                first token -> finish; links to the steps that decoded it
 
@@ -24,6 +25,7 @@ nanoseconds with one offset taken when the tracer is made.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -78,14 +80,20 @@ class EngineTracer(EngineObserver):
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._requests: dict[str, _RequestTrace] = {}      # user request id -> trace
         self._samples: dict[str, _RequestTrace] = {}       # sample request id -> trace
+        # --kv-transfer-config: reads finished on the loader thread, spanned on the next step
+        self._transfers: deque = deque(maxlen=1024)
 
     # ---- wiring --------------------------------------------------------------------------
     def attach(self, engine: LLMEngine) -> EngineTracer:
         engine.add_observer(self)
+        if getattr(engine, "kv_transfer", None) is not None:
+            engine.kv_transfer.transfer_listeners.append(self._transfers.append)
         return self
 
     def detach(self, engine: LLMEngine) -> None:
         engine.remove_observer(self)
+        if getattr(engine, "kv_transfer", None) is not None:
+            engine.kv_transfer.transfer_listeners.remove(self._transfers.append)
 
     def now_ns(self) -> int:
         return time.monotonic_ns() + self._offset_ns
@@ -137,6 +145,8 @@ class EngineTracer(EngineObserver):
         end = self._wall_ns(report.t_end)
         step_ctx = self._emit_step(sched.stats, report)
         step = sched.stats.step
+        while self._transfers:
+            self._emit_transfer(self._transfers.popleft())
         for sr in sched.scheduled:
             req = sr.request
             rt = self._samples.get(req.request_id)
@@ -212,6 +222,21 @@ class EngineTracer(EngineObserver):
         return span.get_span_context()
 
     # ---- finish --------------------------------------------------------------------------
+    def _emit_transfer(self, t) -> None:
+        """One kvmesh.kv_transfer span (a kv_transfer.loader.Transfer) under its request."""
+        rt = self._samples.get(t.request_id)
+        if rt is None:
+            return                                      # finished or aborted meanwhile
+        start = int(t.start * 1e9)
+        attrs: dict[str, object] = {"kvmesh.kv_transfer.transfer_id": t.transfer_id,
+                                    "kvmesh.kv_transfer.ok": t.ok,
+                                    "kvmesh.kv_transfer.num_blocks": t.num_blocks,
+                                    "kvmesh.kv_transfer.bytes": t.num_bytes}
+        if t.error:
+            attrs["kvmesh.kv_transfer.error"] = t.error
+        self.tracer.start_span("kvmesh.kv_transfer", context=rt.ctx, start_time=start,
+                               attributes=attrs).end(end_time=start + int(t.seconds * 1e9))
+
     def _finish(self, request_id: str, rt: _RequestTrace, end: int) -> None:
         del self._requests[request_id]
         for s in rt.samples:
