@@ -35,8 +35,13 @@ from .router_fixtures import MODEL, _spawn, _wait_ready, metric_sum, scrape
 pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = ("--num-kv-blocks", "96", "--max-model-len", "512", "--max-num-seqs", "4")
-PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
-           "def fibonacci(n):"]
+# NOTE: several full KV blocks each (16 tokens a block), so the decode engine has blocks to read
+PROMPTS = ["The capital of France is a city on the Seine with many museums, bridges, cafes and old "
+           "streets; visitors walk along the river and look at the cathedral. Its name is",
+           "Once upon a time, in a small village between two mountains, there lived an old baker who "
+           "woke up before dawn every day to light his oven and knead the bread. One morning",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively with two "
+           "running values so that it takes linear time and constant memory.\"\"\"\n"]
 MAX_TOKENS = 12
 
 # the process SIGKILLs itself at its first forward once the trigger file exists
@@ -146,7 +151,6 @@ def _wait_healthy(pd, router: str, *urls: str) -> None:
 def test_each_request_is_prefilled_on_one_engine_and_decoded_on_another(pd):
     relays = pd["relays"]
     _wait_healthy(pd, "router-a", relays["prefill-a"].url, relays["decode"].url)
-    expected = {p: _direct(pd, p) for p in PROMPTS}
     client = _client(pd["routers"]["router-a"].url)
     answers = []
     for p in PROMPTS:
@@ -156,6 +160,8 @@ def test_each_request_is_prefilled_on_one_engine_and_decoded_on_another(pd):
         assert raw.headers["x-kvmesh-backend"] == relays["decode"].url
         answers.append(raw.parse().choices[0].text)
     answers.append(_streamed(client, PROMPTS[0]))
+    # NOTE: asked after the routed requests: the decode engine had none of these prompts cached
+    expected = {p: _direct(pd, p) for p in PROMPTS}
     assert answers == [*(expected[p] for p in PROMPTS), expected[PROMPTS[0]]]
 
     # the prefill hop: the client's body, one token, not streamed, a remote decode asked for
@@ -173,18 +179,22 @@ def test_each_request_is_prefilled_on_one_engine_and_decoded_on_another(pd):
     # kv_transfer_params (nothing when it returned none: the decode engine prefills)
     decodes = relays["decode"].posts("/v1/completions")
     assert len(decodes) == 4
-    handed = 0
-    for ex, body, pre in zip(decodes, sent, prefills):
-        params = pre.answer.get("kv_transfer_params")
-        handed += params is not None
-        assert ex.body == (body if params is None else {**body, "kv_transfer_params": params})
+    for ex, body, pre, tid in zip(decodes, sent, prefills, transfer_ids):
+        params = pre.answer["kv_transfer_params"]
+        assert (params["do_remote_prefill"], params["do_remote_decode"], params["transfer_id"]) == \
+            (True, False, tid)
+        assert ex.body == {**body, "kv_transfer_params": params}
         assert ex.status == 200
     m = "kvmesh_router_prefill_requests_total"
-    assert _router_metric(pd, "router-a", m, outcome="handoff") == handed
-    assert _router_metric(pd, "router-a", m, outcome="no-params") == 4 - handed
+    assert _router_metric(pd, "router-a", m, outcome="handoff") == 4
+    assert _router_metric(pd, "router-a", m, outcome="no-params") == 0
     assert _router_metric(pd, "router-a", "kvmesh_router_decode_requests_total",
-                          kind="remote-prefill") == handed
+                          kind="remote-prefill") == 4
     assert _router_metric(pd, "router-a", "kvmesh_router_prefill_seconds_count") == 4
+    # the decode engine read the prompts' KV from the prefill engine, and none failed
+    decode = scrape(pd["engines"]["decode"].url)
+    assert metric_sum(decode, "kvmesh:kv_transfer_bytes_total") > 0
+    assert metric_sum(decode, "kvmesh:kv_transfer_failures_total") == 0
 
 
 def test_a_chat_request_streams_through_both_hops(pd):
