@@ -116,6 +116,10 @@ class Disaggregation:
         """Run the prefill hop; the decode hop's body, or a response for the client (a 4xx the
         prefill engine gave, or 499 when the client left)."""
         why = local_prefill_reason(body)
+        if why is None and not self.state.pool.healthy():
+            # NOTE: no decode engine to hand the KV to (down, or scaled to zero and the request
+            # about to be held): a prefill now would pin blocks nobody reads
+            why = "no decode engine is ready"
         if why is not None:
             logger.debug("request prefilled on its decode engine: %s", why)
             return self._local(body, None)

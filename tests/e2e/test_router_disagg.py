@@ -232,6 +232,25 @@ def test_a_request_the_prefill_engine_refuses_is_the_clients_400_and_never_decod
                           outcome="refused") == 1
 
 
+def test_with_no_decode_engine_reachable_nothing_is_prefilled_and_the_client_gets_a_503(pd):
+    relays = pd["relays"]
+    _wait_healthy(pd, "router-a", relays["prefill-a"].url, relays["decode"].url)
+    relays["decode"].stop()          # the decode engine unreachable: its address refuses
+    try:
+        assert wait_until(lambda: _router_metric(pd, "router-a", "kvmesh_router_backend_healthy",
+                                                 backend=relays["decode"].url) == 0, 30, 0.2)
+        n_pre = len(relays["prefill-a"].posts("/v1/completions"))
+        with pytest.raises(openai.APIStatusError) as e:
+            _client(pd["routers"]["router-a"].url).completions.create(
+                model=MODEL, prompt="Anyone there?", max_tokens=4)
+        assert (e.value.status_code, e.value.body["code"]) == (503, "no_healthy_backend")
+        # the prefill engine was never asked: no KV pinned for a decode that cannot come
+        assert len(relays["prefill-a"].posts("/v1/completions")) == n_pre
+    finally:
+        old = relays["decode"]
+        relays["decode"] = RecordingRelay(old.target, old.port)
+
+
 def test_a_prefill_engine_killed_mid_request_is_retried_on_another_then_the_decode_engine_prefills_alone(pd):
     engines, relays = pd["engines"], pd["relays"]
     client = _client(pd["routers"]["router-b"].url)
@@ -270,3 +289,4 @@ def test_a_prefill_engine_killed_mid_request_is_retried_on_another_then_the_deco
         {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}]
     assert _router_metric(pd, "router-b", "kvmesh_router_prefill_fallbacks_total") == 1
     assert httpx.get(f"{pd['routers']['router-b'].url}/ready").json()["ready"] is True
+

@@ -65,10 +65,11 @@ def relay_app(target: str, exchanges: list[Exchange]):
 class RecordingRelay:
     """`relay.url` -> `target`, in a daemon thread; `relay.posts(path)` the recorded exchanges."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, port: int | None = None) -> None:
         import uvicorn
+        self.target = target
         self.exchanges: list[Exchange] = []
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(relay_app(target, self.exchanges),
                                                     host="127.0.0.1", port=self.port,
