@@ -30,19 +30,23 @@ from waiting import wait_until
 
 from kvmesh.router.disagg import prefill_body
 
-from .router_fixtures import MODEL, _spawn, _wait_ready, metric_sum, scrape
+from .router_fixtures import _spawn, _wait_ready, metric_sum, scrape
 
 pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = ("--num-kv-blocks", "96", "--max-model-len", "512", "--max-num-seqs", "4")
-# NOTE: several full KV blocks each (16 tokens a block), so the decode engine has blocks to read
-PROMPTS = ["The capital of France is a city on the Seine with many museums, bridges, cafes and old "
-           "streets; visitors walk along the river and look at the cathedral. Its name is",
-           "Once upon a time, in a small village between two mountains, there lived an old baker who "
-           "woke up before dawn every day to light his oven and knead the bread. One morning",
-           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively with two "
-           "running values so that it takes linear time and constant memory.\"\"\"\n"]
+MODEL = "tiny"       # a tiny random Llama (fast to start), served under its directory's name
+VOCAB = 128
 MAX_TOKENS = 12
+
+
+def words(seed: int, n: int) -> str:
+    """A prompt of `n` tokens of the tiny word-level tokenizer."""
+    return " ".join(f"w{3 + (seed * 17 + i * 5) % (VOCAB - 3)}" for i in range(n))
+
+
+# NOTE: several full KV blocks each (16 tokens a block), so the decode engine has blocks to read
+PROMPTS = [words(1, 40), words(2, 45), words(3, 50)]
 
 # the process SIGKILLs itself at its first forward once the trigger file exists
 KILL_ON_FORWARD = '''
@@ -68,7 +72,22 @@ def _role(role: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def tiny(tmp_path_factory):
+    from tiny_models import save_tiny_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = save_tiny_model(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("m") / MODEL, seed=5)
+    conf_path = path / "tokenizer_config.json"      # a chat template, for the chat endpoint
+    conf = json.loads(conf_path.read_text())
+    conf["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    conf_path.write_text(json.dumps(conf))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny):
     tmp = tmp_path_factory.mktemp("pd")
     (tmp / "fault").mkdir()
     (tmp / "fault" / "sitecustomize.py").write_text(KILL_ON_FORWARD)
@@ -90,8 +109,8 @@ def pd(tmp_path_factory):
                 os.environ["KVMESH_TEST_KILL_FILE"] = str(trigger)
             try:
                 engines[name] = _spawn(name, [
-                    "serve", "--host", "127.0.0.1", "--port", str(ports[name]), "--redis-url",
-                    rs.url, "--pod-id", name, "--advertise-url", advertise, "--log-level",
+                    "serve", "--model", str(tiny), "--host", "127.0.0.1", "--port", str(ports[name]),
+                    "--redis-url", rs.url, "--pod-id", name, "--advertise-url", advertise, "--log-level",
                     "warning", *with_float32((*ENGINE_ARGS, *_role(role)))], ports[name], tmp, 1)
             finally:
                 os.environ.pop("PYTHONPATH", None)
@@ -102,7 +121,8 @@ def pd(tmp_path_factory):
                               ("router-b", [relays["prefill-a"].url, engines["prefill-b"].url])):
             port = free_port()
             routers[name] = _spawn(name, [
-                "router", "--host", "127.0.0.1", "--port", str(port), "--redis-url", rs.url,
+                "router", "--model", str(tiny), "--host", "127.0.0.1", "--port", str(port),
+                "--redis-url", rs.url,
                 "--prefill-backends", *prefill, "--decode-backends", relays["decode"].url,
                 "--lookup-timeout", "2", "--expose-route-headers", "--log-level", "warning"],
                 port, tmp, None)
@@ -201,7 +221,7 @@ def test_a_chat_request_streams_through_both_hops(pd):
     relays = pd["relays"]
     _wait_healthy(pd, "router-a", relays["prefill-a"].url, relays["decode"].url)
     n_pre = len(relays["prefill-a"].posts("/v1/chat/completions"))
-    messages = [{"role": "user", "content": "Name three colours."}]
+    messages = [{"role": "user", "content": words(4, 40)}]
     expected = _client(pd["engines"]["decode"].url).chat.completions.create(
         model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     chunks = _client(pd["routers"]["router-a"].url).chat.completions.create(
@@ -225,7 +245,7 @@ def test_a_request_the_prefill_engine_refuses_is_the_clients_400_and_never_decod
     n_dec = len(relays["decode"].posts("/v1/completions"))
     with pytest.raises(openai.BadRequestError) as e:
         _client(pd["routers"]["router-a"].url).completions.create(
-            model=MODEL, prompt="x", max_tokens=4, temperature=-1)
+            model=MODEL, prompt=words(5, 8), max_tokens=4, temperature=-1)
     assert "temperature" in e.value.message
     assert len(relays["decode"].posts("/v1/completions")) == n_dec
     assert _router_metric(pd, "router-a", "kvmesh_router_prefill_requests_total",
@@ -242,7 +262,7 @@ def test_with_no_decode_engine_reachable_nothing_is_prefilled_and_the_client_get
         n_pre = len(relays["prefill-a"].posts("/v1/completions"))
         with pytest.raises(openai.APIStatusError) as e:
             _client(pd["routers"]["router-a"].url).completions.create(
-                model=MODEL, prompt="Anyone there?", max_tokens=4)
+                model=MODEL, prompt=words(6, 8), max_tokens=4)
         assert (e.value.status_code, e.value.body["code"]) == (503, "no_healthy_backend")
         # the prefill engine was never asked: no KV pinned for a decode that cannot come
         assert len(relays["prefill-a"].posts("/v1/completions")) == n_pre
@@ -256,8 +276,7 @@ def test_a_prefill_engine_killed_mid_request_is_retried_on_another_then_the_deco
     client = _client(pd["routers"]["router-b"].url)
     # NOTE: prefill-b alone holds this prompt's blocks (asked directly): the router's prefix
     # lookup sends the prefill hop there
-    prompt = ("A long prompt whose blocks only prefill-b holds, so that the router chooses it: "
-              "one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve.")
+    prompt = words(7, 48)
     _client(engines["prefill-b"].url).completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     held = redis.Redis(port=pd["redis"].port)
     try:
@@ -265,7 +284,8 @@ def test_a_prefill_engine_killed_mid_request_is_retried_on_another_then_the_deco
                           10)
     finally:
         held.close()
-    _wait_healthy(pd, "router-b", relays["prefill-a"].url, engines["prefill-b"].url)
+    _wait_healthy(pd, "router-b", relays["prefill-a"].url, engines["prefill-b"].url,
+                  relays["decode"].url)
     pd["trigger"].touch()
     raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt,
                                                       max_tokens=MAX_TOKENS, temperature=0)
@@ -279,7 +299,7 @@ def test_a_prefill_engine_killed_mid_request_is_retried_on_another_then_the_deco
     # no prefill engine left: the decode engine gets the client's own body and prefills it
     engines["prefill-a"].kill()
     n_dec = len(relays["decode"].posts("/v1/completions"))
-    prompt = "With no prefill engine left, the answer is"
+    prompt = words(8, 40)
     raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt,
                                                       max_tokens=MAX_TOKENS, temperature=0)
     assert raw.status_code == 200 and "x-kvmesh-prefill-backend" not in raw.headers
