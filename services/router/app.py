@@ -11,7 +11,8 @@ the request and then failed any other way answers the client 502; so does a stre
 already receives. Backend responses, errors included, pass through with their status.
 A client that goes away before its non-streaming answer closes the backend connection, which
 aborts the request on the engine. With Redis unreachable the kv-aware strategy falls back to
-least-loaded.
+least-loaded. In P/D mode (disagg.py) a prefill hop on a prefill engine comes first; what follows
+is the decode hop, on the decode engines.
 """
 from __future__ import annotations
 
@@ -207,8 +208,8 @@ class RouterState:
                     for pool in self._pools():
                         await pool.discover_now()
                     next_discover = time.monotonic() + self.cfg.discover_interval_s
-                for pool in self._pools():
-                    await pool.check_health(self.http, scrape_load=not self.redis_ok)
+                await asyncio.gather(*(pool.check_health(self.http, scrape_load=not self.redis_ok)
+                                       for pool in self._pools()))
                 self.hold.wake()        # held requests re-check: a backend may have healed
                 await self.refresh_adapters()
                 if self.vllm is not None:
