@@ -89,3 +89,17 @@ def test_blocks_of_another_prompt_are_never_used(engines):
     prefill.poll_kv_transfers()
     assert prefill.kv_transfer.transfer_stats().pinned_blocks == 0
     assert prefill.kv_manager.num_free_blocks == 32
+
+
+def test_vllms_proxy_form_without_block_ids_is_read_too(engines):
+    """vLLM's Mooncake proxy builds the decode leg's params itself, without remote_block_ids:
+    the consumer takes them from the side channel by transfer_id."""
+    prompt = [3 + (i * 11) % 120 for i in range(100)]      # new to the decode engine
+    out = run(engines["prefill"], "p3", prompt, 1,
+              KVTransferParams(do_remote_decode=True, transfer_id="t-vllm"))
+    params = {k: v for k, v in out.kv_transfer_params.items() if k != "remote_block_ids"}
+    stats0 = engines["decode"].kv_transfer.transfer_stats()
+    got = run(engines["decode"], "d3", prompt, 8, parse_kv_transfer_params(params))
+    stats = engines["decode"].kv_transfer.transfer_stats()
+    assert (stats.failures, stats.bytes_read - stats0.bytes_read) == (stats0.failures, 6 * 4 * 2048)
+    assert got.outputs[0].token_ids == run(engines["colocated"], "c3", prompt, 8).outputs[0].token_ids

@@ -11,8 +11,9 @@ Preemptor does for preemption:
     finish(req) ─▶ producer: the prompt's full blocks stay referenced under a pin key until
                    the reader is done or the pin times out (take_released frees them)
 
-NOTE: a request aborted while its read is in flight leaves its blocks parked under a key until
-the read ends: the transfer may still be writing into them.
+NOTE: a request aborted while its read is in flight, or whose read ran past its deadline,
+leaves its blocks parked under a key until the read ends: the transfer may still be writing
+into them.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class Handoff:
         self.kv = kv
         self.connector = connector
         self.loading: dict[str, Request] = {}     # request id -> request whose KV is being read
-        self._parked: dict[str, str] = {}         # aborted while reading: request id -> table key
+        self._parked: dict[str, str] = {}         # aborted or given up mid-read: id -> table key
         self._num_parked = 0
         # NOTE: one read per request: a failed one is computed here, also after a preemption
         self._tried: set[str] = set()
