@@ -79,6 +79,12 @@ def local_prefill_reason(body: dict[str, Any]) -> str | None:
         return "prompt_logprobs need the prompt computed where the answer comes from"
     if body.get("kv_transfer_params") is not None:
         return "the client sent its own kv_transfer_params"
+    # NOTE: one hand-off carries one prompt's KV for one sample (the engines refuse more)
+    if any(isinstance(body.get(k), int) and body[k] > 1 for k in ("n", "best_of")):
+        return "several samples (n or best_of > 1)"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return "several prompts in one request"
     return None
 
 

@@ -56,6 +56,14 @@ def test_the_decode_body_is_the_clients_plus_the_prefill_engines_params():
      "prompt_logprobs need the prompt computed where the answer comes from"),
     ({"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}},
      "the client sent its own kv_transfer_params"),
+    ({"prompt": "x", "n": 1, "best_of": 1}, None),
+    ({"prompt": "x", "n": 2}, "several samples (n or best_of > 1)"),
+    ({"prompt": "x", "best_of": 3}, "several samples (n or best_of > 1)"),
+    ({"prompt": [5, 6, 7]}, None),                       # one prompt of token ids
+    ({"prompt": ["x"]}, None),
+    ({"prompt": ["x", "y"]}, "several prompts in one request"),
+    ({"prompt": [[5, 6], [7]]}, "several prompts in one request"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "several samples (n or best_of > 1)"),
 ])
 def test_which_requests_skip_the_prefill_hop(body, reason):
     assert local_prefill_reason(body) == reason
