@@ -33,6 +33,8 @@ from kvmesh.router.disagg import prefill_body
 from .router_fixtures import _spawn, _wait_ready, metric_sum, scrape
 
 pytestmark = pytest.mark.slow
+# NOTE: the engines' KV transfer (Mooncake) is the pd extra, in the test extra too
+pytest.importorskip("mooncake.engine", reason="needs the pd extra (mooncake-transfer-engine-non-cuda)")
 
 ENGINE_ARGS = ("--num-kv-blocks", "96", "--max-model-len", "512", "--max-num-seqs", "4")
 MODEL = "tiny"       # a tiny random Llama (fast to start), served under its directory's name
