@@ -7,7 +7,7 @@ half-built service. Defaults here equal the schema's `default:` values (a test c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvmesh.common.storage import FetchError, is_uri, parse_source
@@ -175,6 +175,42 @@ class LoRAAdapterSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RoleAutoscalingSpec:
+    enabled: bool
+    min_replicas: int
+    max_replicas: int
+    target_waiting_requests: int  # waiting requests per pod to aim for (the HPA's target)
+    cooldown_seconds: int  # the HPA's scale-down stabilization window
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSpec:
+    """One role of spec.disaggregation."""
+    role: str  # prefill | decode
+    replicas: int
+    gpus: int  # per engine pod: 0 (CPU) or 1
+    engine_args: tuple[str, ...]  # extra `kvmesh serve` flags of this role
+    autoscaling: RoleAutoscalingSpec
+
+    @property
+    def kv_role(self) -> str:
+        """The role's --kv-transfer-config kv_role."""
+        return "kv_producer" if self.role == "prefill" else "kv_consumer"
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregationSpec:
+    protocol: str  # tcp | rdma (mooncake_protocol)
+    device_name: str | None  # RDMA device(s) (device_name)
+    prefill: RoleSpec
+    decode: RoleSpec
+
+    @property
+    def roles(self) -> tuple[RoleSpec, RoleSpec]:
+        return self.prefill, self.decode
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceService:
     """One parsed InferenceService: everything the builders need, nothing from the cluster."""
     name: str
@@ -194,6 +230,7 @@ class InferenceService:
     api_key_secret: SecretRef | None
     admin_api_key_secret: SecretRef | None = None  # kvmesh engines' --admin-api-key
     lora_adapters: tuple[LoRAAdapterSpec, ...] = ()  # loaded at run time, never in the pod template
+    disaggregation: DisaggregationSpec | None = None  # None: colocated engines (one Deployment)
 
     @property
     def lora_enabled(self) -> bool:
@@ -516,12 +553,16 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     if vllm and (engine.enable_lora or adapters):
         problems.append("spec.engine.enableLora and spec.loraAdapters need runtime kvmesh: the operator loads "
                         "adapters through kvmesh's admin endpoints")
+    disaggregation = _disaggregation(root, gpu, engine, router, autoscaling, problems)
+    if disaggregation is not None:
+        # NOTE: one GPU per engine pod whatever spec.gpu.count says (each role sets its own)
+        engine = replace(engine, tensor_parallel_size=1)
     svc = InferenceService(
         name=name, namespace=namespace, model=model, image=root.get("image") or S.DEFAULT_IMAGE,
         image_pull_policy=root.get("imagePullPolicy"), replicas=root.get("replicas"), gpu=gpu,
         resources=resources, engine=engine, router=router, redis=redis, autoscaling=autoscaling,
         tracing=tracing, ingress=ingress, api_key_secret=_secret(root, "apiKeySecret"),
-        admin_api_key_secret=admin_key, lora_adapters=adapters)
+        admin_api_key_secret=admin_key, lora_adapters=adapters, disaggregation=disaggregation)
     if suffix := next((x for x in S.CHILD_SUFFIXES if name.endswith(x)), None):
         problems.append(f"metadata.name {name!r} must not end in {suffix!r}: it would collide with the children "
                         f"of InferenceService {name[:-len(suffix)]!r}; choose another name")
@@ -576,3 +617,59 @@ def _lora_source_problem(where: str, source: str, model: ModelSpec) -> str | Non
     except FetchError as e:
         return f"{where} {e}"
     return None
+
+
+def _disaggregation(root: _Reader, gpu: GPUSpec, engine: EngineSpec, router: RouterSpec,
+                    autoscaling: AutoscalingSpec, problems: list[str]) -> DisaggregationSpec | None:
+    """spec.disaggregation, with the rules that tie it to the rest of the spec (the CRD's CEL rules)."""
+    if not root.has("disaggregation"):
+        return None
+    d = root.sub("disaggregation")
+    roles = []
+    count = gpu.count if isinstance(gpu.count, int) else 0
+    if count > 1 and not all(isinstance(d.data.get(role), dict) and d.data[role].get("gpus") is not None
+                             for role in ("prefill", "decode")):
+        problems.append(f"spec.disaggregation runs one GPU per engine pod: set spec.gpu.count ({count}) to 0 or 1, "
+                        f"or spec.disaggregation.prefill.gpus and spec.disaggregation.decode.gpus")
+    for role in ("prefill", "decode"):
+        r = d.sub(role)
+        a = r.sub("autoscaling")
+        gpus = r.get("gpus")
+        if gpus is None:
+            gpus = min(count, 1)
+        args = r.get("engineArgs") or []
+        if not all(isinstance(x, str) for x in args):
+            problems.append(f"spec.disaggregation.{role}.engineArgs items must be strings")
+            args = []
+        taken = sorted({f for x in args for f in S.OPERATOR_ENGINE_FLAGS if x == f or x.startswith(f + "=")})
+        if taken:
+            problems.append(f"spec.disaggregation.{role}.engineArgs must not set {', '.join(taken)}: the operator "
+                            f"sets them")
+        scaling = RoleAutoscalingSpec(enabled=a.get("enabled"), min_replicas=a.get("minReplicas"),
+                                      max_replicas=a.get("maxReplicas"),
+                                      target_waiting_requests=a.get("targetWaitingRequests"),
+                                      cooldown_seconds=a.get("cooldownSeconds"))
+        if (isinstance(scaling.min_replicas, int) and isinstance(scaling.max_replicas, int)
+                and scaling.min_replicas > scaling.max_replicas):
+            problems.append(f"spec.disaggregation.{role}.autoscaling.minReplicas ({scaling.min_replicas}) must not "
+                            f"exceed maxReplicas ({scaling.max_replicas})")
+        roles.append(RoleSpec(role, r.get("replicas"), gpus, tuple(args), scaling))
+    spec = DisaggregationSpec(protocol=d.get("protocol"), device_name=d.get("deviceName"),
+                              prefill=roles[0], decode=roles[1])
+    if spec.device_name is not None and spec.protocol != "rdma":
+        problems.append("spec.disaggregation.deviceName needs spec.disaggregation.protocol rdma")
+    if engine.runtime != "kvmesh":
+        problems.append("spec.disaggregation needs spec.engine.runtime kvmesh: its engines take kvmesh's "
+                        "--kv-transfer-config")
+    if not router.builtin:
+        problems.append("spec.disaggregation needs kvmesh's router (spec.router.enabled, mode builtin): it runs the "
+                        "prefill and decode hops")
+    if autoscaling.enabled:
+        problems.append("spec.disaggregation scales each role on its own (spec.disaggregation.prefill.autoscaling, "
+                        "spec.disaggregation.decode.autoscaling): leave spec.autoscaling disabled")
+    engine_data = root.data.get("engine")
+    tp = engine_data.get("tensorParallelSize") if isinstance(engine_data, dict) else None
+    if isinstance(tp, int) and tp != 1:
+        problems.append("spec.disaggregation needs spec.engine.tensorParallelSize 1: a KV transfer moves one "
+                        "engine's cache")
+    return spec

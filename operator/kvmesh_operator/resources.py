@@ -393,8 +393,11 @@ def router_args(svc: InferenceService) -> list[str]:
     """The router hashes prompts like the engines: same tokenizer, same block size, same served name."""
     # NOTE: prefix-block hashes only match the engines' with the same --block-size; the hash seed
     # is not configurable here, so engines and router both use their default ("kvmesh").
+    # NOTE: disaggregated engines are found per role (P/D mode), colocated ones by one Service
+    engines = (["--discover-headless-service", engine_name(svc)] if svc.disaggregation is None
+               else _disagg_module().router_discovery_args(svc))
     args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--redis-url", redis_url(svc),
-            "--discover-headless-service", engine_name(svc), "--strategy", svc.router.strategy,
+            *engines, "--strategy", svc.router.strategy,
             "--served-model-name", svc.model.served_name, "--block-size", str(svc.engine.block_size)]
     if model_path(svc):
         args += ["--model", model_path(svc)]
@@ -611,13 +614,20 @@ def possible_children(svc: InferenceService) -> list[ChildKey]:
             ("networking.k8s.io/v1", "NetworkPolicy", redis_name(svc)),
             ("networking.k8s.io/v1", "Ingress", n),
             ("autoscaling/v2", "HorizontalPodAutoscaler", engine_name(svc)),
-            ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))] + _pool_module().possible_pool_children(svc)
+            ("keda.sh/v1alpha1", "ScaledObject", engine_name(svc))] + _pool_module().possible_pool_children(svc) \
+        + _disagg_module().possible_role_children(svc)
 
 
 def _pool_module() -> Any:
     # NOTE: imported late: inference_pool builds on this module's names, labels and metadata.
     from . import inference_pool
     return inference_pool
+
+
+def _disagg_module() -> Any:
+    # NOTE: imported late, as inference_pool: disaggregation builds on the engine Deployment here.
+    from . import disaggregation
+    return disaggregation
 
 
 # NOTE: kinds whose RBAC is optional in the chart (a 403 means "not managed here", not a failure),
@@ -651,7 +661,10 @@ def build_children(svc: InferenceService, owner: Owner, replicas: int | None,
                 build_redis_deployment(svc, owner, redis_auth), build_redis_service(svc, owner)]
     if svc.engine.runtime == "kvmesh":
         out.append(build_config_map(svc, owner))
-    out += [build_engine_service(svc, owner), build_engine_deployment(svc, owner, replicas, redis_auth)]
+    if svc.disaggregation is None:
+        out += [build_engine_service(svc, owner), build_engine_deployment(svc, owner, replicas, redis_auth)]
+    else:
+        out += _disagg_module().build_role_children(svc, owner, redis_auth)
     if svc.router.builtin:
         out.append(build_router_deployment(svc, owner, redis_auth))
     if svc.router.mode == "inference-pool":

@@ -42,10 +42,14 @@ LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 REDIS_URL_PATTERN = r"^rediss?://.+"  # no unix:// or other schemes: the operator itself connects at deletion
 # NOTE: child names are <name>-engine, -router, -redis, -engine-config…: a resource named like a
 # child of another one (`foo-engine`) would collide with it (`foo`'s headless Service).
-CHILD_SUFFIXES = ["-engine", "-router", "-redis", "-epp"]
+CHILD_SUFFIXES = ["-engine", "-router", "-redis", "-epp", "-prefill", "-decode"]
 # Ingress annotations that inject raw proxy configuration (ingress-nginx *-snippet, NGINX Inc.
 # *-snippets, HAProxy *-config-snippet, haproxy-ingress config-*): refused.
 SNIPPET_ANNOTATION_PATTERN = r"snippet|/config-(backend|frontend|defaults|global|tcp|tcp-service)$"
+# spec.disaggregation: the KV transfer's transport, and the `kvmesh serve` flags each role's engine
+# arguments may not set (the operator sets them)
+KV_TRANSFER_PROTOCOLS = ["tcp", "rdma"]
+OPERATOR_ENGINE_FLAGS = ["--kv-transfer-config", "--config", "--host", "--port", "--pod-id", "--redis-url"]
 
 
 def _obj(desc: str, props: dict[str, Any], required: list[str] | None = None,
@@ -85,6 +89,35 @@ def _quantity_map(desc: str) -> dict[str, Any]:
                 "x-kubernetes-int-or-string": True,
                 "pattern": QUANTITY_PATTERN}
     return {"type": "object", "description": desc, "additionalProperties": quantity}
+
+
+def _role_schema(role: str) -> dict[str, Any]:
+    """One role of spec.disaggregation: its own pods, GPUs, engine flags and autoscaling."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return _obj(f"The {role} engines (<name>-{role}, --kv-transfer-config kv_role {kv_role}).", {
+        "replicas": _int(f"{role.capitalize()} engine pods (ignored while this role's autoscaling is enabled).",
+                         minimum=1, default=1),
+        "gpus": _int("GPUs per engine pod of this role: 0 (CPU) or 1. Default: gpu.count.", minimum=0, maximum=1),
+        "engineArgs": {"type": "array", "maxItems": 64, "items": {"type": "string", "maxLength": 1024},
+                       "description": f"Extra `kvmesh serve` flags of the {role} engines, after the shared "
+                                      "engine settings (e.g. [--max-num-batched-tokens, '16384']); the flags "
+                                      "the operator sets (" + ", ".join(OPERATOR_ENGINE_FLAGS) + ") are refused.",
+                       "x-kubernetes-validations": [{
+                           "rule": "self.all(a, " + " && ".join(
+                               f"a != '{f}' && !a.startsWith('{f}=')" for f in OPERATOR_ENGINE_FLAGS) + ")",
+                           "message": "engineArgs must not set " + ", ".join(OPERATOR_ENGINE_FLAGS)
+                                      + ": the operator sets them"}]},
+        "autoscaling": _obj(f"Scale the {role} engines with an HPA on their waiting requests (a Pods metric "
+                            "served by a Prometheus adapter, as spec.autoscaling mode hpa).", {
+            "enabled": _bool("Turn this role's autoscaling on.", False),
+            "minReplicas": _int("Fewest pods of this role.", minimum=1, default=1),
+            "maxReplicas": _int("Most pods of this role.", minimum=1, default=4),
+            "targetWaitingRequests": _int("Waiting requests per pod to aim for.", minimum=1, default=4),
+            "cooldownSeconds": _int("Least time before scaling down.", minimum=0, default=300),
+        }, rules=[{"rule": "self.minReplicas <= self.maxReplicas",
+                   "message": f"disaggregation.{role}.autoscaling.minReplicas must not exceed maxReplicas"}],
+            default={}),
+    }, default={})
 
 
 def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
@@ -315,6 +348,20 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     "adminApiKeySecret": _secret_ref("Secret whose key the engines' admin endpoints (POST /reset_prefix_cache) "
                                      "require (--admin-api-key; runtime kvmesh). Default: the API key.",
                                      "admin-api-key"),
+    "disaggregation": _obj(
+        "Prefill/decode disaggregation (docs/DISAGGREGATION.md): two engine Deployments instead of one, "
+        "<name>-prefill (kv_producer) and <name>-decode (kv_consumer), the prompt's KV cache handed from the one "
+        "to the other over Mooncake's transfer engine, and the router in P/D mode in front. Runtime kvmesh, "
+        "one GPU (or CPU) per engine pod; spec.replicas and spec.autoscaling then do not apply.", {
+            "protocol": _str("The KV transfer's transport (kv_connector_extra_config.mooncake_protocol): tcp, "
+                             "or rdma on nodes with RDMA NICs.", enum=KV_TRANSFER_PROTOCOLS, default="tcp"),
+            "deviceName": _str("RDMA device(s) of protocol rdma, e.g. mlx5_0 (device_name).",
+                               pattern=r"^[A-Za-z0-9_.,-]+$", maxLength=256),
+            "prefill": _role_schema("prefill"),
+            "decode": _role_schema("decode"),
+        }, required=["prefill", "decode"],
+        rules=[{"rule": "self.protocol == 'rdma' || !has(self.deviceName)",
+                "message": "disaggregation.deviceName needs disaggregation.protocol rdma"}]),
     "loraAdapters": {
         "type": "array", "maxItems": 256,
         "description": "LoRA adapters served on the model, each a `model` name of its own. The operator loads "
@@ -396,9 +443,26 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                 "pvc://<model.pvc.claimName>/path): the engine pods mount that claim only"},
 ])
 
+# NOTE: spec-level rules: they relate spec.disaggregation to the rest of the spec
+SPEC_SCHEMA["x-kubernetes-validations"] += [
+    {"rule": "!has(self.disaggregation) || self.engine.runtime == 'kvmesh'",
+     "message": "disaggregation needs engine.runtime kvmesh (its engines take kvmesh's --kv-transfer-config)"},
+    {"rule": "!has(self.disaggregation) || (self.router.enabled && self.router.mode == 'builtin')",
+     "message": "disaggregation needs kvmesh's router (router.enabled, mode builtin): it runs the two hops"},
+    {"rule": "!has(self.disaggregation) || !self.autoscaling.enabled",
+     "message": "disaggregation scales each role on its own (disaggregation.prefill.autoscaling, "
+                "disaggregation.decode.autoscaling): leave spec.autoscaling disabled"},
+    {"rule": "!has(self.disaggregation) || !has(self.engine.tensorParallelSize) || "
+             "self.engine.tensorParallelSize == 1",
+     "message": "disaggregation needs engine.tensorParallelSize 1 (a KV transfer moves one engine's cache)"},
+    {"rule": "!has(self.disaggregation) || self.gpu.count <= 1 || (has(self.disaggregation.prefill.gpus) && "
+             "has(self.disaggregation.decode.gpus))",
+     "message": "disaggregation runs one GPU per engine pod: set gpu.count to 0 or 1, or each role's gpus"},
+]
+
 _CONDITION = _obj("A KServe-style condition.", {
     "type": _str("ChildrenOwned, ModelReady, EnginesReady, RouterReady, RedisReady, IngressReady, "
-                 "AutoscalingReady, InferencePoolReady, AdaptersReady or Ready."),
+                 "AutoscalingReady, InferencePoolReady, AdaptersReady, DisaggregationReady or Ready."),
     "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
     "reason": _str("One-word reason."),
     "message": _str("Human-readable detail."),

@@ -1,7 +1,8 @@
 """PURE status: the children's observed state → phase, replica counts, URL and KServe-style conditions.
 
 Conditions: ChildrenOwned (only when a child's name is taken by an object the operator does not own),
-ModelReady (only for an s3:// / hf:// model: its fetch by the engine pods' init containers), EnginesReady, RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
+ModelReady (only for an s3:// / hf:// model: its fetch by the engine pods' init containers), EnginesReady
+(DisaggregationReady instead with spec.disaggregation: both roles' engines), RouterReady, RedisReady, IngressReady, AutoscalingReady (only in hpa and keda modes),
 InferencePoolReady (only in router.mode inference-pool: the pool's conditions as its gateways report
 them), AdaptersReady (only with LoRA on: spec.loraAdapters on every ready engine pod, see `lora`), and
 Ready (all of them True).
@@ -12,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
+from . import disaggregation as D
 from . import inference_pool as IP
 from . import model_fetch as MF
 from . import resources as R
 from .crd import InferenceService
 
 CONDITION_TYPES = ("ModelReady", "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
-                   "InferencePoolReady", "AdaptersReady")
+                   "InferencePoolReady", "AdaptersReady", "DisaggregationReady")
 Observed = dict[tuple[str, str, str], dict[str, Any] | None]  # child key → object as the API returned it
 
 
@@ -147,7 +149,11 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
         out.append(_cond("ChildrenOwned", False, "NameConflict", "; ".join(conflicts)))
     if (model := MF.model_condition(svc, pods)) is not None:
         out.append(model)
-    out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
+    if svc.disaggregation is None:
+        out += [engines_condition(observed.get(("apps/v1", "Deployment", R.engine_name(svc))), want)]
+    else:
+        # NOTE: disaggregated engines: two Deployments, one condition naming both roles
+        out.append(D.disaggregation_condition(svc, observed))
     if svc.router.builtin:
         out.append(_deployment_condition("RouterReady", observed.get(("apps/v1", "Deployment", R.router_name(svc))),
                                          "router"))
@@ -210,6 +216,9 @@ def build_status(svc: InferenceService, observed: Observed, want: int, generatio
                              adapters[1] if adapters is not None else None), previous, now)
     engine = observed.get(("apps/v1", "Deployment", R.engine_name(svc)))
     ready_replicas = _ready(engine)
+    if svc.disaggregation is not None:
+        counts = D.role_counts(svc, observed)
+        want, ready_replicas = sum(c[2] for c in counts), sum(c[3] for c in counts)
     is_ready = conds[-1]["status"] == "True"
     phase = "Ready" if is_ready else ("Progressing" if ready_replicas > 0 else "Pending")
     if conflicts:

@@ -11,7 +11,8 @@ the request and then failed any other way answers the client 502; so does a stre
 already receives. Backend responses, errors included, pass through with their status.
 A client that goes away before its non-streaming answer closes the backend connection, which
 aborts the request on the engine. With Redis unreachable the kv-aware strategy falls back to
-least-loaded.
+least-loaded. In P/D mode (disagg.py) a prefill hop on a prefill engine comes first; what follows
+is the decode hop, on the decode engines.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from kvmesh.index.lookup import PrefixIndex
 from kvmesh.router.adapters import AdapterDirectory, AdapterRoute, UnknownModel
 from kvmesh.router.backends import BackendPool
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.disagg import Disaggregation, RoutingInputs
 from kvmesh.router.hold import RequestHold
 from kvmesh.router.metrics import RouterMetrics
 from kvmesh.router.prompt import prompt_token_ids
@@ -121,7 +123,9 @@ class RouterState:
         self.tokenizer = tokenizer
         self.model_name = model_name or cfg.model or ""
         self.salt_from = CacheSaltSource.parse(cfg.cache_salt_from)
-        self.pool = BackendPool(list(cfg.backends), cfg.discover, cfg.backend_port,
+        # NOTE: in P/D mode the decode engines are the pool that answers clients
+        self.pool = BackendPool(list(cfg.decode_backends or cfg.backends),
+                                cfg.decode_discover or cfg.discover, cfg.backend_port,
                                 default_kind=cfg.backend_kind)
         self.metrics = RouterMetrics()
         self.hold = RequestHold(cfg.hold_timeout_s, cfg.max_held_requests,
@@ -143,6 +147,11 @@ class RouterState:
         self._redis_warned = False
         self.http: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+        # P/D mode (disagg.py): the prefill engines and the prefill hop; None: colocated engines
+        self.disagg = Disaggregation(self) if cfg.disaggregated else None
+
+    def _pools(self) -> list[BackendPool]:
+        return [self.pool] if self.disagg is None else [self.pool, self.disagg.pool]
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -167,7 +176,8 @@ class RouterState:
                 # no-Redis fallback. The lookup's own deadline still bounds the whole call.
                 retry=Retry(NoBackoff(), 1))
             self.index = PrefixIndex(self.redis, self.cfg.namespace, self.cfg.service)
-        await self.pool.discover_now()
+        for pool in self._pools():
+            await pool.discover_now()
         if self.vllm is not None:
             await asyncio.to_thread(self.vllm.sync, self.pool)
         await self.refresh_load()
@@ -195,9 +205,11 @@ class RouterState:
         while True:
             try:
                 if time.monotonic() >= next_discover:
-                    await self.pool.discover_now()
+                    for pool in self._pools():
+                        await pool.discover_now()
                     next_discover = time.monotonic() + self.cfg.discover_interval_s
-                await self.pool.check_health(self.http, scrape_load=not self.redis_ok)
+                await asyncio.gather(*(pool.check_health(self.http, scrape_load=not self.redis_ok)
+                                       for pool in self._pools()))
                 self.hold.wake()        # held requests re-check: a backend may have healed
                 await self.refresh_adapters()
                 if self.vllm is not None:
@@ -234,8 +246,9 @@ class RouterState:
         except Exception as e:  # noqa: BLE001 - any Redis failure means: route by load
             self._set_redis(False, e)
             return
-        self.pool.apply_heartbeats(pods)
-        self.metrics.duplicate_pod_ids.set(len(self.pool.duplicate_pod_ids))
+        for pool in self._pools():
+            pool.apply_heartbeats(pods)
+        self.metrics.duplicate_pod_ids.set(sum(len(p.duplicate_pod_ids) for p in self._pools()))
         self._set_redis(True)
 
     def _set_redis(self, ok: bool, error: Exception | None = None) -> None:
@@ -251,8 +264,9 @@ class RouterState:
 
     def _export_health(self) -> None:
         g = self.metrics.backend_healthy
-        for b in self.pool.states():
-            g.labels(b.url).set(1 if b.healthy else 0)
+        for pool in self._pools():
+            for b in pool.states():
+                g.labels(b.url).set(1 if b.healthy else 0)
 
     # ---- one request -----------------------------------------------------------------------
     async def lookup(self, model: str, hashes: list[bytes]) -> tuple[dict[str, int], str]:
@@ -319,13 +333,24 @@ class RouterState:
                 hits = merge_hits(hits, self.recent.hits(hashes, time.monotonic()))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         stream = body.get("stream") is True
+        strategy = cfg.strategy
+        fallback_reason = "fallback-slow-lookup" if index == "slow" else "fallback-no-redis"
+        handoff = None
+        if self.disagg is not None and endpoint is not None:
+            handoff = await self.disagg.prefill(request, body, headers, path, RoutingInputs(
+                hits, hashes, num_blocks, index == "ok", fallback_reason, session_key))
+            if isinstance(handoff, Response):
+                return handoff
+            # NOTE: the decode engine is chosen by load and free KV: the prompt's KV comes
+            # with the request, so its own prefix hits matter little
+            raw, strategy, hits, num_blocks = handoff.raw, "least-loaded", {}, 0
         tried: set[str] = set()
         while True:
             candidates = [b for b in self.pool.states() if b.url not in tried
                           and (route.holders is None or b.url in route.holders)]
-            decision = choose(candidates, hits, num_blocks, cfg.strategy, next(self.rr),
+            decision = choose(candidates, hits, num_blocks, strategy, next(self.rr),
                               self.rng, session_key, index == "ok", cfg.policy,
-                              "fallback-slow-lookup" if index == "slow" else "fallback-no-redis")
+                              fallback_reason)
             if decision is None:
                 if route.holders is not None and self.pool.healthy():
                     # the adapter's holders failed: the healthy backends cannot serve it
@@ -389,6 +414,8 @@ class RouterState:
             # NOTE: off by default: they tell any client which pod holds which prefix.
             out_headers["x-kvmesh-backend"] = b.url
             out_headers["x-kvmesh-route-reason"] = decision.reason
+            if handoff is not None and handoff.prefill_backend is not None:
+                out_headers["x-kvmesh-prefill-backend"] = handoff.prefill_backend
         if stream and resp.status_code == 200:
             done = _Release(resp, b)
             # NOTE: the background task releases the backend even if the client disconnects
@@ -526,6 +553,9 @@ def create_app(cfg: RouterConfig, tokenizer=None, model_name: str | None = None)
         ok = n > 0 or state.hold.enabled
         body = {"ready": ok, "healthy_backends": n, "backends": len(state.pool.backends),
                 "redis": state.redis_ok, "held_requests": state.hold.held}
+        if state.disagg is not None:
+            # NOTE: ready without a prefill engine: the decode engines then prefill themselves
+            body["healthy_prefill_backends"] = len(state.disagg.pool.healthy())
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

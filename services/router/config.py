@@ -46,14 +46,29 @@ class RouterConfig:
     # a request for a LoRA adapter no backend lists goes to the best backend anyway, whose engine
     # loads it (its --lora-resolver-dir); off: such a request is a 404
     lora_load_on_demand: bool = False
+    # prefill/decode disaggregation (disagg.py): each role's engines, static or discovered; the
+    # decode side answers the client and takes --backends' place
+    prefill_backends: tuple[str, ...] = ()
+    prefill_discover: str | None = None     # headless Service of the prefill engines
+    decode_backends: tuple[str, ...] = ()
+    decode_discover: str | None = None      # headless Service of the decode engines
+
+    @property
+    def disaggregated(self) -> bool:
+        """P/D mode: every generation request is prefilled on one engine, decoded on another."""
+        return bool(self.prefill_backends or self.prefill_discover or self.decode_backends
+                    or self.decode_discover)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, "
                              f"got {self.strategy!r}")
-        if bool(self.backends) == bool(self.discover):
+        if self.disaggregated:
+            _check_disaggregated(self)
+        elif bool(self.backends) == bool(self.discover):
             raise ValueError("give exactly one of --backends URL ... or "
-                             "--discover-headless-service NAME")
+                             "--discover-headless-service NAME (or, for prefill/decode "
+                             "disaggregation, --prefill-backends and --decode-backends)")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be a power of two from 1 to 128 (the engines' "
                              f"value), got {self.block_size}")
@@ -62,8 +77,9 @@ class RouterConfig:
         if self.backend_kind not in BACKEND_KINDS:
             raise ValueError(f"--backend-kind must be one of {', '.join(BACKEND_KINDS)}, "
                              f"got {self.backend_kind!r}")
-        kinds = {parse_backend(b, self.backend_kind).kind for b in self.backends}
-        if self.discover:
+        kinds = {parse_backend(b, self.backend_kind).kind
+                 for b in (*self.backends, *self.prefill_backends, *self.decode_backends)}
+        if self.discover or self.prefill_discover or self.decode_discover:
             kinds.add(self.backend_kind)
         if "vllm" in kinds and not self.redis_url:
             raise ValueError("vLLM backends need --redis-url: their KV events are written to "
@@ -86,3 +102,15 @@ class RouterConfig:
                      "heartbeat_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+
+def _check_disaggregated(cfg: RouterConfig) -> None:
+    if cfg.backends or cfg.discover:
+        raise ValueError("--backends / --discover-headless-service cannot be combined with "
+                         "--prefill-backends / --decode-backends: in P/D mode the decode "
+                         "engines answer the clients")
+    for role in ("prefill", "decode"):
+        static, dns = getattr(cfg, f"{role}_backends"), getattr(cfg, f"{role}_discover")
+        if bool(static) == bool(dns):
+            raise ValueError(f"P/D mode needs exactly one of --{role}-backends URL ... or "
+                             f"--discover-{role}-service NAME")

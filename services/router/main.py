@@ -30,12 +30,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--redis-url", required=True, help="the shared prefix index, redis://host:port/db "
                    "(password from $KVMESH_REDIS_PASSWORD when set)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--backends", nargs="+", metavar="[KIND=]URL",
-                       help="engine base URLs; KIND=URL (vllm=http://10.0.0.5:8000) sets one "
-                       "backend's kind")
+    # NOTE: not required here: P/D mode names its engines by role instead; RouterConfig checks
+    # that exactly one way is given
+    where = p.add_mutually_exclusive_group()
+    add_field_flag(where, RouterConfig, "--backends", nargs="+", metavar="[KIND=]URL",
+                   help="engine base URLs; KIND=URL (vllm=http://10.0.0.5:8000) sets one "
+                   "backend's kind")
     where.add_argument("--discover-headless-service", metavar="NAME",
                        help="resolve this DNS name (a headless Service) for engine pod IPs")
+    pd = p.add_argument_group("prefill/decode disaggregation (instead of --backends; "
+                              "docs/DISAGGREGATION.md)")
+    add_field_flag(pd, RouterConfig, "--prefill-backends", nargs="+", metavar="[KIND=]URL",
+                   help="P/D mode: engines started with a kv_producer --kv-transfer-config; each "
+                   "request is prefilled on one (by prefix hits and load) with max_tokens 1")
+    add_field_flag(pd, RouterConfig, "--decode-backends", nargs="+", metavar="[KIND=]URL",
+                   help="P/D mode: kv_consumer engines; each request is decoded on one (by load "
+                   "and free KV) with the prefill engine's kv_transfer_params")
+    add_field_flag(pd, RouterConfig, "--discover-prefill-service", field_name="prefill_discover",
+                   metavar="NAME", help="P/D mode: a headless Service of the prefill engines")
+    add_field_flag(pd, RouterConfig, "--discover-decode-service", field_name="decode_discover",
+                   metavar="NAME", help="P/D mode: a headless Service of the decode engines")
     flag("--backend-port", type=int, help="engine port for discovered IPs")
     flag("--backend-kind", choices=BACKEND_KINDS,
          help="the engines' software: kvmesh engines publish to --redis-url themselves; "
@@ -89,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
-        redis_url=args.redis_url, backends=tuple(args.backends or ()),
+        redis_url=args.redis_url, backends=tuple(args.backends),
         discover=args.discover_headless_service, backend_port=args.backend_port,
+        prefill_backends=tuple(args.prefill_backends), decode_backends=tuple(args.decode_backends),
+        prefill_discover=args.prefill_discover, decode_discover=args.decode_discover,
         backend_kind=args.backend_kind, kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
         strategy=args.strategy, model=args.model, tokenizer=args.tokenizer,

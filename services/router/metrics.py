@@ -56,3 +56,36 @@ class RouterMetrics:
             "full), disconnected", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.held_requests.labels(outcome)
+
+
+PREFILL_OUTCOMES = ("handoff", "no-params", "failed", "refused")
+DECODE_KINDS = ("remote-prefill", "local-prefill")
+
+
+class DisaggMetrics:
+    """The two hops of P/D mode (disagg.py), in the router's registry; only a P/D router has them."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.prefill_requests = Counter(
+            "kvmesh_router_prefill_requests_total",
+            "Prefill hops by outcome: handoff (kv_transfer_params returned), no-params (answered "
+            "without them), failed (backend unreachable, died or 5xx/429: tried on another), "
+            "refused (4xx passed to the client)", ["outcome"], registry=r)
+        for outcome in PREFILL_OUTCOMES:
+            self.prefill_requests.labels(outcome)
+        self.prefill_seconds = Histogram(
+            "kvmesh_router_prefill_seconds",
+            "Prefill hop latency, request sent to answer read (successful hops)", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+        self.decode_requests = Counter(
+            "kvmesh_router_decode_requests_total",
+            "Decode hops by how the prompt's KV gets there: remote-prefill (the prefill "
+            "engine's kv_transfer_params sent along), local-prefill (sent without them: the "
+            "decode engine prefills itself)", ["kind"], registry=r)
+        for kind in DECODE_KINDS:
+            self.decode_requests.labels(kind)
+        self.local_prefill_fallbacks = Counter(
+            "kvmesh_router_prefill_fallbacks_total",
+            "Requests sent to a decode engine alone because no prefill engine could take them "
+            "(none healthy, or every one tried failed)", registry=r)

@@ -72,7 +72,11 @@ def test_every_router_flag_default_is_the_router_configs():
                     "kv_events_topic", "strategy", "model", "tokenizer", "block_size",
                     "hash_seed", "api_key", "expose_route_headers", "cache_salt_from",
                     "session_header", "namespace", "service", "lookup_timeout_s",
-                    "lora_load_on_demand", "hold_timeout_s", "max_held_requests"}
+                    "lora_load_on_demand", "hold_timeout_s", "max_held_requests",
+                    # --backends and P/D mode's role flags: no group is required, the config
+                    # checks that exactly one way names the engines
+                    "backends", "prefill_backends", "decode_backends", "prefill_discover",
+                    "decode_discover"}
     cfg = router_main.config_from_args(parser.parse_args(ROUTER_REQUIRED))
     assert cfg == RouterConfig(redis_url="redis://127.0.0.1:1/0", backends=("http://127.0.0.1:9",))
 

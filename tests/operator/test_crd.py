@@ -87,7 +87,7 @@ def test_full_example_parses_every_field() -> None:
 
 
 @pytest.mark.parametrize("example", ["minimal.yaml", "full.yaml", "vllm.yaml", "inference-pool.yaml",
-                                     "s3-model.yaml"])
+                                     "s3-model.yaml", "disaggregated.yaml"])
 def test_good_examples_pass_the_crd_schema(example: str) -> None:
     assert _schema_errors(load_example(example)) == []
 
@@ -252,6 +252,28 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
       "engine": {"runtime": "vllm", "enableLora": True}},
      ["spec.engine.enableLora and spec.loraAdapters need runtime kvmesh: the operator loads adapters through "
       "kvmesh's admin endpoints"]),
+    # spec.disaggregation (issue 26)
+    ({"model": {}, "disaggregation": {"deviceName": "mlx5_0"}},
+     ["spec.disaggregation.deviceName needs spec.disaggregation.protocol rdma"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "engine": {"runtime": "vllm"},
+      "disaggregation": {}},
+     ["spec.disaggregation needs spec.engine.runtime kvmesh: its engines take kvmesh's --kv-transfer-config"]),
+    ({"model": {}, "router": {"enabled": False}, "disaggregation": {}},
+     ["spec.disaggregation needs kvmesh's router (spec.router.enabled, mode builtin): it runs the prefill and "
+      "decode hops"]),
+    ({"model": {}, "autoscaling": {"enabled": True}, "disaggregation": {}},
+     ["spec.disaggregation scales each role on its own (spec.disaggregation.prefill.autoscaling, "
+      "spec.disaggregation.decode.autoscaling): leave spec.autoscaling disabled"]),
+    ({"model": {}, "gpu": {"count": 2}, "engine": {"tensorParallelSize": 2}, "disaggregation": {}},
+     ["spec.disaggregation runs one GPU per engine pod: set spec.gpu.count (2) to 0 or 1, or "
+      "spec.disaggregation.prefill.gpus and spec.disaggregation.decode.gpus",
+      "spec.disaggregation needs spec.engine.tensorParallelSize 1: a KV transfer moves one engine's cache"]),
+    ({"model": {}, "disaggregation": {"prefill": {"engineArgs": ["--max-num-seqs", "8", "--port=9"]}}},
+     ["spec.disaggregation.prefill.engineArgs must not set --port: the operator sets them"]),
+    ({"model": {}, "disaggregation": {"prefill": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+                                      "decode": {"autoscaling": {"minReplicas": 5}}}},
+     ["spec.disaggregation.prefill.autoscaling.minReplicas (3) must not exceed maxReplicas (2)",
+      "spec.disaggregation.decode.autoscaling.minReplicas (5) must not exceed maxReplicas (4)"]),
 ]
 
 

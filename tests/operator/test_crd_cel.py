@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 41
+    assert len(RULES) == 51
 
 
 @pytest.mark.parametrize("spec", [
@@ -79,9 +79,15 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
     {"model": {"source": "uri", "uri": "/opt/models/m", "endpoint": "http://minio:9000",
                "credentials": {"secretName": "s3"}, "cache": {"hostPath": "/var/lib/kvmesh"}},
      "loraAdapters": [{"name": "sql", "source": "s3://adapters/sql"}]},
+    {"model": {}, "gpu": {"count": 0}, "disaggregation": {
+        "prefill": {"replicas": 2, "engineArgs": ["--max-num-batched-tokens", "4096"]},
+        "decode": {"autoscaling": {"enabled": True, "maxReplicas": 8}}}},
+    {"model": {}, "gpu": {"count": 8}, "disaggregation": {"protocol": "rdma", "deviceName": "mlx5_0",
+                                                          "prefill": {"gpus": 1}, "decode": {"gpus": 1}}},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
         "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model", "lora-adapters",
-        "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials"])
+        "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials", "disaggregated-cpu",
+        "disaggregated-rdma-one-gpu-each"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -139,6 +145,17 @@ CEL_MESSAGES = [
      "pvc://<model.pvc.claimName>/path): the engine pods mount that claim only"],
     ["engine.enableLora and loraAdapters need runtime kvmesh (the operator loads adapters through kvmesh's admin "
      "endpoints)"],
+    ["disaggregation.deviceName needs disaggregation.protocol rdma"],
+    ["disaggregation needs engine.runtime kvmesh (its engines take kvmesh's --kv-transfer-config)"],
+    ["disaggregation needs kvmesh's router (router.enabled, mode builtin): it runs the two hops"],
+    ["disaggregation scales each role on its own (disaggregation.prefill.autoscaling, "
+     "disaggregation.decode.autoscaling): leave spec.autoscaling disabled"],
+    ["disaggregation needs engine.tensorParallelSize 1 (a KV transfer moves one engine's cache)",
+     "disaggregation runs one GPU per engine pod: set gpu.count to 0 or 1, or each role's gpus"],
+    ["engineArgs must not set --kv-transfer-config, --config, --host, --port, --pod-id, --redis-url: the "
+     "operator sets them"],
+    ["disaggregation.prefill.autoscaling.minReplicas must not exceed maxReplicas",
+     "disaggregation.decode.autoscaling.minReplicas must not exceed maxReplicas"],
 ]
 
 

@@ -80,8 +80,10 @@ def test_cli_and_config_validation(capsys):
     assert cfg.backends == ("http://127.0.0.1:9", "http://127.0.0.1:10")
     assert (cfg.strategy, cfg.block_size, cfg.hash_seed, cfg.session_header) == (
         "kv-aware", 16, "kvmesh", "X-Session-Id")
-    with pytest.raises(SystemExit):
-        main(["--redis-url", "redis://x"])          # neither --backends nor discovery
+    # neither --backends nor discovery (nor P/D mode's roles): the config's error, exit 2
+    assert main(["--redis-url", "redis://x"]) == 2
+    assert "give exactly one of --backends URL ... or --discover-headless-service NAME" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--redis-url", "redis://x", "--backends", "u", "--discover-headless-service", "s"])
     assert main(["--redis-url", "redis://x", "--backends", "u", "--block-size", "3"]) == 2
