@@ -5,11 +5,12 @@ The engine's side of it lives in `kvmesh.engine.kv_transfer`; the config is in `
 """
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from kvmesh.common.json_flag import json_object
 
 CONNECTORS = ("MooncakeConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -114,23 +115,11 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
     None. ValueError naming the bad or unknown key."""
     if value is None or isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config: not valid JSON ({e.msg} at column "
-                             f"{e.colno}); e.g. '{{\"kv_connector\": \"MooncakeConnector\", "
-                             "\"kv_role\": \"kv_producer\"}'") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--kv-transfer-config must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"kvmesh reads {', '.join(_KEYS)}")
+    args = json_object("--kv-transfer-config", value, _KEYS,
+                       '{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}')
     for key in ("kv_connector", "kv_role"):
-        if key not in value:
+        if key not in args:
             raise ValueError(f"--kv-transfer-config: \"{key}\" is required")
-    args = dict(value)
     if args.get("engine_id") is None:
         args.pop("engine_id", None)
     return KVTransferConfig(**args)

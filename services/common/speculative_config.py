@@ -5,9 +5,10 @@ because `EngineConfig` holds it (a floor below the engine).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvmesh.common.json_flag import json_object
 
 METHODS = ("ngram", "draft_model")
 # vLLM methods kvmesh does not build (named in the error, so the message says what is missing)
@@ -71,20 +72,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     or a SpeculativeConfig; None for None. ValueError naming the bad or unknown key."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config: not valid JSON ({e.msg} at column "
-                             f"{e.colno}); e.g. '{{\"method\": \"ngram\", "
-                             "\"num_speculative_tokens\": 4}'") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"kvmesh reads {', '.join(_KEYS)}")
-    args = dict(value)
+    args = json_object("--speculative-config", value, _KEYS,
+                       '{"method": "ngram", "num_speculative_tokens": 4}')
     if args.get("method") is None:
         # NOTE: vLLM's inference: a draft model when one is named, else the method is required
         if args.get("model") is None:
