@@ -63,11 +63,8 @@ def _model_bytes(tiny_model) -> int:
 
 def test_a_killed_fetch_resumes_and_no_partial_is_taken(moto_server, model_in_bucket, tiny_model, tmp_path):
     cache = tmp_path / "models"
-    slow = ThrottleProxy(moto_server.port, bytes_per_s=250_000)
-    try:
+    with ThrottleProxy(moto_server.port, bytes_per_s=250_000) as slow:
         done = _kill_midway(model_in_bucket, cache, moto_server.env(AWS_ENDPOINT_URL=slow.url), 3)
-    finally:
-        slow.close()
     entry = next(cache.glob("*/tiny-llama"))
     assert not (entry.parent / "entry.json").exists()          # not complete: never used as is
     assert not (entry / "model.safetensors").exists()
@@ -75,11 +72,8 @@ def test_a_killed_fetch_resumes_and_no_partial_is_taken(moto_server, model_in_bu
     weights = (tiny_model / "model.safetensors").stat().st_size
     assert 3 <= len(done) < -(-weights // CHUNK)
 
-    counting = ThrottleProxy(moto_server.port)
-    try:
+    with ThrottleProxy(moto_server.port) as counting:
         run = _run(model_in_bucket, cache, moto_server.env(AWS_ENDPOINT_URL=counting.url))
-    finally:
-        counting.close()
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(entry)
     assert f"resuming {model_in_bucket}:" in run.stderr
@@ -94,11 +88,8 @@ def test_a_killed_fetch_resumes_and_no_partial_is_taken(moto_server, model_in_bu
 
 def test_a_corrupted_partial_file_fails_its_checksum(moto_server, model_in_bucket, tiny_model, tmp_path):
     cache = tmp_path / "models"
-    slow = ThrottleProxy(moto_server.port, bytes_per_s=250_000)
-    try:
+    with ThrottleProxy(moto_server.port, bytes_per_s=250_000) as slow:
         done = _kill_midway(model_in_bucket, cache, moto_server.env(AWS_ENDPOINT_URL=slow.url), 2)
-    finally:
-        slow.close()
     partial = next(cache.glob("*/tiny-llama/model.safetensors.partial"))
     # NOTE: the fault: bytes of a chunk the state file records as written change on the disk
     # (a bad sector, another writer): resuming keeps that chunk, the ETag (MD5) check catches it
@@ -122,15 +113,12 @@ def test_a_corrupted_partial_file_fails_its_checksum(moto_server, model_in_bucke
 
 def test_two_processes_on_one_cache_fetch_once(moto_server, model_in_bucket, tiny_model, tmp_path):
     cache = tmp_path / "models"
-    proxy = ThrottleProxy(moto_server.port, bytes_per_s=400_000)
-    try:
+    with ThrottleProxy(moto_server.port, bytes_per_s=400_000) as proxy:
         env = moto_server.env(AWS_ENDPOINT_URL=proxy.url)
         first = _start(model_in_bucket, cache, env, "--workers", "1")
         time.sleep(0.3)
         second = _start(model_in_bucket, cache, env, "--workers", "1")
         outs = [p.communicate(timeout=120) for p in (first, second)]
-    finally:
-        proxy.close()
     assert [first.returncode, second.returncode] == [0, 0], outs
     assert outs[0][0] == outs[1][0] and outs[0][0].strip().endswith("/tiny-llama")
     waited = [err for _, err in outs if "waiting: another process on this node is fetching" in err]

@@ -69,6 +69,12 @@ class ThrottleProxy:
                 except OSError:
                     pass
 
+    def __enter__(self) -> "ThrottleProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self._closed = True
         try:
