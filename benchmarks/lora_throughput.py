@@ -127,12 +127,18 @@ def build_requests(tokenizer, workload: str, seed: int, num_requests: int) -> li
 
 
 # ------------------------------------------------------------------------------- kvmesh
-def _kvmesh_engine(model_path, args, k: int | None, max_rank: int):
-    from kvmesh.common.config import EngineConfig
-    from kvmesh.engine.engine import LLMEngine
+def _load(model_path, args):
     from kvmesh.engine.loader import load_model
 
-    loaded = load_model(model_path, dtype=args.dtype, device="cpu", tokenizer_path=args.tokenizer)
+    return load_model(model_path, dtype=args.dtype, device="cpu", tokenizer_path=args.tokenizer)
+
+
+def _kvmesh_engine(loaded, args, k: int | None, max_rank: int):
+    """An engine on `loaded` (with --enable-lora its sites are attached to that model: each K
+    gets a model of its own)."""
+    from kvmesh.common.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+
     block = 16
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in args.requests) + len(args.requests)
     lora = {} if k is None else {"enable_lora": True, "max_loras": k, "max_cpu_loras": k,
@@ -165,12 +171,13 @@ def _warmup(reqs: list[BenchRequest], n: int) -> list[BenchRequest]:
     return [BenchRequest(reqs[i % len(reqs)].prompt_ids[:16], 2) for i in range(n)]
 
 
-def run_kvmesh(model_path, args, cases: list[Case], adapters: dict[str, Path]) -> dict[str, Timing]:
+def run_kvmesh(model_path, base, args, cases: list[Case], adapters: dict[str, Path]) -> dict[str, Timing]:
+    """`base`: the model loaded once (its tokenizer built the requests), served without LoRA."""
     from kvmesh.engine.lora import LoRARequest
 
     max_rank = max(c.rank for c in cases)
     results: dict[str, Timing] = {}
-    engine = _kvmesh_engine(model_path, args, None, max_rank)
+    engine = _kvmesh_engine(base, args, None, max_rank)
     try:
         _kvmesh_run(engine, _warmup(args.requests, 4), None, "warm")
         engine.reset_prefix_cache()
@@ -179,7 +186,7 @@ def run_kvmesh(model_path, args, cases: list[Case], adapters: dict[str, Path]) -
     finally:
         engine.shutdown()
     for k, group in itertools.groupby(sorted(cases, key=lambda c: c.adapters), key=lambda c: c.adapters):
-        engine = _kvmesh_engine(model_path, args, k, max_rank)
+        engine = _kvmesh_engine(_load(model_path, args), args, k, max_rank)
         ids = {name: i + 1 for i, name in enumerate(adapters)}
         try:
             for case in group:
@@ -342,12 +349,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from kvmesh.engine.hf_export import builtin_hf_dir
-    from kvmesh.engine.loader import load_model
     model_path = resolve_model(args.model, Path(args.model_cache), args.tokenizer)
     hf_dir = builtin_hf_dir(args.dtype) if model_path is None else Path(model_path)
     peft_base = builtin_hf_dir("float32") if model_path is None else Path(model_path)
-    tokenizer = load_model(model_path, dtype="float32", device="cpu", tokenizer_path=args.tokenizer).tokenizer
-    args.requests = build_requests(tokenizer, args.workload, args.seed, args.num_requests)
+    base = _load(model_path, args)
+    args.requests = build_requests(base.tokenizer, args.workload, args.seed, args.num_requests)
 
     cases = [Case(k, r, pop) for k in ks for r in ranks for pop in pops]
     adapters: dict[str, Path] = {}
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict[str, dict[str, Timing]] = {}
     for s in systems:
-        results[s] = (run_kvmesh(model_path, args, cases, adapters) if s == "kvmesh"
+        results[s] = (run_kvmesh(model_path, base, args, cases, adapters) if s == "kvmesh"
                       else run_vllm(hf_dir, args, cases, adapters))
     print()
     print("\n".join(table(results, cases, n_out, distinct)))

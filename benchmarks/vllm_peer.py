@@ -59,13 +59,36 @@ def _tree_cpu_s() -> float:
     return total
 
 
+def _llm(spec: dict, **extra):
+    """vLLM's engine as every mode starts it: the spec's model and sizes, prefix caching off."""
+    from vllm import LLM
+
+    return LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
+               enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
+               max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
+               max_model_len=int(spec["max_model_len"]), **extra)
+
+
+def _generate(llm, reqs: list[dict], adapters: dict | None = None) -> list[list[int]]:
+    """Greedy, exactly max_tokens each, all queued at once; a request's "lora" names its adapter."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]),
+                             min_tokens=int(r["max_tokens"]), ignore_eos=True) for r in reqs]
+    extra = {}
+    if adapters is not None:
+        extra["lora_request"] = [adapters[r["lora"]] if r.get("lora") else None for r in reqs]
+    outs = llm.generate(prompts, params, use_tqdm=False, **extra)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def run(spec: dict) -> dict:
     profile_dir = spec.get("profile_dir")
     if profile_dir:
         os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     extra = {}
     if profile_dir:
@@ -73,24 +96,14 @@ def run(spec: dict) -> dict:
                                     "torch_profiler_with_stack": False, "torch_profiler_record_shapes": True,
                                     "torch_profiler_use_gzip": False, "ignore_frontend": True}
     t_load = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
-              enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
-              max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
-              max_model_len=int(spec["max_model_len"]), **extra)
+    llm = _llm(spec, **extra)
     load_s = time.perf_counter() - t_load
 
-    def go(reqs: list[dict]) -> list[list[int]]:
-        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in reqs]
-        params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]),
-                                 min_tokens=int(r["max_tokens"]), ignore_eos=True) for r in reqs]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    go(spec.get("warmup") or [])
+    _generate(llm, spec.get("warmup") or [])
     if profile_dir:
         llm.start_profile()
     c0, t0 = _tree_cpu_s(), time.perf_counter()
-    outputs = go(spec["requests"])
+    outputs = _generate(llm, spec["requests"])
     wall = time.perf_counter() - t0
     cpu = _tree_cpu_s() - c0
     if profile_dir:
@@ -104,34 +117,20 @@ def run(spec: dict) -> dict:
 
 def run_lora(spec: dict) -> dict:
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     lora = spec["lora"]
     t_load = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), seed=int(spec.get("seed", 0)),
-              enable_prefix_caching=False, max_num_seqs=int(spec["max_num_seqs"]),
-              max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
-              max_model_len=int(spec["max_model_len"]), enable_lora=True,
-              max_loras=int(lora["max_loras"]), max_cpu_loras=int(lora["max_cpu_loras"]),
-              max_lora_rank=int(lora["max_lora_rank"]))
+    llm = _llm(spec, enable_lora=True, max_loras=int(lora["max_loras"]),
+               max_cpu_loras=int(lora["max_cpu_loras"]), max_lora_rank=int(lora["max_lora_rank"]))
     load_s = time.perf_counter() - t_load
     adapters = {name: LoRARequest(name, int(a["id"]), a["path"]) for name, a in lora["adapters"].items()}
 
-    def go(reqs: list[dict]) -> list[list[int]]:
-        prompts = [TokensPrompt(prompt_token_ids=list(r["prompt_ids"])) for r in reqs]
-        params = [SamplingParams(temperature=0.0, max_tokens=int(r["max_tokens"]),
-                                 min_tokens=int(r["max_tokens"]), ignore_eos=True) for r in reqs]
-        loras = [adapters[r["lora"]] if r.get("lora") else None for r in reqs]
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
     cases = []
     for case in spec["cases"]:
-        go(case.get("warmup") or [])
+        _generate(llm, case.get("warmup") or [], adapters)
         c0, t0 = _tree_cpu_s(), time.perf_counter()
-        outputs = go(case["requests"])
+        outputs = _generate(llm, case["requests"], adapters)
         cases.append({"name": case["name"], "outputs": outputs, "wall_s": time.perf_counter() - t0,
                       "cpu_s": _tree_cpu_s() - c0})
     return {"system": f"vllm {vllm.__version__}", "cases": cases, "load_s": load_s,
