@@ -3,7 +3,7 @@
     per sequence: slot (-1: base model) and its tokens this step
     rows   [n]      batch rows of the tokens that run an adapter, grouped by slot (stable)
     starts [S + 1]  segment s = rows[starts[s]:starts[s + 1]], all of slot slots[s]
-    runs   [S]      (lo, hi) when every segment's rows are the consecutive batch rows lo..hi-1
+    runs   [S]      (CPU) (lo, hi) when every segment's rows are the consecutive batch rows lo..hi-1
                     (one adapter for the batch, or sequences grouped by adapter), else None
     padded          several segments padded to the longest cost at most PAD_WASTE times the real
                     rows: the CPU path's batched form (kernels/lora_ops.Padded), else None
@@ -56,20 +56,25 @@ class LoRAMapping:
         self.starts = starts.tolist()
         self.slots = sorted_slots[starts[:-1]].tolist()
         self.max_seg_len = int(np.diff(starts).max())
-        lo, hi = rows[starts[:-1]], rows[starts[1:] - 1] + 1
-        contiguous = bool(np.all(hi - lo == np.diff(starts)))
-        # NOTE: rows within a segment ascend (stable sort of ascending rows), so a segment whose
-        # first and last row span exactly its length is one run
-        self.runs = list(zip(lo.tolist(), hi.tolist())) if contiguous else None
-        self.padded = None
-        segs = len(self.slots)
-        if device.type == "cpu" and segs > 1 and segs * self.max_seg_len <= PAD_WASTE * rows.size:
-            self.padded = _pad(rows, starts, self.slots, self.max_seg_len)
+        self.runs = self.padded = None
+        if device.type == "cpu":            # the torch path's layouts (the Triton kernels take rows)
+            self.runs = _runs(rows, starts)
+            segs = len(self.slots)
+            if segs > 1 and segs * self.max_seg_len <= PAD_WASTE * rows.size:
+                self.padded = _pad(rows, starts, self.slots, self.max_seg_len)
         self.rows = torch.from_numpy(rows).to(device)
         if device.type == "cuda":
             self.seg_starts = torch.tensor(self.starts, dtype=torch.int32).to(device)
             self.seg_slots = torch.tensor(self.slots, dtype=torch.int32).to(device)
         self.active = True
+
+
+def _runs(rows: np.ndarray, starts: np.ndarray) -> list[tuple[int, int]] | None:
+    """Each segment's [lo, hi) of batch rows when every segment is one run of consecutive rows."""
+    lo, hi = rows[starts[:-1]], rows[starts[1:] - 1] + 1
+    # NOTE: rows within a segment ascend (stable sort of ascending rows), so a segment whose
+    # first and last row span exactly its length is one run
+    return list(zip(lo.tolist(), hi.tolist())) if bool(np.all(hi - lo == np.diff(starts))) else None
 
 
 def _pad(rows: np.ndarray, starts: np.ndarray, slots: list[int], length: int) -> Padded:
