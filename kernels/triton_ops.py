@@ -45,9 +45,16 @@ def paged_attention(
     if meta.num_seqs == 0:
         return torch.empty_like(query)
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        launch = meta.decode_launch
+        if launch is None:
+            return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.max_seq_len, scale,
+                                          sliding_window=meta.sliding_window, softcap=softcap)
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.max_seq_len, scale, sliding_window=meta.sliding_window,
-                                      softcap=softcap)
+                                      softcap=softcap, num_splits=launch.num_splits,
+                                      min_split_tokens=launch.min_split_tokens,
+                                      workspace=launch.workspace)
     return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, sliding_window=meta.sliding_window, softcap=softcap)
 
