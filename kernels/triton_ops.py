@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.cache_ops import write_kv_cache as _write_kv_cache
+from kvmesh.kernels.flash_prefill import default_impl, prefill_attention
 from kvmesh.kernels.fused_moe import fused_moe as _fused_moe
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.norm import rms_norm as _rms_norm
@@ -39,7 +40,8 @@ def paged_attention(
     """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
 
     An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
-    prefix hits, decodes mixed in) to the unified varlen kernel. `meta.sliding_window` and
+    prefix hits, decodes mixed in) to the unified varlen kernel, except that on CUDA the chunks
+    with no cached prefix go to torch's flash attention (`flash_prefill.py`). `meta.sliding_window` and
     `softcap` as in the reference.
     """
     if meta.num_seqs == 0:
@@ -55,6 +57,12 @@ def paged_attention(
                                       softcap=softcap, num_splits=launch.num_splits,
                                       min_split_tokens=launch.min_split_tokens,
                                       workspace=launch.workspace)
+    # NOTE: prefill chunks with no cached prefix go to torch's flash kernel where it applies
+    # (CUDA, 16-bit, no soft-cap); the rest of the step stays on the unified kernel
+    out = prefill_attention(query, k_cache, v_cache, meta, scale, softcap, unified_attention,
+                            default_impl(query.device))
+    if out is not None:
+        return out
     return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, sliding_window=meta.sliding_window, softcap=softcap)
 
