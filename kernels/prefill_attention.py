@@ -74,6 +74,7 @@ def _unified_attention_kernel(
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
     NUM_STAGES: tl.constexpr,   # software-pipelining depth of the K/V loops
+    UNMASKED_LOOP: tl.constexpr,  # run the tiles below the diagonal without masks (16-bit)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,17 +119,19 @@ def _unified_attention_kernel(
     # NOTE: without a window, every row of the tile sees every position up to its first row's
     # (prefix + q_tile * BLOCK_Q): the tiles wholly below it (a cached prefix, and the chunk's
     # earlier query tiles) need no mask at all; only the tiles that reach the causal diagonal do
-    first_pos = prefix + q_tile * BLOCK_Q
-    full_end = tl.where(window > 0, kv_start,
-                        kv_start + (first_pos + 1 - kv_start) // BLOCK_N * BLOCK_N)
-    for n0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        _, _, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
-                                  stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
-                                  n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if USE_SOFTCAP:
-            s = softcap_log2 * tanh(s / softcap_log2)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+    full_end = kv_start
+    if UNMASKED_LOOP:
+        first_pos = prefix + q_tile * BLOCK_Q
+        full_end = tl.where(window > 0, kv_start,
+                            kv_start + (first_pos + 1 - kv_start) // BLOCK_N * BLOCK_N)
+        for n0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            _, _, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
+                                      stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
+                                      n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if USE_SOFTCAP:
+                s = softcap_log2 * tanh(s / softcap_log2)
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
     for n0 in tl.range(full_end, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
@@ -241,6 +244,9 @@ def unified_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
         USE_SOFTCAP=softcap > 0, NUM_STAGES=num_stages,
+        # NOTE: fp32 tiles with a second loop body spill on sm_90 (200-344 B at head_dim 128,
+        # gpu_compile): fp32 (a correctness dtype on GPUs) keeps the one masked loop
+        UNMASKED_LOOP=query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

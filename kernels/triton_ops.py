@@ -41,22 +41,20 @@ def paged_attention(
 
     An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
     prefix hits, decodes mixed in) to the unified varlen kernel, except that on CUDA the chunks
-    with no cached prefix go to torch's flash attention (`flash_prefill.py`). `meta.sliding_window` and
-    `softcap` as in the reference.
+    with no cached prefix go to torch's flash attention (`flash_prefill.py`).
+    `meta.sliding_window` and `softcap` as in the reference.
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        # the runner's split choice and preallocated partials (else the kernel's own rule)
         launch = meta.decode_launch
-        if launch is None:
-            return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.max_seq_len, scale,
-                                          sliding_window=meta.sliding_window, softcap=softcap)
+        split = {} if launch is None else dict(num_splits=launch.num_splits,
+                                               min_split_tokens=launch.min_split_tokens,
+                                               workspace=launch.workspace)
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.max_seq_len, scale, sliding_window=meta.sliding_window,
-                                      softcap=softcap, num_splits=launch.num_splits,
-                                      min_split_tokens=launch.min_split_tokens,
-                                      workspace=launch.workspace)
+                                      softcap=softcap, **split)
     # NOTE: prefill chunks with no cached prefix go to torch's flash kernel where it applies
     # (CUDA, 16-bit, no soft-cap); the rest of the step stays on the unified kernel
     out = prefill_attention(query, k_cache, v_cache, meta, scale, softcap, unified_attention,
