@@ -95,10 +95,13 @@ def warm_attention(variants: list[AttentionVariant], kv_cache: tuple[torch.Tenso
                                        workspace=(planner.workspace if seqs * v.num_splits
                                                   <= planner.rows else None), **kw)
         else:
-            unified_attention(_query(v, 2, dtype, device), k_cache, v_cache,
-                              torch.tensor([0, 2], dtype=torch.int32, device=device),
-                              torch.full((1,), 2, dtype=torch.int32, device=device), tables,
-                              v.head_dim ** -0.5, **kw)
+            # NOTE: the model's strided view, and a contiguous query: the rows of a mixed step
+            # that the flash route leaves to this kernel are gathered (flash_prefill.py)
+            for q in (_query(v, 2, dtype, device), _query(v, 2, dtype, device).contiguous()):
+                unified_attention(q, k_cache, v_cache,
+                                  torch.tensor([0, 2], dtype=torch.int32, device=device),
+                                  torch.full((1,), 2, dtype=torch.int32, device=device), tables,
+                                  v.head_dim ** -0.5, **kw)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0

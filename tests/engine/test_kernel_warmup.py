@@ -81,7 +81,7 @@ def test_warm_launches_every_variant(monkeypatch):
     one, qkv = 4 * 16, 4 * 16 + 2 * 2 * 16
     assert calls == [(k, stride, n, w, cap, m) for w, cap in ((0, 0.0), (32, 30.0)) for k, stride, n, m in (
         ("decode", one, 1, 512), ("decode", qkv, 1, 512), ("decode", one, 2, 512),
-        ("decode", qkv, 2, 512), ("unified", qkv, None, None))]
+        ("decode", qkv, 2, 512), ("unified", qkv, None, None), ("unified", one, None, None))]
 
 
 def _compiled(kernel) -> int:
