@@ -125,7 +125,7 @@ def test_impl_override(monkeypatch):
 def test_flash_routes_match_unified_on_the_gpu(kx, window):
     lens = ([1, 40, 17, 1, 70, 33], [50, 40, 90, 1, 70, 33])
     case = kx.make_paged_case(*lens, num_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
-                              dtype=torch.bfloat16, seed=window)
+                              dtype=torch.bfloat16, seed=window, strided_query=True)
     q = case.query.cuda()
     kc, vc = (t.nan_to_num(0.0).cuda() for t in (case.k_cache, case.v_cache))
     meta = case.meta
