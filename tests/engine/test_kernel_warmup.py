@@ -114,3 +114,51 @@ def test_after_start_up_serving_compiles_nothing(enforce_eager):
         while eng.has_unfinished_requests():
             eng.step()
     assert [_compiled(k) for k in kernels] == before
+
+
+class _RecordingModel(nn.Module):
+    """Stands in for a model (the runner's planner is CUDA-only, so it is set by hand here):
+    records the decode launch each forward is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches = []
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        self.launches.append(meta.decode_launch)
+        return torch.zeros(input_ids.shape[0], 8)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], 16)
+
+
+def test_runner_gives_eager_steps_the_rule_and_graph_steps_the_fixed_count():
+    from kvmesh.engine.model_runner import ModelRunner
+    from kvmesh.engine.runner_options import RunnerOptions
+    from kvmesh.kernels.decode_plan import DecodePlanner
+
+    model = _RecordingModel()
+    runner = ModelRunner(model, num_layers=1, num_kv_heads=2, head_dim=16, block_size=16,
+                         num_gpu_blocks=64, num_cpu_blocks=0, dtype=torch.float32,
+                         device=torch.device("cpu"),
+                         options=RunnerOptions(max_num_seqs=4, max_model_len=1024))
+    assert runner.decode_planner is None                # off CUDA: nothing prepared
+    runner.decode_planner = DecodePlanner(4, 4, 2, 16, 1024, num_sms=64, device="cpu")
+    assert runner.decode_planner.graph_splits == {1: 2, 2: 2, 3: 2, 4: 2}
+    batch = runner.input_batch
+    table = list(range(1, 9))
+
+    def decode_step(context: int):
+        batch.begin()
+        batch.add("a", [5] * context, context - 1, 1, table)
+        return batch.finish([0])
+
+    runner.run_model(decode_step(100))       # eager, short context: one split, one launch
+    runner._forward(decode_step(100))         # a graph step: the size's fixed count
+    runner.run_model(decode_step(1024))      # eager at the longest context: the same as the graph
+    batch.begin()
+    batch.add("b", [5] * 40, 0, 40, table)   # a prefill: no decode launch
+    runner.run_model(batch.finish([39]))
+    assert [(x.num_splits, x.min_split_tokens) if x else None for x in model.launches] == [
+        (1, 512), (2, 512), (2, 512), None]
+    assert model.launches[1].workspace is runner.decode_planner.workspace
