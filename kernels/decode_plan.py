@@ -119,8 +119,10 @@ class DecodePlanner:
             return self.graph_splits[num_seqs]
         n = decode_splits(num_seqs, self.num_kv_heads, max(1, max_seq_len), self.num_sms,
                           min_split_tokens=self.min_split_tokens)
-        # NOTE: a batch past max_num_seqs (a tensor-parallel worker is given no limit) may ask
-        # for more rows than the workspace holds: fewer splits, never a per-step allocation
+        # NOTE: a step past the limits the planner was given (a tensor-parallel worker's runner
+        # gets the defaults) could ask for a count that start-up did not warm, or for more rows
+        # than the workspace holds: fewer splits, never a compile or an allocation per step
+        n = min(n, self.variants()[-1])
         while n > 1 and num_seqs * n > self.rows:
             n //= 2
         return n

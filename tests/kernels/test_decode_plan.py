@@ -63,6 +63,9 @@ def test_planner_never_outgrows_its_workspace():
     assert planner.rows == 32                           # b = 4: 8 splits, capped by the context
     # a batch past max_num_seqs (a tensor-parallel worker): fewer splits, within the rows
     assert planner.splits(9, 4096) == 2
+    # a context past max_model_len: no more splits than start-up warmed
+    assert planner.variants() == [1, 2, 4, 8]
+    assert planner.splits(1, 1 << 20) == 8 and decode_splits(1, 2, 1 << 20, H100_SMS) == 64
     launch = planner.launch(9, 4096)
     assert (launch.num_splits, launch.min_split_tokens) == (2, 512)
     assert launch.workspace is planner.workspace
