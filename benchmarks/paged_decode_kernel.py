@@ -2,15 +2,20 @@
 
     python benchmarks/paged_decode_kernel.py   # the issue's grid, bf16, head_dim 128, GQA 8:1
     python benchmarks/paged_decode_kernel.py --batches 16 64 --contexts 2048 8192 --block-size 32
+    python benchmarks/paged_decode_kernel.py --batches 1 4 16 --contexts 128 512 1024 --max-model-len 8192
+        # small batches at short context, the split count fixed as a CUDA graph fixes it
 
 For each (batch, context) it prints one row:
+  * the split count (the engine's rule, kernels/decode_plan.py; splits of at least
+    --min-split-tokens, so a short context uses one: one launch, output written directly);
   * the decode kernel's time and achieved bandwidth (K/V bytes read + q/out) as a fraction of the
     measured device-to-device copy bandwidth (read + write bytes of a large `copy_`);
   * the time of torch's scaled_dot_product_attention on the same K/V laid out contiguously,
     [batch, kv_heads, context, head_dim], with the GQA group folded into the query length
     (q [batch, kv_heads, group, head_dim]), which is exact for decode and lets SDPA pick its
     flash kernel; and the ratio paged / SDPA.
-Targets (issue 7): >= 70% of copy bandwidth at context >= 2k and batch >= 16; <= 1.25x SDPA.
+Targets (issue 7): >= 70% of copy bandwidth at context >= 2k and batch >= 16; <= 1.25x SDPA
+(issue 30: batch 1-16 at short context no slower than SDPA).
 Configurations that do not fit in free GPU memory are skipped. Needs CUDA; not run by pytest.
 """
 from __future__ import annotations
@@ -33,7 +38,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--num-splits", type=int, default=None, help="default: the kernel's heuristic")
+    p.add_argument("--num-splits", type=int, default=None,
+                   help="default: the engine's rule (kernels/decode_plan.py) at the context, or at "
+                        "--max-model-len (a CUDA graph's fixed count)")
+    p.add_argument("--min-split-tokens", type=int, default=None,
+                   help="fewest tokens a split takes (default: the engine's, decode_plan.py)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="fix the split count as a CUDA graph of this batch size does (the rule at "
+                        "this length), whatever the context: the graph case at short context")
     p.add_argument("--block-n", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=2)
@@ -58,6 +70,7 @@ def _fits(nbytes: int) -> bool:
 
 
 def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype):
+    from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace
     from kvmesh.kernels.paged_attention import default_num_splits, paged_decode_attention
 
     kvh, d, bs = args.num_kv_heads, args.head_dim, args.block_size
@@ -70,11 +83,16 @@ def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype):
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, args.num_heads, d, dtype=dtype, device="cuda")
     scale = d ** -0.5
-    splits = args.num_splits or default_num_splits(batch, kvh, ctx, query.device)
+    min_tokens = args.min_split_tokens or DEFAULT_MIN_SPLIT_TOKENS
+    splits = args.num_splits or default_num_splits(batch, kvh, args.max_model_len or ctx,
+                                                   query.device, min_split_tokens=min_tokens)
+    # NOTE: preallocated once, as the engine's DecodePlanner does (no allocation per call)
+    workspace = DecodeWorkspace.allocate(batch * splits, args.num_heads, d, "cuda")
 
     def run():
         return paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, ctx, scale,
-                                      num_splits=splits, block_n=args.block_n,
+                                      num_splits=splits, min_split_tokens=min_tokens,
+                                      workspace=workspace, block_n=args.block_n,
                                       num_warps=args.num_warps, num_stages=args.num_stages)
 
     out = run()

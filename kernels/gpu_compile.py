@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS
+
 TARGETS = (80, 90)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZE = 16   # tokens per KV-cache block (the engine's default)
@@ -98,12 +100,16 @@ def _launch_attention(s: EngineShape, dtype) -> None:
     seq_lens, qsl = _meta(seqs, dtype=torch.int32), _meta(seqs + 1, dtype=torch.int32)
     q, _, _ = _qkv(s, seqs, dtype)
     kw = dict(sliding_window=s.sliding_window, softcap=s.softcap)
-    for splits in (1, 16):   # large batches: one split; batch 1 at long context: many + the reduce
+    # large batches or short contexts: one split; batch 1 at long context: many + the reduce;
+    # with the engine's minimum split length (DecodePlanner), as every engine decode runs
+    for splits in (1, 16):
         paged_attention.paged_decode_attention(q, _cache(s, dtype), _cache(s, dtype), tables, seq_lens,
-                                               512, s.head_dim ** -0.5, num_splits=splits, **kw)
+                                               512, s.head_dim ** -0.5, num_splits=splits,
+                                               min_split_tokens=DEFAULT_MIN_SPLIT_TOKENS, **kw)
     q, _, _ = _qkv(s, 64, dtype)
-    prefill_attention.unified_attention(q, _cache(s, dtype), _cache(s, dtype), qsl, seq_lens, tables,
-                                        s.head_dim ** -0.5, **kw)
+    for arch in (80, 90):    # the launcher's tiles per architecture (a meta tensor has none)
+        prefill_attention.unified_attention(q, _cache(s, dtype), _cache(s, dtype), qsl, seq_lens,
+                                            tables, s.head_dim ** -0.5, arch=arch, **kw)
 
 
 def _launch_moe(s: EngineShape, dtype) -> None:
@@ -165,8 +171,11 @@ _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", 
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
-def _specialise(value) -> tuple[str, bool, Any]:
-    """(signature type, 16-divisible, constexpr value) as Triton's JIT specialises an argument."""
+def _specialise(value, specialise: bool = True) -> tuple[str, bool, Any]:
+    """(signature type, 16-divisible, constexpr value) as Triton's JIT specialises an argument
+    (`specialise=False`: a `do_not_specialize` integer, never a constant nor 16-divisible)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not specialise:
+        return ("i32" if -2 ** 31 <= value < 2 ** 31 else "i64"), False, None
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype], value.storage_offset() * value.element_size() % 16 == 0, None
     if isinstance(value, bool):
@@ -198,7 +207,7 @@ def _recording(dtype: torch.dtype, shape: EngineShape, out: dict) -> Iterator[No
                     sig.append((name, "constexpr"))
                     consts.append((name, value))
                     continue
-                ty, divisible, const = _specialise(value)
+                ty, divisible, const = _specialise(value, not param.do_not_specialize)
                 sig.append((name, ty))
                 if ty == "constexpr":
                     consts.append((name, const))
@@ -304,8 +313,8 @@ def compile_variant(v: Variant, cc: int) -> Resources:
 
 
 _SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_G", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-          "BLOCK_D", "NUM_SPLITS", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
-          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND")
+          "BLOCK_D", "NUM_SPLITS", "MIN_CHUNK", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
+          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND", "NUM_STAGES")
 
 
 def describe(v: Variant) -> str:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvmesh.kernels.decode_plan import DecodeLaunch
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -29,6 +31,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]       # host copies per sequence (the CPU reference loops on them)
     seq_lens_cpu: list[int]
     sliding_window: int = 0         # W > 0: attend to the last W positions only; 0: full causal
+    # the decode kernel's split count and workspace for this step (Triton backend; the runner's
+    # DecodePlanner sets it); None: the kernel's own rule and per-call partials
+    decode_launch: DecodeLaunch | None = None
     # NOTE: with_window's views of this step, one per window, so every layer of one window gets
     # the same object (the reference backend caches its plan per metadata object).
     _window_views: dict = field(default_factory=dict, repr=False, compare=False)

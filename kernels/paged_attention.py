@@ -4,7 +4,10 @@ Grid of the main kernel: (num_seqs, num_kv_heads, num_splits). A program owns ev
 of one KV-head group (so each K/V tile is loaded once for the whole group) and one contiguous
 slice of its sequence's context. With num_splits > 1 each program writes a
 partial (its own softmax-normalised output and its log-sum-exp) and a second kernel merges the
-splits, weighting each by exp(lse - max lse).
+splits, weighting each by exp(lse - max lse). A sequence uses only as many splits as its context
+fills at `min_split_tokens` each; one that uses one writes its output directly and the merge
+skips it (so a CUDA graph's fixed split count costs little at short context). How many splits,
+and the preallocated partials: `decode_plan.py`.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace, decode_splits
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -71,14 +76,35 @@ def tanh(x):
 
 
 @triton.jit
+def _split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MIN_CHUNK: tl.constexpr):
+    """(start, end, active) of one split of a decode query's context: positions start .. end - 1
+    of the `active` splits this sequence uses (the rest are empty). Shared by both kernels."""
+    # NOTE: the query (position seq_len - 1) sees positions lo .. seq_len - 1: all of them, or
+    # with a window W the last W. Only that span is split and loaded, so a windowed decode reads
+    # W tokens whatever the context length.
+    lo = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
+    # NOTE: each sequence is cut into equal slices of *its own* span (rounded to BLOCK_N, so
+    # splits of short and long sequences in one batch carry balanced work), none shorter than
+    # MIN_CHUNK: a short context uses fewer splits than NUM_SPLITS (a CUDA graph fixes
+    # NUM_SPLITS at the longest context) and with one it skips the partials and the merge.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    active = tl.maximum(tl.cdiv(seq_len - lo, chunk), 1)
+    start = lo + split * chunk
+    return start, tl.minimum(start + chunk, seq_len), active
+
+
+# NOTE: the block tables' row stride is their width, which changes from step to step in eager
+# mode: not specialised (== 1 / divisible by 16), so a step never compiles a new variant.
+@triton.jit(do_not_specialize=["stride_bts"])
 def _decode_split_kernel(
     q_ptr,              # [num_seqs, num_heads, head_dim]
     k_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,        # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,   # [num_seqs, max_blocks] int32/int64
     seq_lens_ptr,       # [num_seqs] int32/int64
-    out_ptr,            # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim] (query dtype)
-                        # NUM_SPLITS > 1: [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 partials
+    out_ptr,            # [num_seqs, num_heads, head_dim] (query dtype): a one-split sequence's output
+    part_ptr,           # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 partials (NUM_SPLITS > 1)
     lse_ptr,            # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain); unused if 1 split
     qk_scale,           # softmax scale * log2(e)
     window,             # sliding window W: attend to the last W positions; 0 = the whole context
@@ -87,7 +113,8 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bts, stride_btb,
-    stride_os, stride_oh, stride_op, stride_od,
+    stride_os, stride_oh, stride_od,
+    stride_ps, stride_ph, stride_pp, stride_pd,
     stride_ls, stride_lh,
     GROUP: tl.constexpr,        # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -96,6 +123,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,      # HEAD_DIM padded to a power of two
     BLOCK_N: tl.constexpr,      # context tokens per loop iteration
     NUM_SPLITS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,    # fewest tokens of a split (a multiple of BLOCK_N)
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
@@ -105,15 +133,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # NOTE: the query (position seq_len - 1) sees positions lo .. seq_len - 1: all of them, or
-    # with a window W the last W. Only that span is split and loaded, so a windowed decode reads
-    # W tokens whatever the context length.
-    lo = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
-    # NOTE: each sequence is cut into NUM_SPLITS equal slices of *its own* span (rounded to
-    # BLOCK_N), so splits of short and long sequences in one batch carry balanced work.
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end, active = _split_range(seq_len, window, split, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    if split >= active:
+        return
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -147,10 +169,14 @@ def _decode_split_kernel(
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1:       # compiled without the partials' path
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    elif active == 1:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        tl.store(o_ptrs + split * stride_op, out, mask=o_mask)
+        p_ptrs = (part_ptr + seq * stride_ps + heads[:, None] * stride_ph + split * stride_pp
+                  + offs_d[None, :] * stride_pd)
+        tl.store(p_ptrs, out, mask=o_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g_mask)
 
@@ -160,6 +186,8 @@ def _decode_reduce_kernel(
     part_ptr,           # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
     lse_ptr,            # [num_seqs, num_heads, NUM_SPLITS] fp32 (log2 domain, -inf = empty split)
     out_ptr,            # [num_seqs, num_heads, head_dim]
+    seq_lens_ptr,       # [num_seqs] int32/int64: which splits each sequence used
+    window,             # as the split kernel's
     stride_ps, stride_ph, stride_pp, stride_pd,
     stride_ls, stride_lh,
     stride_os, stride_oh, stride_od,
@@ -167,12 +195,20 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,      # NUM_SPLITS padded to a power of two
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,      # the split kernel's, to find each sequence's active splits
+    MIN_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    _, _, active = _split_range(seq_len, window, 0, NUM_SPLITS, BLOCK_N, MIN_CHUNK)
+    if active == 1:           # the split kernel wrote this sequence's output itself
+        return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    # NOTE: only the active splits wrote partials: the workspace is reused, never cleared, so
+    # the rest hold another step's values and are not read
+    s_mask = offs_s < active
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))
@@ -243,23 +279,17 @@ def upcast_operands(query: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                       *, min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
-    """Enough splits to fill ~2 waves of SMs, none shorter than min_tokens_per_split tokens.
-
-    Rounded to a power of two so few kernel variants get compiled (NUM_SPLITS is constexpr).
-    """
+                       *, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS) -> int:
+    """`decode_plan.decode_splits` for this device; 1 off CUDA (the interpreter)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 1
-    programs = max(1, num_seqs * num_kv_heads)
-    want = triton.cdiv(2 * _num_sms(device.index or 0), programs)
-    cap = max(1, triton.cdiv(max_seq_len, min_tokens_per_split))
-    n = max(1, min(want, cap, max_splits))
-    return 1 << (n - 1).bit_length() if n > 1 else 1
+    return decode_splits(max(1, num_seqs), num_kv_heads, max(1, max_seq_len),
+                         num_sms(device.index or 0), min_split_tokens=min_split_tokens)
 
 
 def paged_decode_attention(
@@ -274,6 +304,8 @@ def paged_decode_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     num_splits: int | None = None,
+    min_split_tokens: int | None = None,
+    workspace: DecodeWorkspace | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
@@ -281,7 +313,11 @@ def paged_decode_attention(
     """One query token per sequence against its paged context (flash-decoding when split).
 
     `sliding_window` W > 0: the query sees the last W positions (itself included); `softcap`
-    > 0: scores become cap * tanh(score / cap) before the softmax.
+    > 0: scores become cap * tanh(score / cap) before the softmax. `num_splits` (default: the
+    rule of `decode_plan.decode_splits`) is the most splits a sequence uses; each split is at
+    least `min_split_tokens` long (default: `block_n`, i.e. every sequence uses all
+    `num_splits`), so a sequence shorter than that takes one split and is written directly.
+    `workspace`: preallocated partials (else allocated per call when split).
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
     check_window_softcap(sliding_window, softcap)
@@ -297,10 +333,14 @@ def paged_decode_attention(
     num_warps = num_warps or (8 if fp32 else 4)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if min_split_tokens is not None and min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device,
+                                        min_split_tokens=min_split_tokens or DEFAULT_MIN_SPLIT_TOKENS)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    min_chunk = triton.cdiv(min_split_tokens or block_n, block_n) * block_n
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
@@ -308,36 +348,41 @@ def paged_decode_attention(
     block_g = max(16, triton.next_power_of_2(group))
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16
     if num_splits == 1:
-        part, lse = out, out          # lse is never touched with one split
-        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        part, lse = out, out          # neither is touched with one split
+        part_strides = (0, 0, 0, 0)
         lse_strides = (0, 0)
     else:
-        part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                           device=query.device)
-        lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                          device=query.device)
+        if workspace is not None:
+            part, lse = workspace.views(num_seqs, num_heads, num_splits, head_dim)
+        else:
+            part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+            lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                              device=query.device)
         part_strides = part.stride()
         lse_strides = lse.stride()[:2]
+    window = int(sliding_window)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, part, lse,
-        scale * _LOG2E, int(sliding_window), float(softcap or 1.0) * _LOG2E,
+        query, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        scale * _LOG2E, window, float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *part_strides, *lse_strides,
+        *out.stride(), *part_strides, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
         USE_SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part, lse, out, *part.stride(), *lse.stride()[:2], *out.stride(),
+            part, lse, out, seq_lens, window, *part_strides, *lse_strides, *out.stride(),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_N=block_n, MIN_CHUNK=min_chunk,
             num_warps=min(num_warps, 4),
         )
     return out
 
 
 __all__ = ["paged_decode_attention", "check_attention_args", "check_window_softcap", "default_num_splits",
-           "dot_precision", "upcast_operands"]
+           "dot_precision", "num_sms", "upcast_operands"]

@@ -13,6 +13,8 @@ query_start_loc[s] // BLOCK_Q + s (a binary search finds it) and surplus tiles r
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +42,9 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# NOTE: the number of sequences and the block tables' row stride (their width) change from step
+# to step: not specialised (== 1 / divisible by 16), so a step never compiles a new variant.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def _unified_attention_kernel(
     q_ptr,                  # [num_tokens, num_heads, head_dim], packed by query_start_loc
     k_cache_ptr,            # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -69,6 +73,8 @@ def _unified_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
+    NUM_STAGES: tl.constexpr,   # software-pipelining depth of the K/V loops
+    UNMASKED_LOOP: tl.constexpr,  # run the tiles below the diagonal without masks (16-bit)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,7 +116,24 @@ def _unified_attention_kernel(
     win = tl.where(window > 0, window, seq_len + 1)
     kv_start = tl.maximum(prefix + q_tile * BLOCK_Q - win + 1, 0)
 
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+    # NOTE: without a window, every row of the tile sees every position up to its first row's
+    # (prefix + q_tile * BLOCK_Q): the tiles wholly below it (a cached prefix, and the chunk's
+    # earlier query tiles) need no mask at all; only the tiles that reach the causal diagonal do
+    full_end = kv_start
+    if UNMASKED_LOOP:
+        first_pos = prefix + q_tile * BLOCK_Q
+        full_end = tl.where(window > 0, kv_start,
+                            kv_start + (first_pos + 1 - kv_start) // BLOCK_N * BLOCK_N)
+        for n0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            _, _, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
+                                      stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
+                                      n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if USE_SOFTCAP:
+                s = softcap_log2 * tanh(s / softcap_log2)
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+
+    for n0 in tl.range(full_end, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
                                         stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
                                         n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
@@ -128,19 +151,36 @@ def _unified_attention_kernel(
              + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, num_warps) that compile without register spills for sm_80 and sm_90.
+def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int,
+                  arch: int = 80) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) that compile without register spills for
+    sm_<arch> (80: A100-class, also the default off CUDA; 90: H100/H200).
 
     NOTE: found by compiling for both targets (kernels/gpu_compile.py, docs/KERNELS.md): with
     head_dim 128, 64 x 64 tiles spill on sm_80 in 16-bit (48 B) and badly in fp32 (fp32 operands
     take twice the registers: 2.6-10 KB of stack); 64 x 32 in 16-bit and 32 x 32 with 8 warps in
     fp32 fit in registers on both. head_dim 256 (Gemma 2) needs 8 warps in 16-bit and 32 x 16
-    tiles in fp32.
+    tiles in fp32. On sm_90, 16-bit and head_dim <= 128: 128 x 64 tiles with 8 warps and 3
+    pipeline stages (the fused-attention tutorial's Hopper shape) fit: ~220 registers, 96 KiB of
+    its 228 KiB of shared memory; twice the rows per K/V tile halves the K/V traffic.
     """
     wide = head_dim > 128
     if dtype == torch.float32:
-        return max(32, block_g), 16 if wide else 32, 8
-    return max(64, block_g), 32, 8 if wide else 4
+        return max(32, block_g), 16 if wide else 32, 8, 2
+    if arch >= 90 and not wide:
+        return max(128, block_g), 64, 8, 3
+    return max(64, block_g), 32, 8 if wide else 4, 2
+
+
+def device_arch(device: torch.device) -> int:
+    """sm_<major><minor> of a CUDA device as an int (90 for 9.0); 80 off CUDA."""
+    return _cuda_arch(device.index or 0) if device.type == "cuda" else 80
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
 def unified_attention(
@@ -157,19 +197,23 @@ def unified_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    arch: int | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Causal varlen attention of a mixed batch over the paged cache (K/V already written).
 
     `block_m` is the number of (query token, head) rows per program; it must be a power of two
-    >= 16 and >= the padded GQA group size; unset tiles come from `default_tiles`. `sliding_window`
+    >= 16 and >= the padded GQA group size; unset tiles come from `default_tiles` for `arch`
+    (default: the query's device). `sliding_window`
     W > 0: each query sees the last W positions (itself included); `softcap` > 0: scores become
     cap * tanh(score / cap).
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
     check_window_softcap(sliding_window, softcap)
-    dm, dn, dw = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2])
-    block_m, block_n, num_warps = block_m or dm, block_n or dn, num_warps or dw
+    dm, dn, dw, ds = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2],
+                                   device_arch(query.device) if arch is None else arch)
+    block_m, block_n = block_m or dm, block_n or dn
+    num_warps, num_stages = num_warps or dw, num_stages or ds
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if query_start_loc.dtype not in (torch.int32, torch.int64):
@@ -199,7 +243,10 @@ def unified_attention(
         BLOCK_M=block_m,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
-        USE_SOFTCAP=softcap > 0,
+        USE_SOFTCAP=softcap > 0, NUM_STAGES=num_stages,
+        # NOTE: fp32 tiles with a second loop body spill on sm_90 (200-344 B at head_dim 128,
+        # gpu_compile): fp32 (a correctness dtype on GPUs) keeps the one masked loop
+        UNMASKED_LOOP=query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

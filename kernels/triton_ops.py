@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.cache_ops import write_kv_cache as _write_kv_cache
+from kvmesh.kernels.flash_prefill import default_impl, prefill_attention
 from kvmesh.kernels.fused_moe import fused_moe as _fused_moe
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.norm import rms_norm as _rms_norm
@@ -39,15 +40,27 @@ def paged_attention(
     """Causal attention of a mixed batch over the paged cache (write_kv_cache first).
 
     An all-decode batch goes to the split-K decode kernel; anything else (prefill chunks,
-    prefix hits, decodes mixed in) to the unified varlen kernel. `meta.sliding_window` and
-    `softcap` as in the reference.
+    prefix hits, decodes mixed in) to the unified varlen kernel, except that on CUDA the chunks
+    with no cached prefix go to torch's flash attention (`flash_prefill.py`).
+    `meta.sliding_window` and `softcap` as in the reference.
     """
     if meta.num_seqs == 0:
         return torch.empty_like(query)
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        # the runner's split choice and preallocated partials (else the kernel's own rule)
+        launch = meta.decode_launch
+        split = {} if launch is None else dict(num_splits=launch.num_splits,
+                                               min_split_tokens=launch.min_split_tokens,
+                                               workspace=launch.workspace)
         return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.max_seq_len, scale, sliding_window=meta.sliding_window,
-                                      softcap=softcap)
+                                      softcap=softcap, **split)
+    # NOTE: prefill chunks with no cached prefix go to torch's flash kernel where it applies
+    # (CUDA, 16-bit, no soft-cap); the rest of the step stays on the unified kernel
+    out = prefill_attention(query, k_cache, v_cache, meta, scale, softcap, unified_attention,
+                            default_impl(query.device))
+    if out is not None:
+        return out
     return unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, scale, sliding_window=meta.sliding_window, softcap=softcap)
 

@@ -8,9 +8,11 @@ memory. Mixed prefill/decode steps run eagerly.
 
 NOTE: a graph bakes in every host-side decision made while it was captured. The Triton backend
 reads the step from device tensors only, and its decode kernel's split count (a host choice)
-is fixed per size by capturing with the longest context (`max_model_len`); empty splits merge
-to nothing, so any shorter context replays the same graph. The reference and CPU backends plan
-on host lists, so they never capture.
+is fixed per size: the runner's `DecodePlanner` gives a graph step its size's count at the
+longest context (`max_model_len`); a shorter context uses fewer of the splits (one: written
+directly), so any context replays the same graph, and the partials live in the planner's
+preallocated workspace. The reference and CPU backends plan on host lists, so they never
+capture.
 """
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ class CudaGraphs:
         """A decode step of `size` padding sequences, laid out as every replay of it will be."""
         self.batch.begin()
         step = self.batch.finish([], pad_to=size, full_width=True)
-        # NOTE: the longest context fixes the decode kernel's split count for this size
+        # NOTE: the longest context, as the split count the runner gives a graph step assumes
         step.meta.max_seq_len = self.max_model_len
         return step
 

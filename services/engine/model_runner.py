@@ -14,6 +14,7 @@ from kvmesh.common.startup import startup_phase
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.cuda_graphs import CudaGraphs, padded_size
 from kvmesh.engine.input_batch import BatchInput, InputBatch
+from kvmesh.engine.kernel_warmup import prepare_attention
 from kvmesh.engine.model_input import ModelInput
 from kvmesh.engine.logit_bias import apply_logit_bias
 from kvmesh.engine.lora.manager import LoRAManager
@@ -76,6 +77,9 @@ class ModelRunner:
                                       max(opts.max_num_tokens, max(opts.decode_pad_sizes, default=0)),
                                       -(-opts.max_model_len // block_size))
         self.pad_sizes = list(opts.decode_pad_sizes)
+        # Triton on CUDA: the decode split counts and workspace, every attention variant compiled
+        self.decode_planner = prepare_attention(model, self.kv_caches, opts.max_num_seqs,
+                                                opts.max_model_len, device)
         self.cuda_graphs: CudaGraphs | None = None
         if opts.cuda_graphs and device.type == "cuda" and self.pad_sizes:
             self.cuda_graphs = CudaGraphs(self.input_batch, self._forward, opts.max_model_len)
@@ -268,6 +272,9 @@ class ModelRunner:
             step = self.input_batch.from_model_input(step)
         if self.lora is not None:
             self.lora.set_step(step.lora_slots, step.query_lens, self.device)
+        if self.decode_planner is not None and step.meta.is_all_decode:
+            step.meta.decode_launch = self.decode_planner.launch(step.meta.num_seqs,
+                                                                 step.meta.max_seq_len)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         if not step.sample_list:
             return hidden[:step.num_tokens], None
@@ -275,5 +282,9 @@ class ModelRunner:
 
     def _forward(self, step: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
         """What a CUDA graph captures: the forward and the LM head over `step.sample_rows`."""
+        if self.decode_planner is not None:
+            # NOTE: the size's fixed split count, whatever context the graph is replayed at
+            step.meta.decode_launch = self.decode_planner.launch(step.meta.num_seqs,
+                                                                 step.meta.max_seq_len, graph=True)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return hidden, self.model.compute_logits(hidden.index_select(0, step.sample_rows))

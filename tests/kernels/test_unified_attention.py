@@ -93,3 +93,25 @@ def test_unified_rejects_bad_args(kx, case_name, match):
         args["v_cache"] = case.v_cache[:, :4]
     with pytest.raises(ValueError, match=match):
         unified_attention(**args)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_unmasked_tiles_below_the_diagonal(kx, block_m, block_n):
+    """Chunks after cached prefixes of 15 / 16 / 17 / 31 / 32 tokens, some spanning several query
+    tiles: the K/V tiles wholly below a query tile's first row run unmasked, the rest masked;
+    the boundary between the two loops falls on, before and after a tile edge (fp16: fp32
+    keeps one masked loop)."""
+    query_lens = [3, 9, 20, 1, 12]
+    seq_lens = [15 + 3, 16 + 9, 17 + 20, 31 + 1, 32 + 12]
+    case = kx.make_paged_case(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32,
+                              block_size=8, dtype=torch.float16, seed=block_m)
+    _run(kx, case, block_m=block_m, block_n=block_n)
+
+
+def test_default_tiles_per_architecture():
+    from kvmesh.kernels.prefill_attention import default_tiles
+    assert default_tiles(torch.bfloat16, 4, 128) == (64, 32, 4, 2)
+    assert default_tiles(torch.bfloat16, 4, 128, arch=90) == (128, 64, 8, 3)
+    assert default_tiles(torch.float16, 4, 256, arch=90) == (64, 32, 8, 2)
+    assert default_tiles(torch.float32, 4, 128, arch=90) == (32, 32, 8, 2)
+    assert default_tiles(torch.bfloat16, 256, 64, arch=90) == (256, 64, 8, 3)
