@@ -43,6 +43,7 @@ class Transfer:
     start: float                # wall-clock seconds (time.time), for the span
     seconds: float
     error: str | None
+    read_seconds: float = 0.0   # inside Mooncake's batch read alone (the wire part of `seconds`)
 
 
 class LoadFailed(Exception):
@@ -78,9 +79,9 @@ class Loader:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             start, t0 = time.time(), time.monotonic()
-            nbytes, error = 0, None
+            nbytes, read_s, error = 0, 0.0, None
             try:
-                nbytes = self._load(job)
+                nbytes, read_s = self._load(job)
             except LoadFailed as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - a load must always report, never kill the thread
@@ -96,15 +97,16 @@ class Loader:
                                    job.transfer_id, error)
                 self._on_transfer(Transfer(job.request_id, job.transfer_id, ok,
                                            len(job.block_ids) if ok else 0, nbytes, start,
-                                           time.monotonic() - t0, error))
+                                           time.monotonic() - t0, error, read_s))
             with self._lock:
                 self._done.append(LoadResult(job.request_id, ok,
                                              len(job.block_ids) if ok else 0))
 
-    def _load(self, job: LoadJob) -> int:
-        """Read the job's blocks; returns the bytes read. LoadFailed says why not."""
+    def _load(self, job: LoadJob) -> tuple[int, float]:
+        """Read the job's blocks; returns the bytes read and the seconds Mooncake's read took.
+        LoadFailed says why not."""
         if not job.block_ids:
-            return 0
+            return 0, 0.0
         try:
             info = query(job.bootstrap_addr, job.transfer_id, self.timeout_s)
         except SideChannelError as e:
@@ -126,6 +128,7 @@ class Loader:
                              "same --hash-seed, cache salt and adapter needed)")
         local, remote_addrs, lengths = plan_reads(self.layout, remote, list(job.block_ids),
                                                   remote_ids)
+        t0 = time.monotonic()
         if not self._read(info["rpc_addr"], local, remote_addrs, lengths):
             raise LoadFailed(f"Mooncake read from {info['rpc_addr']} failed")
-        return sum(lengths)
+        return sum(lengths), time.monotonic() - t0
