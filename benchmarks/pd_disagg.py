@@ -263,14 +263,14 @@ def format_table(results: dict[str, SystemResult], comparison: dict[str, object]
     for r in results.values():
         s = r.summary
         kv = "-" if r.transfer_gbps is None else " / ".join(
-            "-" if v is None else f"{v:.2f}" for v in (r.transfer_gbps, r.wire_gbps, r.copy_gbps))
+            "-" if v is None else f"{v:.3g}" for v in (r.transfer_gbps, r.wire_gbps, r.copy_gbps))
         lines.append(f"| {r.name} | {_ms(s.itl_ms)} | {_ms(s.stream_ttft_ms)} | {_ms(s.burst_ttft_ms)} "
                      f"| {s.output_tok_s:.1f} | {s.stream_requests} / {s.burst_requests} "
                      f"({s.bursts_answered}) | {s.errors} | {kv} |")
     if comparison:
         def f(k: str) -> str:
             v = comparison.get(k)
-            return "-" if v is None else f"{v:.2f}"
+            return "-" if v is None else f"{v:.3g}"
         lines += ["", f"ITL p99 colocated / pd: {f('itl_p99_colocated_over_pd')} (target >= 2); "
                       f"throughput pd / colocated: {f('throughput_pd_over_colocated')} "
                       f"(equal: {comparison['equal_throughput']}); KV Mooncake read / copy: "
@@ -286,7 +286,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    f"(default {FULL['model']}; --smoke: {SMOKE['model']})")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which to run (default: both)")
     p.add_argument("--duration", type=float, help="measured seconds per system")
-    p.add_argument("--streams", type=int, help="concurrent steady streams")
+    p.add_argument("--streams", type=int, help="concurrent steady streams (closed loops)")
+    p.add_argument("--stream-rate", type=float,
+                   help="instead of closed loops: one new stream every 1/RATE s (open loop, the same "
+                        "arrivals on both systems, for throughput that depends on the load alone)")
     p.add_argument("--stream-prompt-tokens", type=int)
     p.add_argument("--stream-output-tokens", type=int)
     p.add_argument("--burst-every", type=float, help="seconds between bursts")
@@ -320,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.cores) != 2 or len(set(args.cores)) != 2 or not set(args.cores) <= set(avail):
         p.error(f"--cores takes two distinct cores of this process's {avail}; got {args.cores}")
     args.other_cores = [c for c in avail if c not in args.cores] or None
+    if args.stream_rate is not None and args.stream_rate <= 0:
+        p.error(f"--stream-rate must be > 0; got {args.stream_rate}")
     args.max_model_len = max(args.stream_prompt_tokens + args.stream_output_tokens,
                              args.burst_prompt_tokens + args.burst_output_tokens) + BLOCK_SIZE
     if args.num_kv_blocks is None:
@@ -333,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_of(args: argparse.Namespace) -> Load:
     return Load(args.duration, args.streams, args.stream_prompt_tokens, args.stream_output_tokens,
                 args.burst_every, args.burst_size, args.burst_prompt_tokens,
-                args.burst_output_tokens, args.seed)
+                args.burst_output_tokens, args.seed, args.stream_rate)
 
 
 def _exit_on_signal(signum, frame) -> None:

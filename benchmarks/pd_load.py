@@ -5,7 +5,9 @@ no prefix-cache hit on either system), greedy, `ignore_eos`, and a running token
 chunk (`stream_options.continuous_usage_stats`, vLLM's field):
 
   * streams: `streams` closed loops, each sending a short prompt with a long output and sending
-    the next one as soon as it ends, for the whole duration;
+    the next one as soon as it ends, for the whole duration; or, with `stream_rate`, one new
+    stream every 1 / stream_rate seconds (open loop: the same arrivals on every system, so two
+    systems that both keep up serve the same throughput);
   * bursts: every `burst_every_s` seconds (open loop, the same schedule on every system),
     `burst_size` requests of `burst_prompt_tokens` prompt tokens and `burst_output_tokens`
     output tokens.
@@ -43,6 +45,14 @@ class Load:
     burst_prompt_tokens: int
     burst_output_tokens: int
     seed: int = 0
+    stream_rate: float | None = None    # new streams per second (open loop); None: closed loops
+
+    def stream_times(self) -> list[float]:
+        """Open loop: when each stream is sent, seconds after the start (from 0, inside the window)."""
+        if self.stream_rate is None:
+            return []
+        n = int(self.duration_s * self.stream_rate - 1e-9) + 1
+        return [i / self.stream_rate for i in range(n)]
 
     def burst_times(self) -> list[float]:
         """When each burst is sent, seconds after the start (only bursts inside the window)."""
@@ -105,19 +115,26 @@ async def drive(url: str, model: str, load: Load) -> list[Record]:
             await _one(client, model, "stream", prompt_ids(rng, load.stream_prompt_tokens),
                        load.stream_output_tokens, t0, records)
 
-    async def bursts() -> None:
-        rng = np.random.default_rng([load.seed, 2])
+    async def scheduled(kind: str, times: list[float], per_time: int, prompt_tokens: int,
+                        output_tokens: int, stream: int) -> None:
+        rng = np.random.default_rng([load.seed, stream])
         tasks = []
-        for at in load.burst_times():
+        for at in times:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            tasks += [asyncio.ensure_future(_one(client, model, "burst",
-                                                 prompt_ids(rng, load.burst_prompt_tokens),
-                                                 load.burst_output_tokens, t0, records))
-                      for _ in range(load.burst_size)]
+            tasks += [asyncio.ensure_future(_one(client, model, kind, prompt_ids(rng, prompt_tokens),
+                                                 output_tokens, t0, records))
+                      for _ in range(per_time)]
         await asyncio.gather(*tasks)
 
-    work = [asyncio.ensure_future(stream_loop(i)) for i in range(load.streams)]
-    work.append(asyncio.ensure_future(bursts()))
+    if load.stream_rate is None:
+        work = [asyncio.ensure_future(stream_loop(i)) for i in range(load.streams)]
+    else:
+        work = [asyncio.ensure_future(scheduled("stream", load.stream_times(), 1,
+                                                load.stream_prompt_tokens,
+                                                load.stream_output_tokens, 3))]
+    work.append(asyncio.ensure_future(scheduled("burst", load.burst_times(), load.burst_size,
+                                                load.burst_prompt_tokens,
+                                                load.burst_output_tokens, 2)))
     # NOTE: cut at the end of the window: a request still running is closed (the server aborts
     # it), so a slower system is not measured over a longer time than a faster one
     _, pending = await asyncio.wait(work, timeout=max(0.0, end - time.perf_counter()))

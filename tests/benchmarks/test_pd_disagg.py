@@ -23,6 +23,12 @@ def test_bursts_are_sent_every_period_inside_the_window_only():
     assert Load(10.0, 2, 16, 32, 3.0, 3, 1000, 4).burst_times() == [3.0, 6.0, 9.0]
 
 
+def test_open_loop_streams_arrive_at_the_rate_from_the_start():
+    assert Load(10.0, 2, 16, 32, 2.5, 3, 1000, 4, stream_rate=0.5).stream_times() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert Load(3.0, 2, 16, 32, 2.5, 3, 1000, 4, stream_rate=4.0).stream_times() == [i / 4 for i in range(12)]
+    assert Load(3.0, 2, 16, 32, 2.5, 3, 1000, 4).stream_times() == []          # closed loops
+
+
 def test_summary_counts_only_what_arrived_in_the_window():
     records = [
         # a stream: chunks at 1.0, 1.1, 1.3, then one after the 2 s window
@@ -64,7 +70,7 @@ def test_the_target_needs_both_the_itl_ratio_and_equal_throughput(pd_itl, pd_tok
 
 def test_bad_flags_exit_2_naming_them(capsys):
     for argv, words in ((["--systems", "pd,split"], "--systems"), (["--cores", "0"], "--cores"),
-                        (["--cores", "0,x"], "--cores")):
+                        (["--cores", "0,x"], "--cores"), (["--stream-rate", "0"], "--stream-rate")):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2 and words in capsys.readouterr().err
