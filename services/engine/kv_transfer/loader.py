@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
+
 from kvmesh.engine.kv_connector import LoadResult
 from kvmesh.engine.kv_transfer.layout import KVLayout, plan_reads
 from kvmesh.engine.kv_transfer.side_channel import SideChannelError, notify_done, query
@@ -58,6 +60,8 @@ class Loader:
         self.layout = layout            # this engine's cache
         self.timeout_s = timeout_s      # bound on each side-channel round trip
         self._on_transfer = on_transfer
+        # NOTE: one client for every side-channel call, used by the loader thread alone
+        self._http = httpx.Client()
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._done: list[LoadResult] = []
         self._lock = threading.Lock()
@@ -75,6 +79,8 @@ class Loader:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._http.close()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -89,7 +95,7 @@ class Loader:
                 error = repr(e)
             finally:
                 # NOTE: also after a failure: the producer may free its blocks now
-                notify_done(job.bootstrap_addr, job.transfer_id, self.timeout_s)
+                notify_done(self._http, job.bootstrap_addr, job.transfer_id, self.timeout_s)
             ok = error is None
             if job.block_ids:
                 if not ok:
@@ -108,7 +114,7 @@ class Loader:
         if not job.block_ids:
             return 0, 0.0
         try:
-            info = query(job.bootstrap_addr, job.transfer_id, self.timeout_s)
+            info = query(self._http, job.bootstrap_addr, job.transfer_id, self.timeout_s)
         except SideChannelError as e:
             raise LoadFailed(str(e)) from None
         if info.get("engine_id") != job.engine_id:
