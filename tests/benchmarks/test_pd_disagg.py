@@ -86,7 +86,8 @@ def test_a_smoke_run_measures_both_systems(tmp_path):
     pytest.importorskip("mooncake.engine", reason="needs the pd extra (mooncake-transfer-engine-non-cuda)")
     cores = sorted(os.sched_getaffinity(0))[:2]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pd_disagg.py"), "--smoke",
-                           "--duration", "2", "--cores", ",".join(map(str, cores)),
+                           # NOTE: the first burst at 0.5 s: its transfer lands well inside the window
+                           "--duration", "2", "--burst-every", "0.5", "--cores", ",".join(map(str, cores)),
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((tmp_path / "results.json").read_text())
