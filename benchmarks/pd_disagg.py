@@ -32,6 +32,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -77,7 +78,17 @@ class System:
     commands: list[str] = field(default_factory=list)
 
     def stop(self) -> list[int]:
-        codes = [p.stop(60) for p in self.procs]
+        # NOTE: every process told once, at once, then waited for: their shutdowns overlap (a
+        # second SIGTERM during a shutdown would kill the process)
+        for p in self.procs:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.proc.wait(60) if p.proc is not None else 0)
+            except subprocess.TimeoutExpired:
+                codes.append(p.stop(0))             # SIGKILL to its process group
         self.redis.stop()
         return codes
 
@@ -356,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, SystemResult] = {}
     commands: dict[str, list[str]] = {}
+    exit_codes: dict[str, list[int]] = {}
     for name in args.systems:
         print(f"# {name}: starting", flush=True)
         try:
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name], _ = measure(system, load)
         finally:
             codes = system.stop()
-        commands[name] = system.commands
+        commands[name], exit_codes[name] = system.commands, codes
         print(f"# {name}: stopped, exit codes {codes}", flush=True)
     comparison = compare(results)
     table = format_table(results, comparison)
@@ -379,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
             "max_model_len": args.max_model_len, "cpu_count": os.cpu_count(),
             "loadavg": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    out = {"meta": meta, "commands": commands, "comparison": comparison,
+    out = {"meta": meta, "commands": commands, "exit_codes": exit_codes, "comparison": comparison,
            "systems": {n: asdict(r) for n, r in results.items()}}
     (args.out / "results.json").write_text(json.dumps(out, indent=2))
     (args.out / "summary.md").write_text(table + "\n")

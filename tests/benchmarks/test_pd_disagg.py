@@ -107,3 +107,5 @@ def test_a_smoke_run_measures_both_systems(tmp_path):
     assert co["kv"]["kvmesh:kv_transfer_bytes_total"] == 0 and co["transfer_gbps"] is None
     assert set(out["comparison"]) >= {"itl_p99_colocated_over_pd", "throughput_pd_over_colocated"}
     assert "| pd |" in (tmp_path / "summary.md").read_text()
+    # engines, then the router, each stopped by one SIGTERM
+    assert out["exit_codes"] == {"pd": [0, 0, 0], "colocated": [0, 0, 0]}
