@@ -14,6 +14,7 @@ monitors add). With several targets the HPA runs the most pods any of them asks 
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 from . import resources as R
@@ -97,3 +98,33 @@ def build_role_autoscaler(svc: InferenceService, owner: R.Owner, role: RoleSpec)
     if role.autoscaling.mode == "keda":
         return build_role_scaled_object(svc, owner, role)
     return build_role_hpa(svc, owner, role)
+
+
+# ---- status ------------------------------------------------------------------------------------------
+def role_autoscaling_condition(svc: InferenceService, observed: dict, forbidden: Set[str]) -> dict[str, str] | None:
+    """AutoscalingReady for a disaggregated service: is each autoscaled role's HPA or ScaledObject
+    there? None when no role autoscales. The message names each role; the first failing one gives
+    the reason (Forbidden: the chart does not let the operator manage that kind)."""
+    if svc.disaggregation is None:
+        return None
+    parts, failing = [], None
+    for role in svc.disaggregation.roles:
+        a = role.autoscaling
+        if not a.enabled:
+            continue
+        api_version, kind = (("keda.sh/v1alpha1", "ScaledObject") if a.mode == "keda"
+                             else ("autoscaling/v2", "HorizontalPodAutoscaler"))
+        name = role_name(svc, role)
+        if kind in forbidden:
+            reason, text = "Forbidden", (f"the operator may not manage {kind} objects: install the chart with "
+                                         f"{R.OPTIONAL_KINDS[kind]}=true; the {role.role} pods run unscaled")
+        elif observed.get((api_version, kind, name)) is None:
+            reason, text = f"{kind}Missing", f"the {kind} does not exist yet"
+        else:
+            reason, text = None, f"{kind} {name} scales the {role.role} pods within {a.min_replicas}-{a.max_replicas}"
+        parts.append(f"{role.role}: {text}")
+        failing = failing or reason
+    if not parts:
+        return None
+    return {"type": "AutoscalingReady", "status": "False" if failing else "True",
+            "reason": failing or "Managed", "message": "; ".join(parts)}

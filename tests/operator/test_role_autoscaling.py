@@ -15,7 +15,7 @@ from kvmesh.operator import role_autoscaling as RA
 from .conftest import NAMESPACE, StampingEmulator, obj, wait_for
 from .test_crd_cel import _cr as _cel_cr
 from .test_crd_cel import failures
-from .test_e2e_kmock import _create, _post
+from .test_e2e_kmock import _cond, _cr, _create, _post
 
 OWNER = R.Owner("pd", "uid-1")
 PROM = "http://prometheus.monitoring:9090"
@@ -109,6 +109,34 @@ def test_bad_role_autoscaling_is_refused_naming_the_field(autoscaling, problem, 
     assert failures(_cel_cr(spec)) == cel        # enums and bounds are the schema's, not CEL's
 
 
+def test_autoscaling_ready_names_each_autoscaled_role():
+    svc = _svc({"enabled": True, "maxReplicas": 3},
+               {"enabled": True, "mode": "keda", "prometheusAddress": PROM, "minReplicas": 2, "maxReplicas": 8})
+    hpa = ("autoscaling/v2", "HorizontalPodAutoscaler", "pd-prefill")
+    so = ("keda.sh/v1alpha1", "ScaledObject", "pd-decode")
+    assert RA.role_autoscaling_condition(svc, {hpa: {}, so: {}}, frozenset()) == {
+        "type": "AutoscalingReady", "status": "True", "reason": "Managed",
+        "message": "prefill: HorizontalPodAutoscaler pd-prefill scales the prefill pods within 1-3; "
+                   "decode: ScaledObject pd-decode scales the decode pods within 2-8"}
+    assert RA.role_autoscaling_condition(svc, {so: {}}, frozenset()) == {
+        "type": "AutoscalingReady", "status": "False", "reason": "HorizontalPodAutoscalerMissing",
+        "message": "prefill: the HorizontalPodAutoscaler does not exist yet; "
+                   "decode: ScaledObject pd-decode scales the decode pods within 2-8"}
+    # the chart without rbac.keda: the API server refuses ScaledObjects (403)
+    forbidden = RA.role_autoscaling_condition(svc, {hpa: {}}, frozenset({"ScaledObject"}))
+    assert (forbidden["status"], forbidden["reason"]) == ("False", "Forbidden")
+    assert forbidden["message"].endswith("decode: the operator may not manage ScaledObject objects: install the "
+                                         "chart with rbac.keda=true; the decode pods run unscaled")
+    # it is the service's condition, and it holds Ready back
+    from kvmesh.operator import status as S
+    conds = {c["type"]: c for c in S.conditions(svc, {so: {}}, 0, frozenset())}
+    assert conds["AutoscalingReady"]["reason"] == "HorizontalPodAutoscalerMissing"
+    assert conds["Ready"]["status"] == "False"
+    # no role autoscales (or a colocated service): no such condition
+    assert RA.role_autoscaling_condition(_svc({}, {}), {}, frozenset()) is None
+    assert RA.role_autoscaling_condition(crd.parse("pd", "ns", {"model": {}}), {}, frozenset()) is None
+
+
 # ---- the real operator against kmock ---------------------------------------------------------------
 @pytest.mark.kmock(cls=StampingEmulator)
 @pytest.mark.timeout(60)
@@ -133,3 +161,6 @@ async def test_the_operator_swaps_a_roles_hpa_for_a_scaled_object(cluster: Any) 
     await wait_for(lambda: obj(server, "autoscaling/v2/horizontalpodautoscalers", "pd-decode") is None,
                    what="the decode HPA deleted")
     assert obj(server, "autoscaling/v2/horizontalpodautoscalers", "pd-prefill") is not None
+    await wait_for(lambda: _cond(_cr(server, "pd"), "AutoscalingReady").get("message") == (
+        "prefill: HorizontalPodAutoscaler pd-prefill scales the prefill pods within 1-4; "
+        "decode: ScaledObject pd-decode scales the decode pods within 1-4"), what="AutoscalingReady")
