@@ -77,7 +77,7 @@ def prompt_ids(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(_ID_LOW, _ID_HIGH, n).tolist()
 
 
-async def _one(client, model: str, kind: str, ids: list[int], max_tokens: int, t0: float,
+async def send_one(client, model: str, kind: str, ids: list[int], max_tokens: int, t0: float,
                records: list[Record]) -> None:
     rec = Record(kind, time.perf_counter() - t0)
     records.append(rec)
@@ -112,7 +112,7 @@ async def drive(url: str, model: str, load: Load) -> list[Record]:
     async def stream_loop(i: int) -> None:
         rng = np.random.default_rng([load.seed, 1, i])
         while time.perf_counter() < end:
-            await _one(client, model, "stream", prompt_ids(rng, load.stream_prompt_tokens),
+            await send_one(client, model, "stream", prompt_ids(rng, load.stream_prompt_tokens),
                        load.stream_output_tokens, t0, records)
 
     async def scheduled(kind: str, times: list[float], per_time: int, prompt_tokens: int,
@@ -121,7 +121,7 @@ async def drive(url: str, model: str, load: Load) -> list[Record]:
         tasks = []
         for at in times:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            tasks += [asyncio.ensure_future(_one(client, model, kind, prompt_ids(rng, prompt_tokens),
+            tasks += [asyncio.ensure_future(send_one(client, model, kind, prompt_ids(rng, prompt_tokens),
                                                  output_tokens, t0, records))
                       for _ in range(per_time)]
         await asyncio.gather(*tasks)
