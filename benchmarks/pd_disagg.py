@@ -57,8 +57,8 @@ KV_METRICS = ("kvmesh:kv_transfer_bytes_total", "kvmesh:kv_transfer_seconds_sum"
               "kvmesh:kv_transfer_timeouts_total", "kvmesh:prompt_tokens_computed_total")
 # NOTE: 2 x 1536 prompt tokens every 6 s (~510 tokens/s) stays under one core's prefill rate for
 # the built-in model (a 512-token step took 486 ms in BENCHMARKS.md's 2026-11-22 run; faster
-# since): an overloaded prefill queue would make
-# TTFT measure the queue's growth on both systems, not the interference
+# since): an overloaded prefill queue would make TTFT measure the queue's growth on both systems,
+# not the interference
 FULL = dict(model="builtin", duration=60.0, streams=6, stream_prompt_tokens=32,
             stream_output_tokens=256, burst_every=6.0, burst_size=2, burst_prompt_tokens=1536,
             burst_output_tokens=8)
