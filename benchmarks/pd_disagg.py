@@ -251,6 +251,14 @@ def load_of(args: argparse.Namespace) -> Load:
                 args.burst_output_tokens, args.seed, args.stream_rate)
 
 
+def prebuild_kernels() -> None:
+    """Build (or find cached) the engines' C++ CPU kernels here, on every core, before the engines
+    start: pinned to one core each, their first start would compile for many minutes."""
+    from kvmesh.kernels import cpu_kernels
+
+    cpu_kernels.load()      # NOTE: the engines' own call; it logs why when they are unavailable
+
+
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     load = load_of(args)
     model = resolve_model(args.model, cache_dir() / "bench-models")
+    if not args.smoke:
+        prebuild_kernels()
     if args.other_cores:
         os.sched_setaffinity(0, args.other_cores)      # the client stays off the engines' cores
     args.out.mkdir(parents=True, exist_ok=True)
