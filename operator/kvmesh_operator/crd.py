@@ -176,11 +176,17 @@ class LoRAAdapterSpec:
 
 @dataclass(frozen=True, slots=True)
 class RoleAutoscalingSpec:
+    """One role's autoscaler (role_autoscaling.py): an HPA or a KEDA ScaledObject on the role's
+    own metric targets; each target set is one metric, and the role runs what the busiest asks."""
     enabled: bool
     min_replicas: int
     max_replicas: int
-    target_waiting_requests: int  # waiting requests per pod to aim for (the HPA's target)
-    cooldown_seconds: int  # the HPA's scale-down stabilization window
+    target_waiting_requests: int | None  # waiting requests per pod (prefill's queue; default 4 there)
+    cooldown_seconds: int  # the scale-down stabilization window
+    mode: str = "hpa"  # hpa | keda (the operator's own autoscaler scales colocated engines only)
+    target_running_requests: int | None = None  # running requests per pod (decode's batch)
+    target_kv_cache_usage_percent: int | None = None  # KV-cache use per pod, percent (decode's memory)
+    prometheus_address: str | None = None  # keda mode only
 
 
 @dataclass(frozen=True, slots=True)
@@ -619,6 +625,25 @@ def _lora_source_problem(where: str, source: str, model: ModelSpec) -> str | Non
     return None
 
 
+def _role_autoscaling(role: str, a: _Reader, engine: EngineSpec, problems: list[str]) -> RoleAutoscalingSpec:
+    """spec.disaggregation.<role>.autoscaling. NOTE: a decode role that sets no target scales on its
+    running requests, one full batch (engine.maxNumSeqs) per pod: the schema cannot default one
+    field on the absence of two others."""
+    running = a.get("targetRunningRequests")
+    waiting, kv = a.get("targetWaitingRequests"), a.get("targetKVCacheUsagePercent")
+    if role == "decode" and running is None and waiting is None and kv is None:
+        running = engine.max_num_seqs
+    scaling = RoleAutoscalingSpec(enabled=a.get("enabled"), min_replicas=a.get("minReplicas"),
+                                  max_replicas=a.get("maxReplicas"), target_waiting_requests=waiting,
+                                  cooldown_seconds=a.get("cooldownSeconds"), mode=a.get("mode"),
+                                  target_running_requests=running, target_kv_cache_usage_percent=kv,
+                                  prometheus_address=a.get("prometheusAddress"))
+    if scaling.mode == "keda" and scaling.prometheus_address is None:
+        problems.append(f"spec.disaggregation.{role}.autoscaling.prometheusAddress is required when its mode "
+                        f"is keda")
+    return scaling
+
+
 def _disaggregation(root: _Reader, gpu: GPUSpec, engine: EngineSpec, router: RouterSpec,
                     autoscaling: AutoscalingSpec, problems: list[str]) -> DisaggregationSpec | None:
     """spec.disaggregation, with the rules that tie it to the rest of the spec (the CRD's CEL rules)."""
@@ -645,10 +670,7 @@ def _disaggregation(root: _Reader, gpu: GPUSpec, engine: EngineSpec, router: Rou
         if taken:
             problems.append(f"spec.disaggregation.{role}.engineArgs must not set {', '.join(taken)}: the operator "
                             f"sets them")
-        scaling = RoleAutoscalingSpec(enabled=a.get("enabled"), min_replicas=a.get("minReplicas"),
-                                      max_replicas=a.get("maxReplicas"),
-                                      target_waiting_requests=a.get("targetWaitingRequests"),
-                                      cooldown_seconds=a.get("cooldownSeconds"))
+        scaling = _role_autoscaling(role, a, engine, problems)
         if (isinstance(scaling.min_replicas, int) and isinstance(scaling.max_replicas, int)
                 and scaling.min_replicas > scaling.max_replicas):
             problems.append(f"spec.disaggregation.{role}.autoscaling.minReplicas ({scaling.min_replicas}) must not "

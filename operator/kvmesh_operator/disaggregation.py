@@ -1,5 +1,6 @@
 """PURE builders of spec.disaggregation's children: one engine Deployment, headless Service and
-(optionally) HPA per role, in place of the colocated engines.
+(optionally) autoscaler per role (an HPA or a ScaledObject: role_autoscaling.py), in place of the
+colocated engines.
 
     <name>-prefill  Deployment + headless Service   kvmesh serve --kv-transfer-config kv_producer
     <name>-decode   Deployment + headless Service   kvmesh serve --kv-transfer-config kv_consumer
@@ -86,27 +87,16 @@ def build_role_service(svc: InferenceService, owner: R.Owner, role: RoleSpec) ->
                                 "protocol": "TCP"}]}}
 
 
-def build_role_hpa(svc: InferenceService, owner: R.Owner, role: RoleSpec) -> dict[str, Any]:
-    """spec.autoscaling mode hpa's HPA, on this role's Deployment and bounds."""
-    a = role.autoscaling
-    scaled = replace(svc, autoscaling=replace(svc.autoscaling, enabled=True, mode="hpa",
-                                              min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-                                              target_waiting_requests=a.target_waiting_requests,
-                                              cooldown_seconds=a.cooldown_seconds))
-    hpa = R.build_hpa(scaled, owner)
-    hpa["metadata"]["name"] = role_name(svc, role)
-    hpa["metadata"]["labels"][ROLE_LABEL] = role.role
-    hpa["spec"]["scaleTargetRef"]["name"] = role_name(svc, role)
-    return hpa
-
-
 def build_role_children(svc: InferenceService, owner: R.Owner, redis_auth: str | None = None
                         ) -> list[dict[str, Any]]:
+    # NOTE: imported late: role_autoscaling builds on this module's names and labels
+    from .role_autoscaling import build_role_autoscaler
+
     out: list[dict[str, Any]] = []
     for role in svc.disaggregation.roles:
         out += [build_role_service(svc, owner, role), build_role_deployment(svc, owner, role, redis_auth)]
         if role.autoscaling.enabled:
-            out.append(build_role_hpa(svc, owner, role))
+            out.append(build_role_autoscaler(svc, owner, role))
     return out
 
 
@@ -116,7 +106,7 @@ def possible_role_children(svc: InferenceService) -> list[tuple[str, str, str]]:
     for role in ("prefill", "decode"):
         name = role_name(svc, role)
         out += [("apps/v1", "Deployment", name), ("v1", "Service", name),
-                ("autoscaling/v2", "HorizontalPodAutoscaler", name)]
+                ("autoscaling/v2", "HorizontalPodAutoscaler", name), ("keda.sh/v1alpha1", "ScaledObject", name)]
     return out
 
 

@@ -91,6 +91,35 @@ def _quantity_map(desc: str) -> dict[str, Any]:
     return {"type": "object", "description": desc, "additionalProperties": quantity}
 
 
+def _role_autoscaling_schema(role: str) -> dict[str, Any]:
+    """spec.disaggregation.<role>.autoscaling: spec.autoscaling's fields, with the role's own metric
+    targets (role_autoscaling.py): prefill scales on its queue, decode on its batch and KV cache."""
+    waiting = ("Waiting requests per pod to aim for (kvmesh:num_requests_waiting: the prompts queued for "
+               "a prefill pod).")
+    running = ("Running requests per pod to aim for (kvmesh:num_requests_running). Default for decode when it "
+               "sets no target: engine.maxNumSeqs (one full batch per pod).")
+    kv = "KV-cache use per pod to aim for, in percent (kvmesh:kv_cache_usage_perc x 100)."
+    return _obj(f"Scale the {role} engines on their own metrics: an HPA on Pods metrics served by a Prometheus "
+                "adapter (mode hpa) or a KEDA ScaledObject on Prometheus queries (mode keda); every target set is "
+                "one metric, and the role gets the most pods any of them asks for.", {
+        "enabled": _bool("Turn this role's autoscaling on (its replicas is then ignored).", False),
+        "mode": _str("hpa (an HorizontalPodAutoscaler) or keda (a ScaledObject); the operator's own autoscaler "
+                     "scales colocated engines only.", enum=["hpa", "keda"], default="hpa"),
+        "minReplicas": _int("Fewest pods of this role.", minimum=1, default=1),
+        "maxReplicas": _int("Most pods of this role.", minimum=1, default=4),
+        "targetWaitingRequests": (_int(waiting, minimum=1, default=4) if role == "prefill"
+                                  else _int(waiting, minimum=1)),
+        "targetRunningRequests": _int(running, minimum=1),
+        "targetKVCacheUsagePercent": _int(kv, minimum=1, maximum=100),
+        "cooldownSeconds": _int("Least time before scaling down.", minimum=0, default=300),
+        "prometheusAddress": _str("Prometheus URL for keda mode.", pattern=r"^https?://.+"),
+    }, rules=[{"rule": "self.minReplicas <= self.maxReplicas",
+               "message": f"disaggregation.{role}.autoscaling.minReplicas must not exceed maxReplicas"},
+              {"rule": "self.mode != 'keda' || has(self.prometheusAddress)",
+               "message": f"disaggregation.{role}.autoscaling.prometheusAddress is required when its mode is keda"}],
+        default={})
+
+
 def _role_schema(role: str) -> dict[str, Any]:
     """One role of spec.disaggregation: its own pods, GPUs, engine flags and autoscaling."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
@@ -107,16 +136,7 @@ def _role_schema(role: str) -> dict[str, Any]:
                                f"a != '{f}' && !a.startsWith('{f}=')" for f in OPERATOR_ENGINE_FLAGS) + ")",
                            "message": "engineArgs must not set " + ", ".join(OPERATOR_ENGINE_FLAGS)
                                       + ": the operator sets them"}]},
-        "autoscaling": _obj(f"Scale the {role} engines with an HPA on their waiting requests (a Pods metric "
-                            "served by a Prometheus adapter, as spec.autoscaling mode hpa).", {
-            "enabled": _bool("Turn this role's autoscaling on.", False),
-            "minReplicas": _int("Fewest pods of this role.", minimum=1, default=1),
-            "maxReplicas": _int("Most pods of this role.", minimum=1, default=4),
-            "targetWaitingRequests": _int("Waiting requests per pod to aim for.", minimum=1, default=4),
-            "cooldownSeconds": _int("Least time before scaling down.", minimum=0, default=300),
-        }, rules=[{"rule": "self.minReplicas <= self.maxReplicas",
-                   "message": f"disaggregation.{role}.autoscaling.minReplicas must not exceed maxReplicas"}],
-            default={}),
+        "autoscaling": _role_autoscaling_schema(role),
     }, default={})
 
 

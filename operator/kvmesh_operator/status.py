@@ -17,6 +17,7 @@ from . import disaggregation as D
 from . import inference_pool as IP
 from . import model_fetch as MF
 from . import resources as R
+from . import role_autoscaling as RA
 from .crd import InferenceService
 
 CONDITION_TYPES = ("ModelReady", "EnginesReady", "RouterReady", "RedisReady", "IngressReady", "AutoscalingReady",
@@ -182,6 +183,8 @@ def conditions(svc: InferenceService, observed: Observed, want: int,
                                                                         "assigned an address yet"))
     if (autoscaling := autoscaling_condition(svc, observed, forbidden)) is not None:
         out.append(autoscaling)
+    elif (roles := RA.role_autoscaling_condition(svc, observed, forbidden)) is not None:
+        out.append(roles)       # NOTE: disaggregated: spec.autoscaling is off, each role scales itself
     if (pool := inference_pool_condition(svc, observed, forbidden)) is not None:
         out.append(pool)
     if adapters is not None:

@@ -59,6 +59,8 @@ KV_TRANSFER_COUNTERS = {  # name -> (KVTransferStats field, help)
     "kv_transfer_failures": ("failures", "KV reads that failed (the prompt was computed here)."),
     "kv_transfer_pin_timeouts": ("pin_timeouts", "Pinned prompts freed unread after their timeout."),
     "kv_transfer_pins_released": ("pins_released", "Pinned prompts freed once read."),
+    "kv_transfer_read_seconds": ("read_seconds", "Seconds inside Mooncake's reads alone (successful "
+                                 "reads; kv_transfer_seconds adds the side-channel round trips)."),
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Arrival to first token.", TTFT_BUCKETS),

@@ -67,3 +67,43 @@ def test_a_transfer_id_pinned_twice_frees_the_older_pin():
 def test_loads_use_every_region(n):
     lay = KVLayout(0, n, 5, 4, "float32")
     assert len(plan_reads(lay, lay, [0, 1], [0, 1])[0]) == n
+
+
+def test_the_side_channel_answers_through_the_consumers_one_client():
+    """A real side channel on loopback, asked through one kept client (the loader's) for several
+    transfers: the pinned blocks and hashes, then done; an unknown or finished transfer is a 404."""
+    import httpx
+
+    from kvmesh.engine.kv_transfer.side_channel import SideChannel, SideChannelError, notify_done, query
+
+    pins = PinTable(timeout_s=30)
+    pins.pin("t1", "k1", [4, 5, 6], [b"\x01" * 4, b"\x02" * 4, b"\x03" * 4])
+    pins.pin("t2", "k2", [9], [b"\xff" * 4])
+    sc = SideChannel("127.0.0.1", 0, pins, lambda: {"engine_id": "prefill-0", "rpc_addr": "127.0.0.1:1"})
+    try:
+        with httpx.Client() as http:
+            assert query(http, sc.addr, "t1", 5) == {
+                "engine_id": "prefill-0", "rpc_addr": "127.0.0.1:1", "block_ids": [4, 5, 6],
+                "block_hashes": ["01010101", "02020202", "03030303"]}
+            assert query(http, sc.addr, "t2", 5)["block_ids"] == [9]
+            assert notify_done(http, sc.addr, "t1", 5) is True
+            assert pins.take_released() == ["k1"]
+            with pytest.raises(SideChannelError, match="404"):
+                query(http, sc.addr, "t1", 5)                   # read: no longer pinned
+            assert notify_done(http, sc.addr, "t2", 5) is True
+    finally:
+        sc.close()
+
+
+def test_a_gone_producer_is_a_side_channel_error_and_done_says_false():
+    import httpx
+
+    from kvmesh.engine.kv_transfer.side_channel import SideChannel, SideChannelError, notify_done, query
+
+    sc = SideChannel("127.0.0.1", 0, PinTable(timeout_s=30), dict)
+    addr = sc.addr
+    sc.close()                                                   # the producer went away
+    with httpx.Client() as http:
+        with pytest.raises(SideChannelError, match="did not answer"):
+            query(http, addr, "t1", 1)
+        assert notify_done(http, addr, "t1", 1) is False

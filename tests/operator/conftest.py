@@ -35,6 +35,7 @@ RESOURCES = {
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
     "networking.k8s.io/v1/ingresses": kmock.ResourceInfo(kind="Ingress", namespaced=True, subresources={"status"}),
     "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(kind="HorizontalPodAutoscaler", namespaced=True),
+    "keda.sh/v1alpha1/scaledobjects": kmock.ResourceInfo(kind="ScaledObject", namespaced=True),
     "v1/serviceaccounts": kmock.ResourceInfo(kind="ServiceAccount", namespaced=True),
     "rbac.authorization.k8s.io/v1/roles": kmock.ResourceInfo(kind="Role", namespaced=True),
     "rbac.authorization.k8s.io/v1/rolebindings": kmock.ResourceInfo(kind="RoleBinding", namespaced=True),

@@ -274,6 +274,10 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                                       "decode": {"autoscaling": {"minReplicas": 5}}}},
      ["spec.disaggregation.prefill.autoscaling.minReplicas (3) must not exceed maxReplicas (2)",
       "spec.disaggregation.decode.autoscaling.minReplicas (5) must not exceed maxReplicas (4)"]),
+    ({"model": {}, "disaggregation": {"prefill": {"autoscaling": {"mode": "keda"}},
+                                      "decode": {"autoscaling": {"enabled": True, "mode": "keda"}}}},
+     ["spec.disaggregation.prefill.autoscaling.prometheusAddress is required when its mode is keda",
+      "spec.disaggregation.decode.autoscaling.prometheusAddress is required when its mode is keda"]),
 ]
 
 

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 51
+    assert len(RULES) == 53
 
 
 @pytest.mark.parametrize("spec", [
@@ -156,6 +156,8 @@ CEL_MESSAGES = [
      "operator sets them"],
     ["disaggregation.prefill.autoscaling.minReplicas must not exceed maxReplicas",
      "disaggregation.decode.autoscaling.minReplicas must not exceed maxReplicas"],
+    ["disaggregation.prefill.autoscaling.prometheusAddress is required when its mode is keda",
+     "disaggregation.decode.autoscaling.prometheusAddress is required when its mode is keda"],
 ]
 
 

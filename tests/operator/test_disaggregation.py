@@ -35,7 +35,9 @@ def test_the_spec_parses_with_the_schemas_defaults():
     assert d.protocol == "tcp" and d.device_name is None
     assert d.prefill == crd.RoleSpec("prefill", 2, 1, ("--max-num-batched-tokens", "16384"),
                                      crd.RoleAutoscalingSpec(False, 1, 4, 4, 300))
-    assert d.decode == crd.RoleSpec("decode", 1, 0, (), crd.RoleAutoscalingSpec(True, 2, 6, 4, 300))
+    # a decode role that sets no target: its running requests, one full batch (maxNumSeqs) per pod
+    assert d.decode == crd.RoleSpec("decode", 1, 0, (), crd.RoleAutoscalingSpec(
+        True, 2, 6, None, 300, "hpa", target_running_requests=256))
     assert _svc({"model": {}}).disaggregation is None
     # spec.gpu.count 8 with one GPU per role pod: the engines run tensor parallel size 1
     eight = _svc({"model": {}, "gpu": {"count": 8},
@@ -114,7 +116,8 @@ def test_a_colocated_service_is_unchanged_and_every_role_child_can_be_swept():
         "containers"][0]["args"]
     assert set(D.possible_role_children(plain)) <= set(R.possible_children(plain))
     assert {(k, n) for _, k, n in D.possible_role_children(plain)} == {
-        (k, f"pd-{r}") for r in ("prefill", "decode") for k in ("Deployment", "Service", "HorizontalPodAutoscaler")}
+        (k, f"pd-{r}") for r in ("prefill", "decode")
+        for k in ("Deployment", "Service", "HorizontalPodAutoscaler", "ScaledObject")}
 
 
 def _dep(name: str, want: int, ready: int) -> dict[str, Any]:

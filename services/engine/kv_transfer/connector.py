@@ -43,6 +43,8 @@ class KVTransferStats:
     pinned_blocks: int = 0          # blocks held now for remote readers (a gauge)
     pin_timeouts: int = 0           # pins freed unread after pinned_timeout_s
     pins_released: int = 0          # pins freed after the reader was done
+    read_seconds: float = 0.0       # time inside Mooncake's reads alone (successful reads): the
+                                    # wire rate is bytes_read / read_seconds
 
 
 def kv_layout(kv_cache: torch.Tensor) -> KVLayout:
@@ -73,6 +75,7 @@ class MooncakeConnector(KVConnector):
         self._lock = threading.Lock()
         self._bytes = self._transfers = self._failures = 0
         self._seconds = 0.0
+        self._read_seconds = 0.0
         # called with every finished read, on the loader thread (metrics, tracing)
         self.transfer_listeners: list[Callable[[Transfer], None]] = []
         self.pins: PinTable | None = None
@@ -104,6 +107,7 @@ class MooncakeConnector(KVConnector):
             if t.ok:
                 self._bytes += t.num_bytes
                 self._transfers += 1
+                self._read_seconds += t.read_seconds
             else:
                 self._failures += 1
         for listener in list(self.transfer_listeners):
@@ -167,10 +171,11 @@ class MooncakeConnector(KVConnector):
     def transfer_stats(self) -> KVTransferStats:
         with self._lock:
             read = (self._bytes, self._seconds, self._transfers, self._failures)
+            read_seconds = self._read_seconds
         pins = self.pins
         return KVTransferStats(*read, pins.num_pinned_blocks if pins else 0,
                                pins.num_timeouts if pins else 0,
-                               pins.num_released if pins else 0)
+                               pins.num_released if pins else 0, read_seconds)
 
     def close(self) -> None:
         if self.side_channel is not None:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
+
 from kvmesh.engine.kv_connector import LoadResult
 from kvmesh.engine.kv_transfer.layout import KVLayout, plan_reads
 from kvmesh.engine.kv_transfer.side_channel import SideChannelError, notify_done, query
@@ -43,6 +45,7 @@ class Transfer:
     start: float                # wall-clock seconds (time.time), for the span
     seconds: float
     error: str | None
+    read_seconds: float = 0.0   # inside Mooncake's batch read alone (the wire part of `seconds`)
 
 
 class LoadFailed(Exception):
@@ -57,6 +60,8 @@ class Loader:
         self.layout = layout            # this engine's cache
         self.timeout_s = timeout_s      # bound on each side-channel round trip
         self._on_transfer = on_transfer
+        # NOTE: one client for every side-channel call, used by the loader thread alone
+        self._http = httpx.Client()
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._done: list[LoadResult] = []
         self._lock = threading.Lock()
@@ -74,13 +79,15 @@ class Loader:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._http.close()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             start, t0 = time.time(), time.monotonic()
-            nbytes, error = 0, None
+            nbytes, read_s, error = 0, 0.0, None
             try:
-                nbytes = self._load(job)
+                nbytes, read_s = self._load(job)
             except LoadFailed as e:
                 error = str(e)
             except Exception as e:  # noqa: BLE001 - a load must always report, never kill the thread
@@ -88,7 +95,7 @@ class Loader:
                 error = repr(e)
             finally:
                 # NOTE: also after a failure: the producer may free its blocks now
-                notify_done(job.bootstrap_addr, job.transfer_id, self.timeout_s)
+                notify_done(self._http, job.bootstrap_addr, job.transfer_id, self.timeout_s)
             ok = error is None
             if job.block_ids:
                 if not ok:
@@ -96,17 +103,18 @@ class Loader:
                                    job.transfer_id, error)
                 self._on_transfer(Transfer(job.request_id, job.transfer_id, ok,
                                            len(job.block_ids) if ok else 0, nbytes, start,
-                                           time.monotonic() - t0, error))
+                                           time.monotonic() - t0, error, read_s))
             with self._lock:
                 self._done.append(LoadResult(job.request_id, ok,
                                              len(job.block_ids) if ok else 0))
 
-    def _load(self, job: LoadJob) -> int:
-        """Read the job's blocks; returns the bytes read. LoadFailed says why not."""
+    def _load(self, job: LoadJob) -> tuple[int, float]:
+        """Read the job's blocks; returns the bytes read and the seconds Mooncake's read took.
+        LoadFailed says why not."""
         if not job.block_ids:
-            return 0
+            return 0, 0.0
         try:
-            info = query(job.bootstrap_addr, job.transfer_id, self.timeout_s)
+            info = query(self._http, job.bootstrap_addr, job.transfer_id, self.timeout_s)
         except SideChannelError as e:
             raise LoadFailed(str(e)) from None
         if info.get("engine_id") != job.engine_id:
@@ -126,6 +134,7 @@ class Loader:
                              "same --hash-seed, cache salt and adapter needed)")
         local, remote_addrs, lengths = plan_reads(self.layout, remote, list(job.block_ids),
                                                   remote_ids)
+        t0 = time.monotonic()
         if not self._read(info["rpc_addr"], local, remote_addrs, lengths):
             raise LoadFailed(f"Mooncake read from {info['rpc_addr']} failed")
-        return sum(lengths)
+        return sum(lengths), time.monotonic() - t0
