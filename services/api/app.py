@@ -28,6 +28,7 @@ from kvmesh.api.serving_completions import create_completion
 from kvmesh.api.serving_embeddings import create_embedding
 from kvmesh.common.auth import check_bearer
 from kvmesh.common.cache_salt import CacheSaltSource
+from kvmesh.common.disconnect import ClientDisconnected
 from kvmesh.common.openai_errors import error_json
 from kvmesh.common.tracing import get_tracer, server_span
 from kvmesh.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
@@ -201,6 +202,10 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_req: Request, exc: EngineDeadError):
         return error_response(APIError(503, str(exc), code="engine_dead"))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _on_client_left(_req: Request, _exc: ClientDisconnected):
+        return Response(status_code=499)      # nginx's "client closed request", as the router
 
     @app.exception_handler(Exception)
     async def _on_error(_req: Request, exc: Exception):

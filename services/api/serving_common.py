@@ -14,7 +14,7 @@ from starlette.requests import Request as HTTPRequest
 from kvmesh.api.errors import APIError, bad_request
 from kvmesh.api.protocol import ChatMessage, _SamplingFields
 from kvmesh.api.tool_parsers import ToolParser
-from kvmesh.common.disconnect import ClientDisconnected, until_disconnect
+from kvmesh.common.disconnect import until_disconnect
 from kvmesh.common.openai_errors import error_body
 from kvmesh.engine.async_engine import (AsyncLLMEngine, ClientTooSlowError, EngineDeadError,
                                         RequestStream)
@@ -356,8 +356,7 @@ async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
 
 
 async def cancel_on_disconnect(http: HTTPRequest, work: Awaitable[T], poll_s: float = 0.25) -> T:
-    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
-    try:
-        return await until_disconnect(http, work, poll_s)
-    except ClientDisconnected:
-        raise asyncio.CancelledError("client disconnected") from None
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests) and
+    raise ClientDisconnected, which the app answers with a 499 nobody reads (the access log
+    says what happened; no traceback: a client leaving is not a server error)."""
+    return await until_disconnect(http, work, poll_s)

@@ -119,6 +119,24 @@ def test_client_disconnect_counts_as_an_abort(server):
                      'finished_reason="length"') == 0
 
 
+def test_a_non_streaming_client_leaving_is_an_abort_not_a_traceback(server):
+    before = scrape(server)
+    body = {"prompt": unique_prompt(), "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=1.0)
+    after = before
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:                   # the handler polls for the disconnect
+        after = scrape(server)
+        if delta(before, after, "vllm:request_success_total", 'finished_reason="abort"'):
+            break
+        time.sleep(0.05)
+    assert delta(before, after, "vllm:request_success_total", 'finished_reason="abort"') == 1
+    _wait_idle(server)                                   # its KV blocks are back
+    log = server.log()
+    assert "Exception in ASGI application" not in log and "Traceback" not in log
+
+
 def _wait_idle(server) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
