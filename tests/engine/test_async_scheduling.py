@@ -85,11 +85,11 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def test_many_requests_with_different_lengths_logprobs_and_seeded_sampling(tiny):
-    reqs = [(prompt(i), greedy(1 + i % 9, logprobs=i % 3)) for i in range(14)]
-    reqs += [(prompt(20 + i), SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=7))
-             for i in range(3)]
+    reqs = [(prompt(i), greedy(1 + i % 9, logprobs=i % 3)) for i in range(10)]
+    reqs += [(prompt(20 + i), SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=6))
+             for i in range(2)]
     out = both(tiny, reqs)
-    assert [len(out[f"r{i}"][0][0]) for i in range(14)] == [1 + i % 9 for i in range(14)]
+    assert [len(out[f"r{i}"][0][0]) for i in range(10)] == [1 + i % 9 for i in range(10)]
 
 
 def test_stops_at_every_position_stop_ids_stop_strings_and_eos(tiny):
@@ -115,10 +115,10 @@ def test_stops_at_every_position_stop_ids_stop_strings_and_eos(tiny):
 
 
 def test_n_2_penalties_and_min_tokens_fall_back_per_step_and_stay_exact(tiny):
-    reqs = [(prompt(i), greedy(6, n=2, logprobs=1)) for i in range(3)]
+    reqs = [(prompt(i), greedy(6, n=2, logprobs=1)) for i in range(2)]
     reqs += [(prompt(5), greedy(6, repetition_penalty=1.3, presence_penalty=0.5))]
     reqs += [(prompt(6), greedy(6, min_tokens=4, ignore_eos=False, stop_token_ids=[7, 9]))]
-    reqs += [(prompt(7 + i), greedy(5 + i)) for i in range(4)]
+    reqs += [(prompt(7 + i), greedy(5 + i)) for i in range(2)]
     out = both(tiny, reqs)
     assert len(out["r0"]) == 2
 
@@ -126,7 +126,7 @@ def test_n_2_penalties_and_min_tokens_fall_back_per_step_and_stay_exact(tiny):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_tiny_cache(tiny, mode):
     eng_cfg = dict(num_kv_blocks=14, max_model_len=56, preemption_mode=mode)
-    reqs = [(prompt(i)[:12], greedy(8 + i % 5)) for i in range(8)]
+    reqs = [(prompt(i)[:12], greedy(8 + i % 5)) for i in range(6)]
     sync = engine(tiny, False, **eng_cfg)
     fast = engine(tiny, True, **eng_cfg)
     preempted = []
@@ -228,7 +228,7 @@ _request = st.tuples(st.integers(0, 60), st.integers(1, 9), st.sampled_from(["pl
                                                                             "n2", "lp"]))
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(mix=st.lists(_request, min_size=1, max_size=7), blocks=st.sampled_from([14, 64]),
        budget=st.sampled_from([16, 2048]))
