@@ -89,6 +89,10 @@ class LLMEngine:
                     "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
                     self.loaded.device, config.tensor_parallel_size, num_gpu_blocks,
                     num_gpu_blocks * config.block_size, num_cpu_blocks, self.max_model_len)
+        if config.async_scheduling:
+            logger.info("async scheduling: on (a step is scheduled while the one before runs%s)",
+                        "" if self.loaded.device.type == "cuda"
+                        else "; on a CPU the forward is synchronous: exact, but no overlap")
 
     def _load_model(self, loaded: LoadedModel | None, kv_share: bool) -> None:
         """The weights, in this process or (tensor parallelism) in the executor's workers."""
