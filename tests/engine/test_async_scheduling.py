@@ -6,6 +6,8 @@ A seeded random tiny Llama (float32, CPU) stands in for a real model: greedy dec
 deterministic, so any token the placeholders got wrong changes the continuation."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.structured.spec import StructuredOutputSpec as Spec
 
 
 @pytest.fixture(scope="module")
@@ -114,13 +117,36 @@ def test_stops_at_every_position_stop_ids_stop_strings_and_eos(tiny):
     assert out["r0"][0][2] == "stop" and out["r0"][0][3] is None
 
 
-def test_n_2_penalties_and_min_tokens_fall_back_per_step_and_stay_exact(tiny):
-    reqs = [(prompt(i), greedy(6, n=2, logprobs=1)) for i in range(2)]
-    reqs += [(prompt(5), greedy(6, repetition_penalty=1.3, presence_penalty=0.5))]
-    reqs += [(prompt(6), greedy(6, min_tokens=4, ignore_eos=False, stop_token_ids=[7, 9]))]
-    reqs += [(prompt(7 + i), greedy(5 + i)) for i in range(2)]
-    out = both(tiny, reqs)
-    assert len(out["r0"]) == 2
+FALLBACKS = {
+    "n=2": greedy(6, n=2, logprobs=1),
+    # NOTE: strong enough that the last token's penalty changes what comes next
+    "penalties": greedy(10, repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0),
+    "min_tokens": None,                 # built from a plain run
+    "grammar": greedy(8, ignore_eos=False, structured_outputs=Spec.regex("(w[3-6]){2,5}")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FALLBACKS))
+def test_steps_that_need_their_tokens_on_the_host_fall_back_and_stay_exact(tiny, kind):
+    """Each case of sync_reason alone beside plain requests (any one of them in a step makes
+    the whole step fall back)."""
+    # NOTE: greedy decoding repeats tokens after this prompt (w31 w31 w31): the penalties matter
+    params, ids = FALLBACKS[kind], [9, 6, 7, 8]
+    if kind == "min_tokens":
+        # the plain run's 5th token as the stop id, masked until 4 tokens are out: a mask one
+        # token late (a stale output count) would skip the stop
+        for i in range(6, 30):
+            plain = run(engine(tiny, False), [(prompt(i), greedy(8))])["r0"][0][0]
+            if plain[4] not in plain[:4]:
+                break
+        params, ids = greedy(8, min_tokens=4, stop_token_ids=[plain[4]]), prompt(i)
+    out = both(tiny, [(ids, params), (prompt(7), greedy(9)), (prompt(8), greedy(3))])
+    if kind == "n=2":
+        assert len(out["r0"]) == 2
+    if kind == "min_tokens":
+        assert out["r0"][0][0] == plain[:5] and out["r0"][0][2] == "stop"
+    if kind == "grammar":
+        assert re.fullmatch("(w[3-6]){2,5}", out["r0"][0][1].replace(" ", ""))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
