@@ -266,3 +266,25 @@ def test_random_request_mixes_match_the_synchronous_engine(tiny, mix, blocks, bu
         kw |= {"logprobs": 2} if kind == "lp" else {}
         reqs.append((prompt(seed)[:14], greedy(max_tokens, **kw)))
     both(tiny, reqs, num_kv_blocks=blocks, max_model_len=56, max_num_batched_tokens=budget)
+
+
+def test_the_scheduler_counts_a_token_in_flight_and_stops_scheduling_at_max_tokens(harness):
+    """No model: a real scheduler driven in async order (schedule n + 1, then update n)."""
+    h = harness(num_blocks=16, block_size=4, async_scheduling=True)
+    req = h.add(6, max_tokens=3)
+    out1 = h.sched.schedule()
+    assert [(sr.start, sr.num_tokens, sr.sample) for sr in out1.scheduled] == [(0, 6, True)]
+    assert (req.num_computed_tokens, req.num_output_placeholders) == (6, 1)
+    out2 = h.sched.schedule()                     # step 1's token is not on the host yet
+    assert [(sr.start, sr.num_tokens, sr.sample) for sr in out2.scheduled] == [(6, 1, True)]
+    assert (len(req.all_token_ids), req.num_output_placeholders) == (6, 2)
+    assert (out1.scheduled[0].start, out1.scheduled[0].num_tokens) == (0, 6)   # n's record intact
+    h.sched.update_from_output(out1, h.fake_result(out1))
+    assert (req.output_token_ids, req.num_output_placeholders) == ([7], 1)
+    out3 = h.sched.schedule()
+    assert [(sr.start, sr.num_tokens) for sr in out3.scheduled] == [(7, 1)]
+    h.sched.update_from_output(out2, h.fake_result(out2))
+    # 2 tokens out and the third in flight: max_tokens 3 is reached, nothing to schedule
+    assert h.sched.schedule().scheduled == []
+    h.sched.update_from_output(out3, h.fake_result(out3))
+    assert (req.output_token_ids, req.num_output_placeholders) == ([7, 7, 7], 0)
