@@ -33,7 +33,8 @@ def tiny(tmp_path_factory):
 def engine(tiny, async_scheduling: bool, **cfg) -> LLMEngine:
     cfg.setdefault("num_kv_blocks", 64)
     cfg.setdefault("max_model_len", 256)
-    return LLMEngine(EngineConfig(block_size=4, swap_space=0.001,
+    cfg.setdefault("block_size", 4)
+    return LLMEngine(EngineConfig(swap_space=0.001,
                                   async_scheduling=async_scheduling, **cfg), loaded=tiny)
 
 
@@ -288,3 +289,14 @@ def test_the_scheduler_counts_a_token_in_flight_and_stops_scheduling_at_max_toke
     assert h.sched.schedule().scheduled == []
     h.sched.update_from_output(out3, h.fake_result(out3))
     assert (req.output_token_ids, req.num_output_placeholders) == ([7, 7, 7], 0)
+
+
+def test_llm_takes_async_scheduling(tiny):
+    from kvmesh.engine.llm import LLM
+    llm = LLM(str(tiny.path), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              async_scheduling=True)
+    assert llm.engine.config.async_scheduling
+    prompts = [prompt(i) for i in range(3)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(5))]
+    ref = run(engine(tiny, False, block_size=16), [(p, greedy(5)) for p in prompts])
+    assert got == [ref[f"r{i}"][0][0] for i in range(3)]
