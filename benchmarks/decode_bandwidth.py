@@ -2,6 +2,8 @@
 
     python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64
     python benchmarks/decode_bandwidth.py                  # built-in model, float32 on this CPU
+    python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64 \
+        --async-scheduling                                 # the same, step n + 1 scheduled while n runs
 
 B requests with C-token prompts are prefilled; then S engine steps, each one decode token for all
 B sequences, are timed (CUDA synchronised). Per step the engine must read every weight once (a
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="the prefill's per-step token budget (default: the largest of 2048, "
                    "--context and 2 x --batch)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling: each timed step schedules the next "
+                   "while the device runs it (run once with and once without to compare)")
     p.add_argument("--copy-mib", type=int, default=0, help="copy-probe size (default: 1024 on "
                    "CUDA, 256 on CPU)")
     args = p.parse_args(argv)
@@ -117,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     blocks = args.batch * -(-total_len // block) + 8
     cfg = EngineConfig(num_kv_blocks=blocks, block_size=block, max_num_seqs=args.batch,
                        max_num_batched_tokens=budget, max_model_len=total_len + block,
-                       swap_space=0.0, dtype=args.dtype, device=args.device)
+                       swap_space=0.0, dtype=args.dtype, device=args.device,
+                       async_scheduling=args.async_scheduling)
     engine = LLMEngine(cfg, loaded=loaded)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}; load average {os.getloadavg()[0]:.2f}")
     print(f"# model {args.model} ({loaded.path.name}), {args.dtype} on {dev_name}: "
           f"{w_bytes / 1e9:.3f} GB of weights; batch {args.batch}, prompt {args.context}, "
-          f"{args.steps} timed steps")
+          f"{args.steps} timed steps; async scheduling {'on' if args.async_scheduling else 'off'}")
     print("| batch | context | step ms | tokens/s | weights GB/step | K/V GB/step | GB/s moved "
           "| copy GB/s | utilisation |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

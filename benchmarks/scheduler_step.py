@@ -1,12 +1,15 @@
 """Scheduler micro-benchmark: CPU time of one decode step's scheduling and KV bookkeeping.
 
     python benchmarks/scheduler_step.py [--requests 64,256,1024] [--steps 2000] [--gc both]
+                                        [--async-scheduling]
 
 A real Scheduler and KVCacheManager (block size 16, prefix caching on), no model: N requests
 with distinct 128-token prompts are prefilled first (not timed), then every timed step is
 `schedule()` + `update_from_output()` with a fake runner output (one token per request), so each
 step appends a token to every request, allocates a block every 16 tokens and hashes every
-block that fills up. Building the fake output is not timed. Reported per step: CPU time of the
+block that fills up. Building the fake output is not timed. With `--async-scheduling` the
+scheduler runs as the engine's async mode drives it: step n + 1 is scheduled (its decodes on
+placeholders) before step n's output is applied. Reported per step: CPU time of the
 process (time.process_time_ns) and wall time, mean / p50 / p99 / max in microseconds.
 
 Garbage collection, per `--gc` mode: `default` (Python's collector as it comes) or `freeze`
@@ -47,14 +50,14 @@ def _fake_output(out: SchedulerOutput, token: int) -> ModelRunnerOutput:
     return ModelRunnerOutput(sampled=sampled, logprobs={})
 
 
-def build(num_requests: int, steps: int) -> Scheduler:
+def build(num_requests: int, steps: int, async_scheduling: bool = False) -> Scheduler:
     max_model_len = PROMPT_LEN + steps + 64
     blocks_per_req = -(-max_model_len // BLOCK_SIZE)
     num_blocks = num_requests * blocks_per_req + 16
     cfg = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_blocks, max_model_len=max_model_len,
                        max_num_seqs=num_requests,
                        max_num_batched_tokens=max(num_requests * PROMPT_LEN, num_requests),
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, async_scheduling=async_scheduling)
     # NOTE: KV events off, as `kvmesh serve` without --redis-url (with it, the publisher drains
     # them every step); nothing here drains them, so they would pile up and fill the heap
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, 0, enable_caching=True, enable_events=False)
@@ -109,8 +112,9 @@ def churn(sched: Scheduler, steps: int = 20) -> tuple[float, float]:
     return float(np.mean(alive)), float(np.mean(peaks)) / 1024
 
 
-def measure(num_requests: int, steps: int, gc_mode: str = "default") -> dict:
-    sched = build(num_requests, steps + 64)
+def measure(num_requests: int, steps: int, gc_mode: str = "default",
+            async_scheduling: bool = False) -> dict:
+    sched = build(num_requests, steps + 64, async_scheduling)
     kept, peak_kib = churn(sched)
     cpu_ns = np.empty(steps, dtype=np.int64)
     wall_ns = np.empty(steps, dtype=np.int64)
@@ -127,13 +131,19 @@ def measure(num_requests: int, steps: int, gc_mode: str = "default") -> dict:
             pauses.append(time.perf_counter() - started[0])
     collections0 = [g["collections"] for g in gc.get_stats()]
     gc.callbacks.append(on_gc)
+    pending = None                # async: the step scheduled before, whose output is applied next
     for s in range(steps):
         c0, w0 = time.process_time_ns(), time.perf_counter_ns()
         out = sched.schedule()
         c1, w1 = time.process_time_ns(), time.perf_counter_ns()
         result = _fake_output(out, 7 + s % 100)
         c2, w2 = time.process_time_ns(), time.perf_counter_ns()
-        sched.update_from_output(out, result)
+        if async_scheduling:
+            if pending is not None:
+                sched.update_from_output(*pending)
+            pending = (out, result)
+        else:
+            sched.update_from_output(out, result)
         c3, w3 = time.process_time_ns(), time.perf_counter_ns()
         assert len(out.scheduled) == num_requests, "every request must decode in every step"
         cpu_ns[s] = (c1 - c0) + (c3 - c2)
@@ -158,18 +168,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2000, help="timed decode steps per count")
     p.add_argument("--gc", choices=("default", "freeze", "both"), default="both",
                    help="garbage-collector mode(s) to time (see the module doc)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="drive the scheduler as --async-scheduling does (see the module doc)")
     args = p.parse_args(argv)
     modes = ("default", "freeze") if args.gc == "both" else (args.gc,)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  load average {os.getloadavg()}")
     print(f"# block_size={BLOCK_SIZE}, prefix caching on, prompt {PROMPT_LEN} tokens, "
-          f"{args.steps} timed decode steps")
+          f"{args.steps} timed decode steps; async scheduling "
+          f"{'on' if args.async_scheduling else 'off'}")
     print("| running requests | gc | CPU mean µs | CPU p50 µs | CPU p99 µs | wall mean µs "
           "| wall p99 µs | wall max µs | collections gen0/1/2 | longest GC ms "
           "| objects alive / step | peak KiB / step |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for n in (int(x) for x in args.requests.split(",")):
         for mode in modes:
-            r = measure(n, args.steps, mode)
+            r = measure(n, args.steps, mode, args.async_scheduling)
             print(f"| {n} | {mode} | {r['cpu_mean']:.0f} | {r['cpu_p50']:.0f} "
                   f"| {r['cpu_p99']:.0f} | {r['wall_mean']:.0f} | {r['wall_p99']:.0f} "
                   f"| {r['wall_max']:.0f} | {'/'.join(map(str, r['collections']))} "

@@ -72,6 +72,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # prefill/decode disaggregation (vLLM's --kv-transfer-config: JSON text or a mapping); None: off
     kv_transfer_config: KVTransferConfig | None = None
+    # schedule step n + 1 while step n's forward and sampling run; only n's sampled ids are
+    # waited for (vLLM's --async-scheduling; engine/async_scheduling.py)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.model == "":
@@ -124,6 +127,13 @@ class EngineConfig:
              f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
              "--kv-transfer-config needs --tensor-parallel-size 1")
+        if self.async_scheduling:
+            # NOTE: vLLM refuses these too: drafts are proposed from the tokens the host has,
+            # and a tensor-parallel step is sent to the workers as host lists
+            need(self.speculative_config is None,
+                 "--async-scheduling does not support --speculative-config yet; drop one of them")
+            need(self.tensor_parallel_size == 1,
+                 "--async-scheduling needs --tensor-parallel-size 1")
         if self.enable_lora:
             need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
             need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
@@ -260,6 +270,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               '"kv_role": "kv_producer"}\' (keys: kv_connector, kv_role (kv_producer | '
               'kv_consumer | kv_both), engine_id, kv_ip, kv_port, kv_connector_extra_config); '
               'see docs/DISAGGREGATION.md')
+    flag("--async-scheduling", action="store_true",
+         help="schedule the next step while the current one runs on the device, waiting only "
+              "for its sampled tokens (a GPU feature: on CPU it is exact but no faster)")
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -11,6 +11,8 @@ import torch
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.common.startup import startup_phase
+from kvmesh.engine.async_output import PendingOutput
+from kvmesh.engine.async_scheduling import sync_reason
 from kvmesh.common.storage import resolve_engine_model
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.input_processor import EngineRequest, InputProcessor, PromptInput
@@ -78,12 +80,19 @@ class LLMEngine:
         self._build_scheduler_and_processors()
         self.last_stats = SchedulerStats()
         self.num_steps = 0
+        # --async-scheduling: the launched step whose tokens are not read yet, with its
+        # schedule and its start times
+        self._pending: tuple[SchedulerOutput, PendingOutput, float, float] | None = None
         # tracing, metrics, the prefix-index publisher: see observers.py
         self.observers: list[EngineObserver] = []
         logger.info("engine ready: model=%s dtype=%s device=%s tensor_parallel=%d kv_blocks=%d "
                     "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
                     self.loaded.device, config.tensor_parallel_size, num_gpu_blocks,
                     num_gpu_blocks * config.block_size, num_cpu_blocks, self.max_model_len)
+        if config.async_scheduling:
+            logger.info("async scheduling: on (a step is scheduled while the one before runs%s)",
+                        "" if self.loaded.device.type == "cuda"
+                        else "; on a CPU the forward is synchronous: exact, but no overlap")
 
     def _load_model(self, loaded: LoadedModel | None, kv_share: bool) -> None:
         """The weights, in this process or (tensor parallelism) in the executor's workers."""
@@ -374,11 +383,16 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        # NOTE: a launched step still pending counts: its results close the step's stats
+        return bool(self._groups) or self._pending is not None
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step, as vLLM V1's: schedule, execute, update from the output; then the report."""
+        """One step, as vLLM V1's: schedule, execute, update from the output; then the report.
+        With --async-scheduling it returns the outputs of the step launched by the call
+        before (see _step_async)."""
+        if self.config.async_scheduling:
+            return self._step_async()
         t_start = time.monotonic()
         sched = self.scheduler.schedule()
         t_scheduled = time.monotonic()
@@ -386,6 +400,43 @@ class LLMEngine:
         t_executed = time.monotonic()
         outputs = self._update(sched, result)
         if self.observers:           # NOTE: without observers this check is the whole cost
+            self._report(sched, result, outputs, t_start, t_scheduled, t_executed)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step n + 1, then wait for step n's sampled ids and update from
+        them: the host's scheduling and input preparation overlap n's forward on the device.
+        A step named by `sync_reason` is completed before the next is scheduled.
+
+        NOTE: if launching n + 1 fails, n is still completed (its tokens are applied once)
+        before the error propagates."""
+        outputs: list[RequestOutput] = []
+        pending, self._pending = self._pending, None
+        if pending is not None and sync_reason(pending[0]) is not None:
+            outputs, pending = self._complete(pending), None
+        t_start = time.monotonic()
+        sched = self.scheduler.schedule()
+        t_scheduled = time.monotonic()
+        try:
+            launched = self.runner.launch(sched)
+        finally:
+            if pending is not None:
+                outputs += self._complete(pending)
+        current = (sched, launched, t_start, t_scheduled)
+        if launched.done is not None:
+            outputs += self._complete(current)     # nothing to wait for: no step left pending
+        else:
+            self._pending = current
+        return outputs
+
+    def _complete(self, pending: tuple[SchedulerOutput, PendingOutput, float, float]
+                  ) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and update from them (then the observers)."""
+        sched, launched, t_start, t_scheduled = pending
+        result = launched.result()
+        t_executed = time.monotonic()
+        outputs = self._update(sched, result)
+        if self.observers:
             self._report(sched, result, outputs, t_start, t_scheduled, t_executed)
         return outputs
 

@@ -241,12 +241,18 @@ class InputBatch:
         return len(self._rows)
 
     def add(self, key: str, all_token_ids: Sequence[int], start: int, num_tokens: int,
-            table: list[int], lora_slot: int = -1) -> int:
+            table: list[int], lora_slot: int = -1, late: bool = False) -> int:
         """Add one sequence computing `all_token_ids[start:start + num_tokens]` (its KV blocks:
         `table`, the live list, mirrored incrementally by `key`; `lora_slot`: its adapter's
-        slot, -1 for the base model); returns its first token's row."""
+        slot, -1 for the base model); returns its first token's row. `late`: a decode whose
+        token the host does not have yet (async scheduling): its id is written as 0 here and
+        the runner fills it on the device after `finish`."""
         first = len(self._token_ids)
-        if num_tokens == 1:
+        if late:
+            assert num_tokens == 1 and start == len(all_token_ids), \
+                "only a decode's one token is in flight"
+            self._token_ids.append(0)
+        elif num_tokens == 1:
             self._token_ids.append(all_token_ids[start])
         else:
             self._token_ids.extend(all_token_ids[start:start + num_tokens])

@@ -11,6 +11,7 @@ import time
 import torch
 
 from kvmesh.common.startup import startup_phase
+from kvmesh.engine.async_output import PendingOutput
 from kvmesh.engine.kv_connector import KVConnector
 from kvmesh.engine.cuda_graphs import CudaGraphs, padded_size
 from kvmesh.engine.input_batch import BatchInput, InputBatch
@@ -71,6 +72,10 @@ class ModelRunner:
         self.swap_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
                                       pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
         self.sampler = Sampler(generator=torch.Generator().manual_seed(seed))
+        # the last launch (async scheduling reads its draws) and its draws' index by request
+        self._prev: PendingOutput | None = None
+        self._prev_index: dict[str, int] = {}
+        self._prev_index_of: PendingOutput | None = None
         opts = options or RunnerOptions()
         self.options = opts
         self.input_batch = InputBatch(block_size, device, opts.max_num_seqs,
@@ -139,11 +144,26 @@ class ModelRunner:
             start = end
 
     # ---- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step and wait for its sampled tokens."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingOutput:
+        """Queue the step (block moves, forward, sampling, the copy of the draws to the host)
+        and return before the host has its tokens (`PendingOutput.result` waits).
+
+        NOTE: async scheduling: a decode whose input token is the previous launch's draw, not
+        yet on the host (its position is past the request's known tokens), reads it from
+        that launch's draws on the device: a gather into the input-ids buffer."""
+        pending = self._launch(out)
+        self._prev = pending
+        return pending
+
+    def _launch(self, out: SchedulerOutput) -> PendingOutput:
         self.apply_block_ops(out.block_ops, out.kv_loads)
         if not out.scheduled:
-            return ModelRunnerOutput(sampled={}, logprobs={})
+            return PendingOutput([], None, done=ModelRunnerOutput(sampled={}, logprobs={}))
         t0 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.propose(out.scheduled)     # fills the scheduled drafts in place
@@ -156,15 +176,21 @@ class ModelRunner:
         pool_spans: list[PoolSpan] = []
         spec: list[SpecGroup] = []      # speculating requests: k + 1 sampled rows each
         primary: list[int] = []         # per sampling request, its (last) logits row
+        late_rows: list[int] = []       # rows whose input id is the previous launch's draw
+        late_draws: list[int] = []      # ... and the index of that draw
         lora_slots = (self.lora.slots_for([sr.request.lora_request for sr in out.scheduled])
                       if self.lora is not None else None)
         for i, sr in enumerate(out.scheduled):
             req = sr.request
             drafts = sr.spec_token_ids
+            late = sr.start == len(req.all_token_ids)
             first = batch.add(req.request_id,
                               WithDrafts(req.all_token_ids, drafts) if drafts else req.all_token_ids,
                               sr.start, sr.num_tokens, sr.block_ids,
-                              -1 if lora_slots is None else lora_slots[i])
+                              -1 if lora_slots is None else lora_slots[i], late=late)
+            if late:
+                late_rows.append(first)
+                late_draws.append(self._prev_draw_index[req.request_id])
             if req.sampling_params.prompt_logprobs is not None:
                 span = prompt_logprob_span(sr, first)
                 if span is not None:
@@ -195,6 +221,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         replay = pad is not None and graphs is not None and graphs.can_replay(pad)
         step = batch.finish(sample_rows, passes, pad_to=pad, full_width=replay)
+        if late_rows:
+            self._gather_late(step.input_ids, late_rows, late_draws)
         if replay:
             hidden, logits = graphs.replay(step)
         else:
@@ -203,28 +231,43 @@ class ModelRunner:
                       if lp_spans else {})
         pooled = pool(hidden, pool_spans) if pool_spans else {}
         if spec:
-            return self._verify(out, logits, rows, row_ids, spec, primary, t0, prompt_lps, pooled)
+            done = self._verify(out, logits, rows, row_ids, spec, primary, t0, prompt_lps, pooled)
+            return PendingOutput([], None, done=done)
         if not rows:
             model_time_s = time.perf_counter() - t0
             self._save_computed_prompts(out)
-            return ModelRunnerOutput(sampled={}, logprobs={}, model_time_s=model_time_s,
-                                     prompt_logprobs=prompt_lps, pooled=pooled)
+            return PendingOutput([], None, done=ModelRunnerOutput(
+                sampled={}, logprobs={}, model_time_s=model_time_s, prompt_logprobs=prompt_lps,
+                pooled=pooled))
         apply_logit_bias(logits, [r.params for r in rows])
         if out.grammar is not None:
             out.grammar.apply(logits)            # structured outputs: only grammar tokens
         s0 = time.monotonic()
-        result = self.sampler(logits, rows)
+        samples = self.sampler.sample(logits, rows)
         s1 = time.monotonic()
-        model_time_s = time.perf_counter() - t0
         self._save_computed_prompts(out)
-        return ModelRunnerOutput(
-            sampled=dict(zip(row_ids, result.token_ids)),
-            logprobs=dict(zip(row_ids, result.logprobs)),
-            model_time_s=model_time_s,
-            sample_window=(s0, s1),
-            prompt_logprobs=prompt_lps,
-            pooled=pooled,
-        )
+        return PendingOutput(row_ids, samples, launch_s=time.perf_counter() - t0,
+                             sample_window=(s0, s1), prompt_logprobs=prompt_lps, pooled=pooled)
+
+    @property
+    def _prev_draw_index(self) -> dict[str, int]:
+        prev = self._prev
+        if prev is None or prev.draws is None:
+            raise RuntimeError("a decode reads a token in flight, but the previous step "
+                               "sampled none")
+        if self._prev_index_of is not prev:
+            self._prev_index, self._prev_index_of = prev.draw_index(), prev
+        return self._prev_index
+
+    def _gather_late(self, input_ids: torch.Tensor, rows: list[int], draws: list[int]) -> None:
+        """input_ids[rows] = the previous launch's draws[draws], on the device (queued behind
+        the staging copy that wrote the placeholders, so it lands last)."""
+        idx = torch.tensor([rows, draws], dtype=torch.long)
+        if input_ids.device.type == "cuda":
+            # NOTE: from pinned memory without blocking: a pageable copy would wait for the
+            # device to finish the previous step, the very wait async scheduling avoids
+            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids[idx[0]] = self._prev.draws[idx[1]].to(input_ids.dtype)
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SamplingRow],
                 row_ids: list[str], spec: list[SpecGroup], primary: list[int], t0: float,

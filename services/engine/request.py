@@ -86,6 +86,9 @@ class Request:
     # prefill/decode disaggregation: the kv_transfer_params its final output returns (set at
     # finish by the kv-transfer connector; None: none)
     kv_transfer_result: dict | None = None
+    # --async-scheduling: tokens sampled by a step whose result the host has not read yet;
+    # the scheduler counts them as known (vLLM's num_output_placeholders)
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -134,6 +134,12 @@ class Sampler:
         self.generator = generator   # None: torch's global RNG
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_output()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> "DeviceSamples":
+        """The draws (and the requested logprobs) on the device, their copy to the host
+        started but not waited for: async scheduling reads the draws on the device for the
+        next step before the host has them (`DeviceSamples.to_output` waits)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         raw = logits
         logits = logits.to(torch.float32)                           # [R, V]
@@ -149,7 +155,7 @@ class Sampler:
             logits[masked] = float("-inf")
 
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return DeviceSamples(None, [], [], rows, _LogprobTensors([], 0, []), None)
         # NOTE: every draw (one per sample, rows in order) as one device tensor; the tokens and
         # the requested logprobs then reach the host in one transfer (`to_host`).
         num = [r.num_samples for r in rows]
@@ -174,10 +180,7 @@ class Sampler:
                 draws[torch.tensor(at, device=logits.device)] = self._sample(
                     logits[randomized], [rows[i] for i in randomized])
         lp = _logprob_tensors(raw, rows, draws, first)
-        host = to_host([draws, *lp.tensors])
-        flat = host[0]
-        token_ids = [flat[first[i]:first[i] + num[i]] for i in range(len(rows))]
-        return SamplerOutput(token_ids=token_ids, logprobs=lp.assemble(rows, token_ids, host[1:]))
+        return DeviceSamples(draws, first, num, rows, lp, start_to_host([draws, *lp.tensors]))
 
     def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] float32: the distribution each row's token is drawn from, after the same
@@ -306,22 +309,63 @@ def to_host(tensors: list[torch.Tensor]) -> list[list]:
     """Each tensor's values as a (flat) list, in ONE device-to-host transfer: on CUDA they are
     packed into one float64 buffer (exact for token ids, ranks and float32 log-probs), copied
     without blocking into pinned memory, and waited for once; on CPU they are read as they are."""
+    return start_to_host(tensors).wait()
+
+
+@dataclass(slots=True)
+class HostTransfer:
+    """A device-to-host copy in flight (`start_to_host`); `wait` gives the values."""
+    tensors: list[torch.Tensor]                  # the sources (on CPU: read at wait)
+    host: torch.Tensor | None = None             # CUDA: the pinned float64 destination
+    done: "torch.cuda.Event | None" = None       # CUDA: recorded after the copy
+
+    def wait(self) -> list[list]:
+        if self.host is None:
+            return [t.reshape(-1).tolist() for t in self.tensors]
+        self.done.synchronize()
+        values = self.host.tolist()
+        out, at = [], 0
+        for t in self.tensors:
+            n = t.numel()
+            part = values[at:at + n]
+            out.append([int(v) for v in part] if not t.is_floating_point() else part)
+            at += n
+        return out
+
+
+def start_to_host(tensors: list[torch.Tensor]) -> HostTransfer:
+    """Enqueue `to_host`'s one transfer and return at once. NOTE: on CUDA the copy is queued
+    right behind the kernels that made the tensors, so waiting for it never waits for work
+    queued later (the next step's forward, with async scheduling)."""
     if not tensors or tensors[0].device.type != "cuda":
-        return [t.reshape(-1).tolist() for t in tensors]
+        return HostTransfer(tensors)
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
     host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(flat, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    done.synchronize()
-    values = host.tolist()
-    out, at = [], 0
-    for t in tensors:
-        n = t.numel()
-        part = values[at:at + n]
-        out.append([int(v) for v in part] if not t.is_floating_point() else part)
-        at += n
-    return out
+    return HostTransfer(tensors, host, done)
+
+
+@dataclass(slots=True)
+class DeviceSamples:
+    """One step's draws before the host has them (`Sampler.sample`)."""
+    draws: torch.Tensor | None     # [D] every draw, rows in order, num_samples each (None: no row)
+    first: list[int]               # per row, the index of its first draw in `draws`
+    num: list[int]                 # per row, its draws (num_samples)
+    rows: list[SamplingRow]
+    lp: "_LogprobTensors"          # the requested logprobs, on the device
+    transfer: HostTransfer | None  # draws then the logprob tensors, on their way to the host
+
+    def to_output(self) -> SamplerOutput:
+        """Wait for the transfer: the tokens and logprobs as host lists."""
+        if self.transfer is None:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        host = self.transfer.wait()
+        flat, first, num = host[0], self.first, self.num
+        token_ids = [flat[first[i]:first[i] + num[i]] for i in range(len(self.rows))]
+        return SamplerOutput(token_ids=token_ids,
+                             logprobs=self.lp.assemble(self.rows, token_ids, host[1:]))
 
 
 @dataclass(slots=True)

@@ -42,6 +42,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _makes_placeholder(sr: ScheduledRequest) -> bool:
+    """Whether the step samples a token for this request (async scheduling's placeholder)."""
+    return sr.sample and sr.request.pooling is None
+
+
 def _count_scheduled(stats: SchedulerStats, sr: ScheduledRequest, sign: int) -> None:
     """Add (sign +1) or take back (-1, a victim's tokens) one scheduled request's counts."""
     if sr.is_decode:
@@ -96,6 +101,10 @@ class Scheduler:
         # is sorted only after a request joined it. At 1024 running requests the per-step
         # records and sort keys set off several collections a step.
         self._records: dict[str, ScheduledRequest] = {}
+        # --async-scheduling: step n's records are still read (update_from_output) after step
+        # n + 1 is scheduled, so consecutive steps fill two alternating sets
+        self.async_scheduling = config.async_scheduling
+        self._records_prev: dict[str, ScheduledRequest] = {}
         self._running_unsorted = self._waiting_unsorted = True
         self.step_id = 0
         # NOTE: block counters at the end of the last step: every block operation, aborts
@@ -167,6 +176,7 @@ class Scheduler:
         req.status = status
         self.requests.pop(req.request_id, None)
         self._records.pop(req.request_id, None)
+        self._records_prev.pop(req.request_id, None)
         self._awaiting_kv.discard(req.request_id)
         if self.kv_connector is not None:
             self.kv_connector.release(req.request_id)
@@ -179,6 +189,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
+        if self.async_scheduling:
+            self._records, self._records_prev = self._records_prev, self._records
         now = self.clock()
         st = StepState(self.step_id, now, lambda r: self.policy.key(r, now), self.token_budget,
                        SchedulerStats(step=self.step_id, policy=self.policy.name,
@@ -437,9 +449,15 @@ class Scheduler:
                 break
 
     def _commit(self, st: StepState) -> None:
-        """The scheduled tokens will be computed by this step's forward pass."""
+        """The scheduled tokens will be computed by this step's forward pass. With async
+        scheduling a request that samples counts its coming token as known at once (a
+        placeholder): the next step schedules it before the host has it."""
         for sr in st.scheduled.values():
             sr.request.num_computed_tokens = sr.start + sr.num_tokens
+        if self.async_scheduling:
+            for sr in st.scheduled.values():
+                if _makes_placeholder(sr):
+                    sr.request.num_output_placeholders += 1
         self._fill_stats(st.stats)
 
     def _never_fits(self, num_tokens: int) -> bool:
@@ -502,7 +520,10 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         # NOTE: called for every running request every step: len() and a comparison rather
         # than the num_tokens property and max() (benchmarks/scheduler_step.py)
-        num_new = len(req.all_token_ids) - req.num_computed_tokens
+        num_new = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
+        if req.num_output_placeholders and (
+                len(req.output_token_ids) + req.num_output_placeholders >= req.max_tokens):
+            return 0      # NOTE: its token in flight is its last (length): nothing to schedule
         if num_new > budget:
             # NOTE: with chunked prefill off a prefill waits for a step with room for all of it.
             return budget if self.chunked else 0
@@ -522,7 +543,7 @@ class Scheduler:
         """`num_new` tokens of `req` in this step, its `drafts` (speculative decoding) last."""
         rid = req.request_id
         start = req.num_computed_tokens
-        sample = start + num_new - len(drafts) == len(req.all_token_ids)
+        sample = start + num_new - len(drafts) == len(req.all_token_ids) + req.num_output_placeholders
         children: tuple[Request, ...] = ()
         if sample and self.pending_forks and not req.output_token_ids and rid in self.pending_forks:
             children = tuple(self.pending_forks[rid])
@@ -561,8 +582,11 @@ class Scheduler:
         now = self.clock()
         touched: list[Request] = []
         sampled, all_logprobs = result.sampled, result.logprobs
+        placeholders = self.async_scheduling
         for sr in out.scheduled:
             req = sr.request
+            if placeholders and _makes_placeholder(sr):
+                req.num_output_placeholders -= 1      # its token is here (or discarded)
             if not sr.sample or req.status in _FINISHED:
                 continue
             rid = req.request_id

@@ -72,6 +72,18 @@ def test_decode_bandwidth_prints_one_row(model_cache, capsys):
     assert float(row[4]) == pytest.approx(0.013, abs=0.001)
 
 
+def test_decode_bandwidth_and_scheduler_step_run_with_async_scheduling(model_cache, capsys):
+    from benchmarks import scheduler_step
+    decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache),
+                           "--batch", "3", "--context", "20", "--steps", "3", "--copy-mib", "16",
+                           "--async-scheduling"])
+    out = capsys.readouterr().out
+    assert "async scheduling on" in out
+    assert out.strip().splitlines()[-1].strip("| ").split(" | ")[:2] == ["3", "20"]
+    r = scheduler_step.measure(4, 10, async_scheduling=True)
+    assert (r["requests"], r["steps"]) == (4, 10) and r["cpu_mean"] > 0
+
+
 def test_cuda_is_refused_cleanly_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

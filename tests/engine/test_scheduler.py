@@ -259,7 +259,8 @@ def test_scheduler_keeps_no_state_for_finished_requests(harness):
     containers = {name: len(v) for name, v in vars(h.sched).items()
                   if isinstance(v, (list, dict, set))}
     assert containers == {"waiting": 0, "running": 0, "swapped": 0, "pending_forks": 0,
-                          "requests": 0, "_awaiting_kv": 0, "_records": 0}
+                          "requests": 0, "_awaiting_kv": 0, "_records": 0,
+                          "_records_prev": 0}
 
 
 def test_abort_frees_every_block_at_once_wherever_the_request_is(harness):
