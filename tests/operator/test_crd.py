@@ -274,6 +274,20 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                                       "decode": {"autoscaling": {"minReplicas": 5}}}},
      ["spec.disaggregation.prefill.autoscaling.minReplicas (3) must not exceed maxReplicas (2)",
       "spec.disaggregation.decode.autoscaling.minReplicas (5) must not exceed maxReplicas (4)"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 2}}},
+     ["spec.engine.speculativeConfig: method 'draft_model' needs \"model\": the draft's HF directory"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2, "model": "/d"}}},
+     ["spec.engine.speculativeConfig: method 'ngram' takes no model (it looks up the request's own tokens)"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 2,
+                                                    "model": "/d", "promptLookupMax": 3}}},
+     ["spec.engine.speculativeConfig: prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2,
+                                                    "promptLookupMin": 3, "promptLookupMax": 2}}},
+     ["spec.engine.speculativeConfig: prompt_lookup_min (3) must be <= prompt_lookup_max (2)"]),
+    ({"model": {}, "gpu": {"count": 4}, "engine": {"speculativeConfig": {
+        "method": "draft_model", "numSpeculativeTokens": 2, "model": "/models/draft"}}},
+     ["spec.engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh (the engine "
+      "runs the draft unsharded), got 4: set spec.engine.tensorParallelSize 1 or use method ngram"]),
 ]
 
 
