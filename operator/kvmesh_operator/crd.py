@@ -491,6 +491,9 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
                         f"pod runs gpu.count / tensorParallelSize model replicas of {tp} GPUs")
     vllm = engine.runtime == "vllm"
     draft = engine.speculative_config is not None and engine.speculative_config.method == "draft_model"
+    if vllm and engine.speculative_config is not None and engine.speculative_config.disable_by_batch_size:
+        problems.append("spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative "
+                        "config has no such key (leave it out with runtime vllm)")
     if draft and not vllm and tp_size > 1:
         problems.append(f"spec.engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime "
                         f"kvmesh (the engine runs the draft unsharded), got {tp_size}: set "

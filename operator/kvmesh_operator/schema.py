@@ -134,7 +134,8 @@ _SPECULATIVE_CONFIG = _obj(
                                 minimum=1),
         "model": _str("draft_model: the draft's HF-format directory inside the engine pod (e.g. on the model's "
                       "claim under /models).", pattern="^/", maxLength=1024),
-        "disableByBatchSize": _int("Speculation is off in a step while more requests than this run.", minimum=1),
+        "disableByBatchSize": _int("Speculation is off in a step while more requests than this run (runtime "
+                                   "kvmesh only).", minimum=1),
     }, required=["method", "numSpeculativeTokens"], rules=[
         {"rule": "self.method != 'draft_model' || has(self.model)",
          "message": "engine.speculativeConfig.model is required with method draft_model"},
@@ -440,6 +441,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
              "self.engine.runtime != 'kvmesh' || (has(self.engine.tensorParallelSize) ? "
              "self.engine.tensorParallelSize == 1 : self.gpu.count <= 1)",
      "message": "engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"},
+    {"rule": "self.engine.runtime != 'vllm' || !has(self.engine.speculativeConfig) || "
+             "!has(self.engine.speculativeConfig.disableByBatchSize)",
+     "message": "engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no "
+                "such key"},
     {"rule": "self.router.mode != 'inference-pool' || self.model.source == 'pvc'",
      "message": "router.mode inference-pool needs model.source pvc (the endpoint picker reads the tokenizer from "
                 "the claim)"},

@@ -288,6 +288,11 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
         "method": "draft_model", "numSpeculativeTokens": 2, "model": "/models/draft"}}},
      ["spec.engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh (the engine "
       "runs the draft unsharded), got 4: set spec.engine.tensorParallelSize 1 or use method ngram"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "engine": {
+        "runtime": "vllm", "speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2,
+                                                 "disableByBatchSize": 8}}},
+     ["spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative config has no such "
+      "key (leave it out with runtime vllm)"]),
 ]
 
 

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 56
+    assert len(RULES) == 57
 
 
 @pytest.mark.parametrize("spec", [
@@ -169,6 +169,7 @@ CEL_MESSAGES = [
     ["engine.speculativeConfig.promptLookupMin / promptLookupMax apply to method ngram only"],
     ["engine.speculativeConfig.promptLookupMin must not exceed promptLookupMax"],
     ["engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"],
+    ["engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no such key"],
 ]
 
 
