@@ -128,7 +128,12 @@ def peer_command(venv: Path, override: str | None) -> list[str]:
 def run_peer(command: list[str], spec: dict, env: dict[str, str], timeout_s: float,
              log_path: Path | None = None) -> PeerResult:
     """Run the peer on `spec` (see vllm_peer.py) and check its answer against the requests."""
-    requests = spec["requests"]
+    return parse_result(run_peer_json(command, spec, env, timeout_s, log_path), spec["requests"])
+
+
+def run_peer_json(command: list[str], spec: dict, env: dict[str, str], timeout_s: float,
+                  log_path: Path | None = None) -> object:
+    """Run the peer on `spec`; its result JSON as written, unchecked (PeerError when it fails)."""
     with tempfile.TemporaryDirectory(prefix="kvmesh-peer-") as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(spec))
@@ -144,12 +149,11 @@ def run_peer(command: list[str], spec: dict, env: dict[str, str], timeout_s: flo
             if done.returncode != 0:
                 raise PeerError(f"the peer exited with status {done.returncode}{_tail(log, log_path)}")
             try:
-                raw = json.loads(res_path.read_text())
+                return json.loads(res_path.read_text())
             except (OSError, ValueError) as e:
                 raise PeerError(f"the peer wrote no readable result ({e}){_tail(log, log_path)}") from None
         finally:
             log.close()
-    return parse_result(raw, requests)
 
 
 def parse_result(raw: object, requests: list[dict]) -> PeerResult:

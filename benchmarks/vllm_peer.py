@@ -24,6 +24,18 @@ several timed cases, each request naming an adapter (or null: the base model):
 
 and the result has "cases": [{"name", "outputs", "wall_s", "cpu_s"}, ...].
 
+With "spec_decode" (benchmarks/spec_decode.py), one engine with that `speculative_config` (null:
+none) runs each "latency" request alone, stepping the engine and timing its tokens as they come
+(stopping at EOS), then each "batches" entry all queued at once (ignoring EOS, as above):
+
+    {..., "spec_decode": {"speculative_config": {"method": "ngram", ...} | null,
+                          "latency": [{"prompt_ids": [...], "max_tokens": 96}, ...],
+                          "batches": [{"name": "8", "requests": [...]}, ...]}}
+
+and the result has "latency": [{"tokens", "decode_s", "drafts", "draft_tokens", "accepted"}] and
+"batches": [{"name", "outputs", "wall_s", "drafts", "draft_tokens", "accepted"}] (the counts from
+vLLM's own spec_decode counters).
+
 RESULT.json:
 
     {"system": "vllm 0.32.0", "outputs": [[token ids], ...], "wall_s": 12.3, "cpu_s": 24.1,
@@ -137,13 +149,83 @@ def run_lora(spec: dict) -> dict:
             "note": f"vllm {vllm.__version__}, enable_lora, max_loras={lora['max_loras']}"}
 
 
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
+                  "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def _spec_counts(llm) -> dict[str, int]:
+    """vLLM's speculative-decoding counters now (zeros without speculation)."""
+    out = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    for m in llm.get_metrics():
+        key = _SPEC_COUNTERS.get(m.name.removesuffix("_total"))
+        if key is not None and hasattr(m, "value"):
+            out[key] += int(m.value)
+    return out
+
+
+def _since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def _latency_one(llm, rid: str, req: dict) -> dict:
+    """One request alone, greedy, stopping at EOS: its tokens and the time from its first token
+    to its last (the engine stepped here, as kvmesh's benchmark steps kvmesh)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    before = _spec_counts(llm)
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req["prompt_ids"])),
+                       SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"])))
+    t_first = t_end = None
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.outputs and out.outputs[0].token_ids and t_first is None:
+                t_first = now
+            if out.finished:
+                tokens, t_end = list(out.outputs[0].token_ids), now
+    return {"tokens": tokens, "decode_s": (t_end - t_first) if t_first is not None else 0.0,
+            **_since(before, _spec_counts(llm))}
+
+
+def run_spec_decode(spec: dict) -> dict:
+    import vllm
+
+    sd = spec["spec_decode"]
+    extra = {"disable_log_stats": False}
+    if sd.get("speculative_config"):
+        extra["speculative_config"] = sd["speculative_config"]
+    t_load = time.perf_counter()
+    llm = _llm(spec, **extra)
+    load_s = time.perf_counter() - t_load
+    _generate(llm, spec.get("warmup") or [])
+    latency = [_latency_one(llm, f"lat-{i}", r) for i, r in enumerate(sd.get("latency", []))]
+    batches = []
+    for batch in sd.get("batches", []):
+        before, t0 = _spec_counts(llm), time.perf_counter()
+        outputs = _generate(llm, batch["requests"])
+        wall = time.perf_counter() - t0
+        batches.append({"name": batch["name"], "outputs": outputs, "wall_s": wall,
+                        **_since(before, _spec_counts(llm))})
+    return {"system": f"vllm {vllm.__version__}", "load_s": load_s, "latency": latency,
+            "batches": batches,
+            "note": f"vllm {vllm.__version__}, speculative_config={sd.get('speculative_config')}"}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_peer.py REQUEST.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)
-    result = run_lora(spec) if "cases" in spec else run(spec)
+    if "spec_decode" in spec:
+        result = run_spec_decode(spec)
+    else:
+        result = run_lora(spec) if "cases" in spec else run(spec)
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0

@@ -6,10 +6,12 @@ half-built service. Defaults here equal the schema's `default:` values (a test c
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvmesh.common.speculative_config import parse_speculative_config
 from kvmesh.common.storage import FetchError, is_uri, parse_source
 
 from . import schema as S
@@ -75,6 +77,22 @@ class NCCLSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeSpec:
+    """spec.engine.speculativeConfig, in vLLM's --speculative-config keys (both runtimes take them)."""
+    method: str  # ngram | draft_model
+    num_speculative_tokens: int  # drafts per request per step
+    prompt_lookup_min: int | None = None  # ngram; None: the engine's default
+    prompt_lookup_max: int | None = None  # ngram; None: the engine's default
+    model: str | None = None  # draft_model: the draft's directory inside the engine pod
+    disable_by_batch_size: int | None = None  # no speculation in a step running more requests
+
+    def to_json(self) -> str:
+        """The flag's value: the keys that are set, compact and sorted (stable config hash)."""
+        keys = {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+        return json.dumps(keys, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -91,6 +109,7 @@ class EngineSpec:
     max_loras: int = 1  # --max-loras
     max_lora_rank: int = 16  # --max-lora-rank
     max_cpu_loras: int | None = None  # --max-cpu-loras; None: the engine's default (max_loras)
+    speculative_config: SpeculativeSpec | None = None  # engine.speculativeConfig; None: no speculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +405,31 @@ def _local_path_problem(where: str, value: Any, what: str, remote: bool = False)
             f"/models)")
 
 
+def _speculative(engine: _Reader, problems: list[str]) -> SpeculativeSpec | None:
+    """engine.speculativeConfig, checked by the engine's own validator (one source of truth for
+    what `--speculative-config` accepts)."""
+    if not engine.has("speculativeConfig"):
+        return None
+    r = engine.sub("speculativeConfig")
+    before = len(problems)
+    values = {key: r.get(camel) for key, camel in (
+        ("method", "method"), ("num_speculative_tokens", "numSpeculativeTokens"),
+        ("prompt_lookup_min", "promptLookupMin"), ("prompt_lookup_max", "promptLookupMax"),
+        ("model", "model"), ("disable_by_batch_size", "disableByBatchSize"))}
+    for key in ("method", "numSpeculativeTokens"):
+        if not r.has(key):
+            problems.append(f"{r.path}.{key} is required")
+    if len(problems) > before:
+        return None
+    spec = SpeculativeSpec(**values)
+    try:
+        parse_speculative_config(spec.to_json())
+    except ValueError as e:
+        problems.append(f"{r.path}: {str(e).removeprefix('--speculative-config: ')}")
+        return None
+    return spec
+
+
 def parse(name: str, namespace: str, spec: Any) -> InferenceService:
     """Parse and validate a spec; raises SpecError listing every problem."""
     problems: list[str] = []
@@ -436,7 +480,7 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         shared_memory_size=e.get("sharedMemorySize") or ("8Gi" if tp_size > 1 else "2Gi"),
         nccl=NCCLSpec(socket_ifname=nc.get("socketIfname"), debug=nc.get("debug")),
         enable_lora=e.get("enableLora"), max_loras=e.get("maxLoras"), max_lora_rank=e.get("maxLoraRank"),
-        max_cpu_loras=e.get("maxCpuLoras"))
+        max_cpu_loras=e.get("maxCpuLoras"), speculative_config=_speculative(e, problems))
     if (isinstance(engine.max_cpu_loras, int) and isinstance(engine.max_loras, int)
             and engine.max_cpu_loras < engine.max_loras):
         problems.append(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be at least spec.engine.maxLoras "
@@ -452,6 +496,14 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         problems.append(f"spec.engine.tensorParallelSize ({tp}) must divide spec.gpu.count ({gpus}): each engine "
                         f"pod runs gpu.count / tensorParallelSize model replicas of {tp} GPUs")
     vllm = engine.runtime == "vllm"
+    draft = engine.speculative_config is not None and engine.speculative_config.method == "draft_model"
+    if vllm and engine.speculative_config is not None and engine.speculative_config.disable_by_batch_size:
+        problems.append("spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative "
+                        "config has no such key (leave it out with runtime vllm)")
+    if draft and not vllm and tp_size > 1:
+        problems.append(f"spec.engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime "
+                        f"kvmesh (the engine runs the draft unsharded), got {tp_size}: set "
+                        f"spec.engine.tensorParallelSize 1 or use method ngram")
     if vllm and engine.scheduling_policy in ("sjf", "dynamic"):
         problems.append(f"spec.engine.schedulingPolicy {engine.scheduling_policy} is kvmesh-only: runtime vllm "
                         f"takes fcfs or priority")

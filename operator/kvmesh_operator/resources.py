@@ -223,6 +223,9 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
         config.update(enable_lora=True, max_loras=e.max_loras, max_lora_rank=e.max_lora_rank)
         if e.max_cpu_loras is not None:
             config["max_cpu_loras"] = e.max_cpu_loras
+    if e.speculative_config is not None:
+        # NOTE: a string: --speculative-config takes JSON text, in the file as on the command line
+        config["speculative_config"] = e.speculative_config.to_json()
     return config
 
 

@@ -58,6 +58,8 @@ def vllm_args(svc: InferenceService, model: str) -> list[str]:
             "--scheduling-policy", e.scheduling_policy, "--enable-prefix-caching"]
     if svc.model.tokenizer is not None:
         args += ["--tokenizer", svc.model.tokenizer]
+    if e.speculative_config is not None:
+        args += ["--speculative-config", e.speculative_config.to_json()]
     return args + kv_events_args(svc)
 
 

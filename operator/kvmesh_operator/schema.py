@@ -140,6 +140,34 @@ def _role_schema(role: str) -> dict[str, Any]:
     }, default={})
 
 
+# spec.engine.speculativeConfig: vLLM's --speculative-config keys, camelCased (the operator writes
+# them back in vLLM's spelling for both runtimes)
+SPECULATIVE_METHODS = ["ngram", "draft_model"]
+_SPECULATIVE_CONFIG = _obj(
+    "Speculative decoding (--speculative-config, both runtimes): drafts verified in one forward of the model.", {
+        "method": _str("ngram (prompt lookup in the request's own tokens, no model) or draft_model (a smaller "
+                       "model of the same vocabulary).", enum=SPECULATIVE_METHODS),
+        "numSpeculativeTokens": _int("Draft tokens proposed per request per step.", minimum=1, maximum=64),
+        "promptLookupMin": _int("ngram: shortest suffix of the request's tokens looked up. Default: "
+                                "promptLookupMax, or 5.", minimum=1),
+        "promptLookupMax": _int("ngram: longest suffix looked up first. Default: promptLookupMin, or 5.",
+                                minimum=1),
+        "model": _str("draft_model: the draft's HF-format directory inside the engine pod (e.g. on the model's "
+                      "claim under /models).", pattern="^/", maxLength=1024),
+        "disableByBatchSize": _int("Speculation is off in a step while more requests than this run (runtime "
+                                   "kvmesh only).", minimum=1),
+    }, required=["method", "numSpeculativeTokens"], rules=[
+        {"rule": "self.method != 'draft_model' || has(self.model)",
+         "message": "engine.speculativeConfig.model is required with method draft_model"},
+        {"rule": "self.method != 'ngram' || !has(self.model)",
+         "message": "engine.speculativeConfig.model applies to method draft_model only"},
+        {"rule": "self.method != 'draft_model' || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
+         "message": "engine.speculativeConfig.promptLookupMin / promptLookupMax apply to method ngram only"},
+        {"rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax) || "
+                 "self.promptLookupMin <= self.promptLookupMax",
+         "message": "engine.speculativeConfig.promptLookupMin must not exceed promptLookupMax"}])
+
+
 def _secret_ref(desc: str, default_key: str) -> dict[str, Any]:
     return _obj(desc, {
         "name": _str("Name of the Secret in the InferenceService's namespace.", pattern=K8S_NAME_PATTERN,
@@ -262,6 +290,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                             minimum=1, maximum=512, default=16),
         "maxCpuLoras": _int("LoRA adapters kept read in host memory, least recently used evicted "
                             "(--max-cpu-loras). Default: maxLoras.", minimum=1),
+        "speculativeConfig": _SPECULATIVE_CONFIG,
     }, rules=[{"rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
                "message": "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"},
               {"rule": "self.runtime != 'vllm' || self.schedulingPolicy in ['fcfs', 'priority']",
@@ -428,6 +457,14 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
     {"rule": "!has(self.engine.tensorParallelSize) || self.gpu.count == 0 || "
              "self.gpu.count % self.engine.tensorParallelSize == 0",
      "message": "engine.tensorParallelSize must divide gpu.count"},
+    {"rule": "!has(self.engine.speculativeConfig) || self.engine.speculativeConfig.method != 'draft_model' || "
+             "self.engine.runtime != 'kvmesh' || (has(self.engine.tensorParallelSize) ? "
+             "self.engine.tensorParallelSize == 1 : self.gpu.count <= 1)",
+     "message": "engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"},
+    {"rule": "self.engine.runtime != 'vllm' || !has(self.engine.speculativeConfig) || "
+             "!has(self.engine.speculativeConfig.disableByBatchSize)",
+     "message": "engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no "
+                "such key"},
     {"rule": "self.router.mode != 'inference-pool' || self.model.source == 'pvc'",
      "message": "router.mode inference-pool needs model.source pvc (the endpoint picker reads the tokenizer from "
                 "the claim)"},

@@ -272,9 +272,9 @@ class ModelRunner:
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rows: list[SamplingRow],
                 row_ids: list[str], spec: list[SpecGroup], primary: list[int], t0: float,
                 prompt_lps: dict, pooled: dict) -> ModelRunnerOutput:
-        """A step with speculating requests: logit_bias on every row, the grammar bitmask on
-        each sampling request's row (speculating requests have none), the plain rows sampled,
-        the drafts verified (engine/spec_decode/rejection.py)."""
+        """A step with speculating requests: logit_bias and the grammar bitmask on every row
+        (a constrained speculating request has a mask per drafted position), the plain rows
+        sampled, the drafts verified (engine/spec_decode/rejection.py)."""
         spec_last = {g.offset + len(g.drafts) for g in spec}
         plain = [p for p in primary if p not in spec_last]      # aligned with `rows`
         row_params: list = [None] * logits.shape[0]
@@ -284,10 +284,7 @@ class ModelRunner:
             row_params[g.offset:g.offset + len(g.rows)] = [g.rows[0].params] * len(g.rows)
         apply_logit_bias(logits, row_params)
         if out.grammar is not None:
-            at = torch.tensor(primary, device=logits.device)
-            sub = logits[at]
-            out.grammar.apply(sub)
-            logits[at] = sub
+            out.grammar.apply(logits)
         s0 = time.monotonic()
         result = self.sampler(logits[torch.tensor(plain, device=logits.device)], rows) if rows else None
         verified = verify(self.sampler, logits, spec)

@@ -182,6 +182,21 @@ class Sampler:
         lp = _logprob_tensors(raw, rows, draws, first)
         return DeviceSamples(draws, first, num, rows, lp, start_to_host([draws, *lp.tensors]))
 
+    def greedy_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """The token __call__ picks for each row of greedy `rows` (penalties and min_tokens
+        applied; logits left as they are): what target_probs puts its point mass on, without
+        building [R, V] probabilities."""
+        assert all(r.params.greedy for r in rows) and logits.shape[0] == len(rows)
+        penalized = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+        masked = _min_tokens_mask(rows, logits.shape[1])
+        if penalized or masked[0]:
+            logits = logits.to(torch.float32).clone()
+            if penalized:
+                self._penalize(logits, [rows[i] for i in penalized], penalized)
+            if masked[0]:
+                logits[masked] = float("-inf")
+        return argmax(logits.float().contiguous()).tolist()
+
     def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[R, V] float32: the distribution each row's token is drawn from, after the same
         steps as __call__ (penalties, min_tokens, temperature, top-k / top-p / min-p); a greedy

@@ -581,6 +581,7 @@ class Scheduler:
             self._finish_pooled(result.pooled)
         now = self.clock()
         touched: list[Request] = []
+        num_verified: dict[str, int] = {}      # speculating requests: tokens appended
         sampled, all_logprobs = result.sampled, result.logprobs
         placeholders = self.async_scheduling
         for sr in out.scheduled:
@@ -591,7 +592,7 @@ class Scheduler:
                 continue
             rid = req.request_id
             if sr.spec_token_ids:
-                self._append_verified(sr, result, out.stats, now)
+                num_verified[rid] = self._append_verified(sr, result, out.stats, now)
                 touched.append(req)
                 continue
             tokens = sampled[rid]
@@ -601,7 +602,7 @@ class Scheduler:
             self._append(req, tokens[0], logprobs[0] if logprobs else None, now)
             touched.append(req)
         if self.structured is not None:
-            for req in self.structured.accept(touched):
+            for req in self.structured.accept(touched, num_verified):
                 self.finish_request(req, RequestStatus.FINISHED_ABORTED)
         self.preemptor.learn_prefill_rate(out.stats.num_scheduled_tokens, result.model_time_s)
         return touched
@@ -640,7 +641,7 @@ class Scheduler:
         self.pending_forks.pop(req.request_id, None)
 
     def _append_verified(self, sr: ScheduledRequest, result: ModelRunnerOutput,
-                         stats: SchedulerStats, now: float) -> None:
+                         stats: SchedulerStats, now: float) -> int:
         """Speculative decoding: the accepted drafts and the token after them join the request;
         the rejected drafts' positions are no longer computed (their KV slots stay in the
         table and are overwritten by the tokens that come next; blocks are hashed from the
@@ -653,6 +654,7 @@ class Scheduler:
         for i, token in enumerate(tokens):
             self._append(req, token, logprobs[i] if logprobs else None, now)
         self.speculator.record(rid, len(sr.spec_token_ids), num_accepted, stats)
+        return len(tokens)
 
     def end_step(self, out: SchedulerOutput) -> None:
         """Count the block operations since schedule() (a finished request frees its blocks)

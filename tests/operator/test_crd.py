@@ -278,6 +278,25 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                                       "decode": {"autoscaling": {"enabled": True, "mode": "keda"}}}},
      ["spec.disaggregation.prefill.autoscaling.prometheusAddress is required when its mode is keda",
       "spec.disaggregation.decode.autoscaling.prometheusAddress is required when its mode is keda"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 2}}},
+     ["spec.engine.speculativeConfig: method 'draft_model' needs \"model\": the draft's HF directory"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2, "model": "/d"}}},
+     ["spec.engine.speculativeConfig: method 'ngram' takes no model (it looks up the request's own tokens)"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 2,
+                                                    "model": "/d", "promptLookupMax": 3}}},
+     ["spec.engine.speculativeConfig: prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only"]),
+    ({"model": {}, "engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2,
+                                                    "promptLookupMin": 3, "promptLookupMax": 2}}},
+     ["spec.engine.speculativeConfig: prompt_lookup_min (3) must be <= prompt_lookup_max (2)"]),
+    ({"model": {}, "gpu": {"count": 4}, "engine": {"speculativeConfig": {
+        "method": "draft_model", "numSpeculativeTokens": 2, "model": "/models/draft"}}},
+     ["spec.engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh (the engine "
+      "runs the draft unsharded), got 4: set spec.engine.tensorParallelSize 1 or use method ngram"]),
+    ({"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "engine": {
+        "runtime": "vllm", "speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 2,
+                                                 "disableByBatchSize": 8}}},
+     ["spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative config has no such "
+      "key (leave it out with runtime vllm)"]),
 ]
 
 

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 53
+    assert len(RULES) == 59
 
 
 @pytest.mark.parametrize("spec", [
@@ -84,10 +84,18 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
         "decode": {"autoscaling": {"enabled": True, "maxReplicas": 8}}}},
     {"model": {}, "gpu": {"count": 8}, "disaggregation": {"protocol": "rdma", "deviceName": "mlx5_0",
                                                           "prefill": {"gpus": 1}, "decode": {"gpus": 1}}},
+    {"model": {}, "engine": {"speculativeConfig": {"method": "ngram", "numSpeculativeTokens": 4,
+                                                   "promptLookupMin": 2, "promptLookupMax": 4}}},
+    {"model": {}, "gpu": {"count": 4}, "engine": {"tensorParallelSize": 1, "speculativeConfig": {
+        "method": "draft_model", "numSpeculativeTokens": 3, "model": "/models/draft"}}},
+    {"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "gpu": {"count": 2},
+     "engine": {"runtime": "vllm", "speculativeConfig": {"method": "draft_model", "numSpeculativeTokens": 3,
+                                                         "model": "/m/draft"}}},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
         "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model", "lora-adapters",
         "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials", "disaggregated-cpu",
-        "disaggregated-rdma-one-gpu-each"])
+        "disaggregated-rdma-one-gpu-each", "speculative-ngram",
+        "speculative-draft-tp-1", "speculative-draft-vllm-tp-2"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -158,6 +166,12 @@ CEL_MESSAGES = [
      "disaggregation.decode.autoscaling.minReplicas must not exceed maxReplicas"],
     ["disaggregation.prefill.autoscaling.prometheusAddress is required when its mode is keda",
      "disaggregation.decode.autoscaling.prometheusAddress is required when its mode is keda"],
+    ["engine.speculativeConfig.model is required with method draft_model"],
+    ["engine.speculativeConfig.model applies to method draft_model only"],
+    ["engine.speculativeConfig.promptLookupMin / promptLookupMax apply to method ngram only"],
+    ["engine.speculativeConfig.promptLookupMin must not exceed promptLookupMax"],
+    ["engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"],
+    ["engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no such key"],
 ]
 
 

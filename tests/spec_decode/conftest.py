@@ -104,3 +104,37 @@ def run_engine(engine, requests) -> Run:
         engine.kv_manager.check_invariants(engine.scheduler.requests.keys())
     engine.kv_manager.check_invariants([])
     return run
+
+
+# JSON pieces, one token each, so a tiny model can write JSON (the word-level tokenizer of
+# tiny_models cannot: its tokens are w3, w4, ...); the decoder joins them without spaces
+JSON_PIECES = list('{}[],:"') + list("0123456789") + list("abcdefghij") + ["true", "false", "null", " "]
+
+
+def json_ids(text: str) -> list[int]:
+    """Token ids of `text`, one character (or keyword) per token, in the tiny JSON vocabulary."""
+    ids = {p: 3 + i for i, p in enumerate(JSON_PIECES)}
+    return [ids[c] for c in text]
+
+
+@pytest.fixture(scope="session")
+def tiny_json(tmp_path_factory):
+    """(model directory, LoadedModel) of a tiny Llama whose tokenizer spells JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from kvmesh.engine.loader import load_model
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=3 + len(JSON_PIECES), hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2))
+    path = save_tiny_model(model.eval(), tmp_path_factory.mktemp("spec-models") / "tiny-json",
+                           seed=5)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{p: 3 + i for i, p in enumerate(JSON_PIECES)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return str(path), load_model(str(path), dtype="float32", device="cpu")

@@ -114,8 +114,8 @@ def test_speculation_is_off_above_disable_by_batch_size(tiny_llama):
 
 
 def test_a_constrained_request_shares_the_step_with_speculating_ones(tiny_llama):
-    """The grammar bitmask (one row per sampling request) still lands on the constrained row
-    when speculating requests add rows before it; the constrained request does not speculate."""
+    """The grammar bitmask still lands on the constrained row when speculating requests add
+    rows before it (the constrained request's lookup drafts, F, are all refused by its grammar)."""
     from kvmesh.engine.structured.spec import StructuredOutputSpec
     _, loaded = tiny_llama
     regex = SamplingParams(temperature=0.0, max_tokens=8,

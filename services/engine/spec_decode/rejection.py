@@ -61,7 +61,47 @@ def verify(sampler: Sampler, logits: torch.Tensor,            # [R, V] the step'
            groups: list[SpecGroup]) -> Verified:
     """Accept each group's leading drafts and draw the token after them (see the module)."""
     index = [g.offset + i for g in groups for i in range(len(g.rows))]
-    raw = logits[torch.tensor(index, device=logits.device)]           # [N, V]
+    if index[-1] - index[0] == len(index) - 1:        # the groups' rows are one run: a view
+        raw = logits[index[0]:index[-1] + 1]                            # [N, V]
+    else:
+        raw = logits[torch.tensor(index, device=logits.device)]
+    starts, at = [], 0
+    for g in groups:
+        starts.append(at)
+        at += len(g.rows)
+    num_accepted, final = [0] * len(groups), [0] * len(groups)
+    greedy = [i for i, g in enumerate(groups) if g.greedy]
+    sampled = [i for i, g in enumerate(groups) if not g.greedy]
+    if greedy:
+        # NOTE: a greedy row's target is a point mass on its argmax: a draft is kept iff it is
+        # that argmax, so no [N, V] probabilities are built (the batch-1 hot path)
+        rows_at = [starts[i] + j for i in greedy for j in range(len(groups[i].rows))]
+        best = sampler.greedy_tokens(
+            raw if not sampled else raw[torch.tensor(rows_at, device=raw.device)],
+            [r for i in greedy for r in groups[i].rows])
+        j = 0
+        for i in greedy:
+            g = groups[i]
+            k = len(g.drafts)
+            n = 0
+            while n < k and g.drafts[n] == best[j + n]:
+                n += 1
+            num_accepted[i], final[i] = n, best[j + n]
+            j += k + 1
+    if sampled:
+        sub = [groups[i] for i in sampled]
+        rows_at = [starts[i] + j for i in sampled for j in range(len(groups[i].rows))]
+        for i, n, t in zip(sampled, *_verify_sampled(
+                sampler, raw[torch.tensor(rows_at, device=raw.device)], sub)):
+            num_accepted[i], final[i] = n, t
+    tokens = {g.request_id: list(g.drafts[:n]) + [t]
+              for g, n, t in zip(groups, num_accepted, final)}
+    return Verified(tokens, _logprobs(raw, groups, starts, num_accepted, tokens))
+
+
+def _verify_sampled(sampler: Sampler, raw: torch.Tensor,         # [N, V] the groups' rows
+                    groups: list[SpecGroup]) -> tuple[list[int], list[int]]:
+    """Rejection sampling for groups with temperature > 0: (accepted drafts, token after them)."""
     rows = [r for g in groups for r in g.rows]
     probs = sampler.target_probs(raw, rows)                             # [N, V]
     starts, at = [], 0
@@ -78,18 +118,12 @@ def verify(sampler: Sampler, logits: torch.Tensor,            # [R, V] the step'
         k = len(g.drafts)
         p = p_draft[j:j + k]
         j += k
-        if g.greedy:
-            u = [0.5] * k        # NOTE: p is exactly 0 or 1 here: any u in (0, 1) decides alike
-        else:
-            u = torch.rand(k, generator=g.generator or sampler.generator).tolist()
+        u = torch.rand(k, generator=g.generator or sampler.generator).tolist()
         n = 0
         while n < k and u[n] < p[n]:
             n += 1
         num_accepted.append(n)
-    final = _draw_final(sampler, probs, groups, starts, num_accepted)
-    tokens = {g.request_id: list(g.drafts[:n]) + [t]
-              for g, n, t in zip(groups, num_accepted, final)}
-    return Verified(tokens, _logprobs(raw, groups, starts, num_accepted, tokens))
+    return num_accepted, _draw_final(sampler, probs, groups, starts, num_accepted)
 
 
 def _draw_final(sampler: Sampler, probs: torch.Tensor, groups: list[SpecGroup],
@@ -113,12 +147,9 @@ def _draw_final(sampler: Sampler, probs: torch.Tensor, groups: list[SpecGroup],
             dist[gi[empty]] = before[empty]
     q = torch.empty_like(dist)
     for i, g in enumerate(groups):
-        if g.greedy:
-            q[i] = 1.0                            # argmax of a point mass
-        else:
-            gen = g.generator or sampler.generator
-            where = gen.device if gen is not None else dev
-            q[i] = torch.empty(dist.shape[1], device=where).exponential_(generator=gen).to(dev)
+        gen = g.generator or sampler.generator
+        where = gen.device if gen is not None else dev
+        q[i] = torch.empty(dist.shape[1], device=where).exponential_(generator=gen).to(dev)
     q.clamp_min_(_TINY)
     return (dist / q).argmax(dim=-1).tolist()
 

@@ -7,8 +7,10 @@ drafts of each decode it schedules. Speculation is off:
   - for a request whose acceptance stays low: after `WINDOW` verifications accepting less than
     `LOW_ACCEPTANCE` of their drafts it pauses for `PAUSE_MIN` decodes, doubling up to
     `PAUSE_MAX` while it keeps failing (a request that starts copying again is retried);
-  - for requests with a grammar (structured outputs: the matcher would have to follow the
-    drafts and roll back; not built).
+  - with a draft model, for requests with a grammar (structured outputs): the draft model's
+    proposals are made after scheduling, too late to cut them at the grammar.
+A prompt-lookup draft for a request with a grammar ends before its first token the grammar
+refuses (RequestGrammar.valid_prefix); the verification then masks every drafted position.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ class Speculator:
     def propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decode of `req` (none when speculation is off for it), at most `budget`
         and never more than its max_tokens leave room for after the token they follow."""
-        if not self.active or req.grammar is not None:
+        if not self.active or (req.grammar is not None and self.config.method == "draft_model"):
             return _NO_DRAFTS
         state = self._requests.get(req.request_id)
         if state is not None and state.paused:
@@ -66,7 +68,10 @@ class Speculator:
         if c.method == "draft_model":
             # NOTE: placeholders: the runner's draft model fills them in before the forward
             return [0] * k
-        return propose_ngram(req.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        drafts = propose_ngram(req.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        if drafts and req.grammar is not None:
+            del drafts[req.grammar.valid_prefix(drafts):]
+        return drafts
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int,
                stats: SchedulerStats) -> None:

@@ -1,7 +1,8 @@
 """GrammarBitmask: which tokens each constrained row of one step may sample.
 
-Rows follow the step's sampling rows (the scheduled requests with `sample`, in order), the same
-order the runner projects to logits, so applying it needs no lookup by request id.
+Rows follow the step's logits rows (the scheduled requests with `sample`, in order; a speculating
+request has one per drafted position and one after its drafts), the same order the runner projects
+to logits, so applying it needs no lookup by request id.
 """
 from __future__ import annotations
 
@@ -37,21 +38,25 @@ def is_sampling_row(sr) -> bool:
 def build_bitmask(sched: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
     """The step's bitmask, or None when no sampling row is constrained (nothing is allocated)."""
     rows: list[int] = []
-    grammars = []
+    todo = []                 # (first row, grammar, drafts)
     num_rows = 0
     for sr in sched.scheduled:
         if not is_sampling_row(sr):
             continue
         grammar = sr.request.grammar
+        drafts = sr.spec_token_ids
         # NOTE: a fork's children (n > 1) draw from this row at their first token; every sample's
         # matcher is still at the start then, so sample 0's mask is theirs too.
         if grammar is not None and not grammar.terminated:
-            rows.append(num_rows)
-            grammars.append(grammar)
-        num_rows += 1
+            rows.extend(range(num_rows, num_rows + 1 + len(drafts)))
+            todo.append((num_rows, grammar, drafts))
+        num_rows += 1 + len(drafts)     # a speculating request: one row per drafted position
     if not rows:
         return None
     bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
-    for row, grammar in zip(rows, grammars):
-        grammar.fill_bitmask(bitmask, row)
+    for row, grammar, drafts in todo:
+        if drafts:
+            grammar.fill_draft_bitmasks(bitmask, row, drafts)
+        else:
+            grammar.fill_bitmask(bitmask, row)
     return GrammarBitmask(bitmask, rows)

@@ -66,18 +66,25 @@ class StructuredOutputManager:
         from kvmesh.engine.structured.bitmask import build_bitmask
         return build_bitmask(sched, self.vocab_size)
 
-    def accept(self, touched: list[Request]) -> list[Request]:
-        """Advance each constrained sample's matcher with its new token; returns the samples whose
-        token the grammar refused (never expected: the mask allowed only grammar tokens)."""
+    def accept(self, touched: list[Request], num_new: dict[str, int] | None = None
+               ) -> list[Request]:
+        """Advance each constrained sample's matcher with its new tokens (one, or `num_new[id]`
+        for a verified speculative run); returns the samples with a token the grammar refused
+        (never expected: the masks allowed only grammar tokens)."""
         refused = []
         for req in touched:
             grammar = req.grammar
             if grammar is None or grammar.terminated:
                 continue
-            if not grammar.accept(req.output_token_ids[-1]):
-                logger.error("request %s: sampled token %d is outside its grammar",
-                             req.request_id, req.output_token_ids[-1])
-                refused.append(req)
+            n = num_new.get(req.request_id, 1) if num_new else 1
+            for token in req.output_token_ids[-n:]:
+                if grammar.terminated:        # as for one token: what follows its end is free
+                    break
+                if not grammar.accept(token):
+                    logger.error("request %s: sampled token %d is outside its grammar",
+                                 req.request_id, token)
+                    refused.append(req)
+                    break
         return refused
 
     def shutdown(self) -> None:

@@ -1,5 +1,9 @@
 """RequestGrammar: one sample's grammar state. It lives on the Request (not on any KV block), so
-preemption by recompute or swap keeps it: the tokens it has accepted are still the request's."""
+preemption by recompute or swap keeps it: the tokens it has accepted are still the request's.
+
+Speculative decoding walks the matcher through a request's drafts twice per step (to cut them at
+the first one the grammar refuses, then to fill one mask per drafted position) and rolls it back
+each time: it only ever advances by the tokens the request really gets (`accept`)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -42,6 +46,37 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it."""
         return self.matcher.accept_token(token_id)
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar allows, stopping before one that would end it
+        (a stop token); the matcher is left where it was."""
+        matcher, n = self.matcher, 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+            if matcher.is_terminated():
+                # NOTE: the verify step needs a mask after every draft; a finished grammar has
+                # none to give, so the stop token is left for the target to sample
+                n -= 1
+                matcher.rollback(1)
+                break
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts) := the tokens allowed after drafts[:i] (speculative
+        decoding: the target's row i sees the drafts before it as output). The drafts are a
+        `valid_prefix`; the matcher is left where it was."""
+        matcher = self.matcher
+        matcher.fill_next_token_bitmask(bitmask, row)
+        for i, token in enumerate(drafts, start=1):
+            accepted = matcher.accept_token(token)
+            assert accepted, "drafts are checked against the grammar when proposed"
+            matcher.fill_next_token_bitmask(bitmask, row + i)
+        if drafts:
+            matcher.rollback(len(drafts))
 
     @property
     def terminated(self) -> bool:

@@ -1,0 +1,93 @@
+"""benchmarks/spec_decode.py: both parts on a tiny random model, and vLLM's side through a
+stand-in peer (vLLM cannot run here in a test's time: the stand-in answers its JSON, echoing
+kvmesh-shaped results, so what is sent and how the answer is read are checked)."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from benchmarks import peer, spec_decode
+
+STAND_IN = textwrap.dedent('''
+    import json, os, sys
+    spec = json.load(open(sys.argv[1]))
+    sd = spec["spec_decode"]
+    json.dump(sd, open(os.environ["STAND_IN_SEEN"], "a")); open(os.environ["STAND_IN_SEEN"], "a").write("\\n")
+    if os.environ.get("STAND_IN_MODE") == "malformed":
+        json.dump({"system": "x"}, open(sys.argv[2], "w")); sys.exit(0)
+    on = sd["speculative_config"] is not None
+    lat = [{"tokens": list(range(1 + i % 3 + 2)), "decode_s": 0.02, "drafts": 2 if on else 0,
+            "draft_tokens": 4 if on else 0, "accepted": 3 if on else 0}
+           for i, r in enumerate(sd["latency"])]
+    batches = [{"name": b["name"], "outputs": [[7] * r["max_tokens"] for r in b["requests"]],
+                "wall_s": 0.5 if on else 1.0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
+               for b in sd["batches"]]
+    json.dump({"system": "stand-in", "load_s": 1.0, "latency": lat, "batches": batches,
+               "note": "stand-in"}, open(sys.argv[2], "w"))
+''')
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--model", "random-tiny", "--cache", str(tmp_path / "models"), "--threads", "1",
+            "--max-tokens", "4", "--batch-sizes", "1,3", "--throughput-max-tokens", "3",
+            "--num-kv-blocks", "128", "--json", str(tmp_path / "out.json"), *extra]
+
+
+def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("STAND_IN_SEEN", str(seen))
+    config = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+              '"prompt_lookup_max": 3, "disable_by_batch_size": 2}')
+    assert spec_decode.main(_args(tmp_path, "--systems", "kvmesh,vllm", "--speculative-config", config,
+                                  "--vllm-command", f"{sys.executable} {script}")) == 0
+    sent = [json.loads(line) for line in seen.read_text().splitlines()]
+    # one vLLM start per mode, off first; disable_by_batch_size (kvmesh-only) left out
+    assert [s["speculative_config"] for s in sent] == [None, {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}]
+    assert [len(s["latency"]) for s in sent] == [6, 6]          # three copy + three free prompts
+    assert [(b["name"], len(b["requests"]), b["requests"][0]["max_tokens"])
+            for b in sent[1]["batches"]] == [("b1", 1, 3), ("b3", 3, 3)]
+    report = json.loads((tmp_path / "out.json").read_text())
+    kv, vl = report["systems"]["kvmesh"], report["systems"]["vllm"]
+    assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "free"}
+    for name in ("b1", "b3"):
+        t = kv["throughput"][name]
+        assert t["greedy_identical"] and t["off"]["tokens"] == t["spec"]["tokens"] == 3 * int(name[1:])
+    # vLLM's numbers are read as sent: 3 tokens per request, 1.0 s off, 0.5 s on
+    assert vl["throughput"]["b3"]["off"]["tok_s"] == 9.0 and vl["throughput"]["b3"]["spec"]["tok_s"] == 18.0
+    # acceptance length 1 + accepted / drafts = 2.5, rate accepted / draft tokens = 0.75
+    assert vl["latency"]["copy"]["spec"]["acceptance_length"] == 2.5
+    assert vl["latency"]["copy"]["spec"]["acceptance_rate"] == 0.75
+    assert "acceptance_length" not in vl["latency"]["copy"]["off"]
+    out = capsys.readouterr().out
+    assert "# kvmesh: offline throughput" in out and "# vllm: batch-1 latency" in out
+    assert "side by side" in out
+
+
+def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    monkeypatch.setenv("STAND_IN_SEEN", str(tmp_path / "seen.jsonl"))
+    monkeypatch.setenv("STAND_IN_MODE", "malformed")
+    with pytest.raises(peer.PeerError, match="spec_decode result is malformed"):
+        spec_decode.main(_args(tmp_path, "--systems", "vllm", "--parts", "latency",
+                               "--vllm-command", f"{sys.executable} {script}"))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch-sizes", "1,0"], "--batch-sizes: each at least 1"),
+    (["--batch-sizes", "x"], "--batch-sizes: a comma list of integers"),
+    (["--systems", "sglang"], "--systems: kvmesh, vllm or both"),
+    (["--parts", "speed"], "--parts: latency, throughput or both"),
+    (["--speculative-config", "{nope"], "--speculative-config: not JSON"),
+])
+def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        spec_decode.main(flags)
+    assert e.value.code == 2 and message in capsys.readouterr().err
