@@ -48,8 +48,6 @@ namespace {
 constexpr int64_t NT = 16;                 // weight rows per tile (one task)
 constexpr int64_t kTileBytes = 48 * 1024;  // the tile's budget: L1 on recent cores, L2 on any
 
-using bf16_t = uint16_t;                   // bf16 storage: the high half of a float32
-
 #if KQ_AVX512
 constexpr int MR = 4, NR = 4;              // 16 zmm accumulators of 32
 #elif KQ_AVX2
@@ -62,70 +60,108 @@ static_assert(NR == 4 && (MR == 4 || MR == 2), "micro_rc dispatches these");
 
 // ------------------------------------------------------------------------ dequantize a slab
 
-// Elements [k0, k0 + kc) of one weight row, dequantized into out[kc] (w = a * q + c, the same
-// values as blocks.h's dequantize_unpacked). k0 and kc are multiples of the block size.
-template <int F>
-void dequantize_slab(const uint8_t* row, int64_t k0, int64_t kc, float* out) {
+using bf16_t = uint16_t;                   // bf16 storage: the high half of a float32
+
+#if KQ_AVX2
+// 32 elements a * q + c into out (float32 or bf16): q as 32 bytes (SIGNED: int8, else uint8),
+// (a0, c0) for elements 0-15 and (a1, c1) for 16-31. One FMA per element, one rounding.
+template <typename T, bool SIGNED>
+inline void emit32(__m256i q, float a0, float c0, float a1, float c1, T* out) {
+#if KQ_AVX512
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m512i l = SIGNED ? _mm512_cvtepi8_epi32(lo) : _mm512_cvtepu8_epi32(lo);
+  const __m512i h = SIGNED ? _mm512_cvtepi8_epi32(hi) : _mm512_cvtepu8_epi32(hi);
+  const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_set1_ps(a0), _mm512_set1_ps(c0));
+  const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(a1), _mm512_set1_ps(c1));
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(out, f0);
+    _mm512_storeu_ps(out + 16, f1);
+  } else {
+#if KQ_BF16
+    const __m512bh v = _mm512_cvtne2ps_pbh(f1, f0);
+    _mm512_storeu_si512(out, reinterpret_cast<const __m512i&>(v));
+#else
+    static_assert(!std::is_same_v<T, bf16_t>, "no bf16 tiles without AVX512-BF16");
+#endif
+  }
+#else
+  static_assert(std::is_same_v<T, float>, "no bf16 tiles without AVX512-BF16");
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m128i part = i & 1 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+    const __m256i qi = SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    const float a = i < 2 ? a0 : a1, c = i < 2 ? c0 : c1;
+    _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(a), _mm256_set1_ps(c)));
+  }
+#endif
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Block `blk` of format F (block_elems(F) elements) dequantized in registers into out.
+template <int F, typename T>
+inline void dequantize_block(const uint8_t* blk, T* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (F == Q8_0) {
+    const float d = half_to_float(blk);
+    emit32<T, true>(load32(blk + 2), d, 0.f, d, 0.f, out);
+  } else if constexpr (F == Q4_0 || F == Q4_1) {
+    const float d = half_to_float(blk);
+    const float c = F == Q4_0 ? -8.f * d : half_to_float(blk + 2);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
+    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    emit32<T, false>(q, d, c, d, c, out);
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const uint8_t* qs = blk + (F == Q4_K ? 16 : 48);
+    [[maybe_unused]] const __m256i qh = load32(blk + 16);   // Q5_K: bit s of each byte is sub-block s's
+    for (int s = 0; s < 8; ++s) {
+      int sc, m;
+      scale_min_k4(s, blk + 4, sc, m);
+      __m256i q = _mm256_and_si256(_mm256_srli_epi16(load32(qs + (s / 2) * 32), 4 * (s & 1)), low4);
+      if constexpr (F == Q5_K)
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, s), 4),
+                                                _mm256_set1_epi8(0x10)));
+      const float a = d * sc, c = -(dmin * m);
+      emit32<T, false>(q, a, c, a, c, out + s * 32);
+    }
+  } else {
+    static_assert(F == Q6_K, "a format without a dequantizer");
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_to_float(blk + 208);
+    for (int h = 0; h < 2; ++h) {                       // two halves of 128 elements
+      const __m256i qh = load32(blk + 128 + h * 32);
+      for (int g = 0; g < 4; ++g) {                     // 32 elements each, scales 16 apiece
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(blk + h * 64 + (g % 2) * 32), 4 * (g / 2)), low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(0x03));
+        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        const int s = h * 4 + g;                        // sub-block: scales 2s, 2s + 1
+        const float a0 = d * scales[2 * s], a1 = d * scales[2 * s + 1];
+        emit32<T, false>(q, a0, -32.f * a0, a1, -32.f * a1, out + s * 32);
+      }
+    }
+  }
+}
+#endif
+
+// Elements [k0, k0 + kc) of one weight row, dequantized into out[kc] (w = a * q + c, the values
+// of blocks.h's dequantize_unpacked). k0 and kc are multiples of the block size.
+template <int F, typename T>
+void dequantize_slab(const uint8_t* row, int64_t k0, int64_t kc, T* out) {
   constexpr int QK = F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
   const int bytes = block_bytes(F);
   const uint8_t* p = row + (k0 / QK) * bytes;
 #if KQ_AVX2
-  if constexpr (F == Q8_0 || F == Q4_0 || F == Q4_1) {
-    // NOTE: one scale (and offset) per 32 elements: dequantized in registers, 8 lanes at a time.
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < kc / 32; ++b) {
-      const uint8_t* blk = p + b * bytes;
-      uint16_t dh;
-      std::memcpy(&dh, blk, 2);
-      const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dh));
-      __m256 cv = _mm256_setzero_ps();
-      __m128i q0, q1;   // elements 0-15 and 16-31, one byte each
-      if constexpr (F == Q8_0) {
-        q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-        q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
-        q0 = _mm_and_si128(raw, low4);
-        q1 = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-        if constexpr (F == Q4_0) {
-          cv = _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
-        } else {
-          uint16_t mh;
-          std::memcpy(&mh, blk + 2, 2);
-          cv = _mm256_set1_ps(_cvtsh_ss(mh));
-        }
-      }
-      const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
-      for (int i = 0; i < 4; ++i) {
-        const __m256i qi = F == Q8_0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
-        _mm256_storeu_ps(out + b * 32 + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), dv, cv));
-      }
-    }
-    return;
-  }
-#endif
+  for (int64_t b = 0; b < kc / QK; ++b) dequantize_block<F, T>(p + b * bytes, out + b * QK);
+#else
+  static_assert(std::is_same_v<T, float>, "no bf16 tiles without AVX512-BF16");
   uint8_t q[256];
   Sub sub[8];
   for (int64_t b = 0; b < kc / QK; ++b) {
     unpack_block<F>(p + b * bytes, q, sub);
     dequantize_unpacked<F>(q, sub, QK, out + b * QK);
   }
-}
-
-// float32 -> bf16, round to nearest even (torch's `.to(torch.bfloat16)` for finite values).
-void to_bf16(const float* src, int64_t n, bf16_t* dst) {
-  int64_t i = 0;
-#if KQ_BF16
-  for (; i + 32 <= n; i += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-    _mm512_storeu_si512(dst + i, reinterpret_cast<const __m512i&>(v));
-  }
 #endif
-  for (; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &src[i], 4);
-    dst[i] = static_cast<bf16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  }
 }
 
 // ------------------------------------------------------------------------------ micro-kernels
@@ -272,19 +308,12 @@ void gemm_tiled(const T* x, const uint8_t* w, float* y, int64_t M, int64_t N, in
   const int64_t step = (K / QK + slabs - 1) / slabs * QK;
   at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
     std::vector<T> tile(NT * step);
-    std::vector<float> row(std::is_same_v<T, float> ? 0 : step);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * NT, nt = std::min(NT, N - n0);
       for (int64_t k0 = 0; k0 < K; k0 += step) {
         const int64_t kc = std::min(step, K - k0);
-        for (int64_t j = 0; j < nt; ++j) {
-          if constexpr (std::is_same_v<T, float>) {
-            dequantize_slab<F>(w + (n0 + j) * row_bytes, k0, kc, tile.data() + j * kc);
-          } else {
-            dequantize_slab<F>(w + (n0 + j) * row_bytes, k0, kc, row.data());
-            to_bf16(row.data(), kc, tile.data() + j * kc);
-          }
-        }
+        for (int64_t j = 0; j < nt; ++j)
+          dequantize_slab<F, T>(w + (n0 + j) * row_bytes, k0, kc, tile.data() + j * kc);
         for (int64_t m = 0; m < M; m += MR) {
           const int r = static_cast<int>(std::min<int64_t>(MR, M - m));
           for (int64_t c = 0; c < nt; c += NR) {
