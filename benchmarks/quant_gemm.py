@@ -90,6 +90,9 @@ def low_us(fn, xs: torch.Tensor, weights: list, reps: int) -> float:
 
 def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb: float) -> None:
     n, k = SHAPES[name]
+    if k % (256 if fmt.endswith("_K") else 32):
+        print(f"# {fmt} {name}: K={k} is not a whole number of {fmt} blocks (256): skipped")
+        return
     qw = random_weight(fmt, n, k, seed=zlib.crc32(f"{fmt}{name}".encode()))
     copies = max(1, int(working_set_mb * 2**20 // (n * k * 4)))
     quant = [QuantizedWeight(qw.data.clone(), qw.qtype, qw.shape, "float") for _ in range(copies)]
@@ -106,7 +109,7 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
     for m in rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         us = {col: low_us(fn, x.to(dt), ws, reps) for col, (fn, ws, dt) in fns.items()}
-        picked = "rows" if gemm_path(m) == "rows" else "tiled bf16"
+        picked = "rows" if gemm_path(m, torch.bfloat16) == "rows" else "tiled bf16"
         xb = x.to(torch.bfloat16)
         got = quant_linear(xb, qw).double()
         want = linear(xb, dense16[0]).double()
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
-    print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from {TILED_MIN_ROWS} rows")
+    print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
+          + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items()))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
           + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'bf16 err':>9}   (us per call)")
     for fmt in args.formats.split(","):

@@ -14,9 +14,11 @@ Two kernels take float activations (docs/KERNELS.md): "rows" rebuilds each weigh
 activation rows (the fastest at a few rows: nothing is written but the result); "tiled"
 dequantizes 16 weight rows at a time into a scratch tile and multiplies every activation row by
 it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AVX512-BF16, float32
-FMA otherwise. From TILED_MIN_ROWS rows on, float activations take "tiled".
+FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled".
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -25,14 +27,22 @@ from kvmesh.kernels.quant.weight import QuantizedWeight
 
 ACTIVATIONS = ("float", "int8")
 PATHS = ("rows", "tiled")
-# NOTE: the fewest activation rows at which the tiled kernel beat the per-row one on every shape
-# of the built-in model (benchmarks/quant_gemm.py, docs/KERNELS.md).
-TILED_MIN_ROWS = 8
+# NOTE: the fewest activation rows at which the tiled kernel beat the per-row one on the built-in
+# model's shapes (benchmarks/quant_gemm.py, docs/KERNELS.md): bf16 tiles (vdpbf16ps, 32 products
+# an instruction) pay for the tile from 8 rows, float32 tiles only from 32.
+TILED_MIN_ROWS = {"bf16": 8, "float32": 32}
 
 
-def gemm_path(rows: int, activations: str = "float") -> str:
-    """"tiled" or "rows": the kernel quant_linear runs for `rows` activation rows."""
-    return "tiled" if activations == "float" and rows >= TILED_MIN_ROWS else "rows"
+def tile_kind(dtype: torch.dtype) -> str:
+    """"bf16" or "float32": the tiles a call with activations of `dtype` multiplies."""
+    return "bf16" if dtype == torch.bfloat16 and tiled_isa() == "avx512_bf16" else "float32"
+
+
+def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = "float") -> str:
+    """"tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
+    if activations != "float":
+        return "rows"
+    return "tiled" if rows >= TILED_MIN_ROWS[tile_kind(dtype)] else "rows"
 
 
 def kernels_available() -> bool:
@@ -57,7 +67,7 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    path = path or gemm_path(x2.shape[0], activations)
+    path = path or gemm_path(x2.shape[0], x2.dtype, activations)
     if path not in PATHS or (path == "tiled" and activations != "float"):
         raise ValueError(f"path must be one of {PATHS} ('tiled' takes float activations), got {path!r}")
     if path == "tiled":
@@ -84,6 +94,7 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return embedding_rows(w, torch.arange(w.shape[0]))
 
 
+@functools.lru_cache(maxsize=1)
 def tiled_isa() -> str:
     """The tiled kernel's instruction set here: avx512_bf16 (bf16 tiles for bf16 activations),
     avx512, avx2 or portable (float32 tiles)."""

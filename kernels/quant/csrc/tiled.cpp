@@ -96,6 +96,13 @@ inline void emit32(__m256i q, float a0, float c0, float a1, float c1, T* out) {
 #endif
 }
 
+// fp16 -> float32 by F16C's vcvtph2ps (blocks.h's half_to_float is portable bit arithmetic).
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Block `blk` of format F (block_elems(F) elements) dequantized in registers into out.
@@ -103,16 +110,16 @@ template <int F, typename T>
 inline void dequantize_block(const uint8_t* blk, T* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (F == Q8_0) {
-    const float d = half_to_float(blk);
+    const float d = h2f(blk);
     emit32<T, true>(load32(blk + 2), d, 0.f, d, 0.f, out);
   } else if constexpr (F == Q4_0 || F == Q4_1) {
-    const float d = half_to_float(blk);
-    const float c = F == Q4_0 ? -8.f * d : half_to_float(blk + 2);
+    const float d = h2f(blk);
+    const float c = F == Q4_0 ? -8.f * d : h2f(blk + 2);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
     emit32<T, false>(q, d, c, d, c, out);
   } else if constexpr (F == Q4_K || F == Q5_K) {
-    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const float d = h2f(blk), dmin = h2f(blk + 2);
     const uint8_t* qs = blk + (F == Q4_K ? 16 : 48);
     [[maybe_unused]] const __m256i qh = load32(blk + 16);   // Q5_K: bit s of each byte is sub-block s's
     for (int s = 0; s < 8; ++s) {
@@ -128,7 +135,7 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
   } else {
     static_assert(F == Q6_K, "a format without a dequantizer");
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half_to_float(blk + 208);
+    const float d = h2f(blk + 208);
     for (int h = 0; h < 2; ++h) {                       // two halves of 128 elements
       const __m256i qh = load32(blk + 128 + h * 32);
       for (int g = 0; g < 4; ++g) {                     // 32 elements each, scales 16 apiece
