@@ -1,7 +1,7 @@
-"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`).
+"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`, `csrc/tiled.cpp`).
 
     quant_linear(x, w, bias, activations)   y = x @ W^T (+ b), W a QuantizedWeight
-    gemm_path(rows, activations)            which kernel a call of `rows` activation rows takes
+    gemm_path(rows, dtype, activations)     which kernel a call of `rows` activation rows takes
     embedding_rows(w, ids)                  the float rows `ids` of W (a quantized embedding)
     dequantize(w)                           the whole float32 matrix (tests, comparisons only)
 
