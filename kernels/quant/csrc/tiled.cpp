@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
