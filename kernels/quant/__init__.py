@@ -3,7 +3,8 @@
     weight.py   QuantizedWeight: the raw blocks of an [N, K] tensor, the supported formats
     ops.py      quant_linear / embedding_rows / dequantize on the C++ kernels
     build.py    builds csrc/ per machine through kernels.cpu_kernels' build machinery
-    csrc/       blocks.h (the block layouts), gemm.cpp (float and int8 activation paths)
+    csrc/       blocks.h (the block layouts), gemm.cpp (per-row float and int8 activation paths),
+                tiled.cpp (many rows: a dequantized tile at a time, bf16 or float32)
 """
 from kvmesh.kernels.quant.ops import ACTIVATIONS, dequantize, embedding_rows, kernels_available, quant_linear
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, concat, format_name, is_supported

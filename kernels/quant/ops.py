@@ -1,6 +1,7 @@
-"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`).
+"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`, `csrc/tiled.cpp`).
 
     quant_linear(x, w, bias, activations)   y = x @ W^T (+ b), W a QuantizedWeight
+    gemm_path(rows, dtype, activations)     which kernel a call of `rows` activation rows takes
     embedding_rows(w, ids)                  the float rows `ids` of W (a quantized embedding)
     dequantize(w)                           the whole float32 matrix (tests, comparisons only)
 
@@ -8,8 +9,16 @@
 "int8" first quantizes the activations per row and per 32-block to int8 (scale max|x| / 127)
 and uses integer dot products. A weight carries its mode (`QuantizedWeight.activations`, the
 loader's choice for the model).
+
+Two kernels take float activations (docs/KERNELS.md): "rows" rebuilds each weight for every 4
+activation rows (the fastest at a few rows: nothing is written but the result); "tiled"
+dequantizes 16 weight rows at a time into a scratch tile and multiplies every activation row by
+it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AVX512-BF16, float32
+FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled".
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,6 +26,23 @@ from kvmesh.kernels.quant.build import load
 from kvmesh.kernels.quant.weight import QuantizedWeight
 
 ACTIVATIONS = ("float", "int8")
+PATHS = ("rows", "tiled")
+# NOTE: the fewest activation rows at which the tiled kernel beat the per-row one on the built-in
+# model's shapes (benchmarks/quant_gemm.py, docs/KERNELS.md): bf16 tiles (vdpbf16ps, 32 products
+# an instruction) pay for the tile from 8 rows, float32 tiles only from 32.
+TILED_MIN_ROWS = {"bf16": 8, "float32": 32}
+
+
+def tile_kind(dtype: torch.dtype) -> str:
+    """"bf16" or "float32": the tiles a call with activations of `dtype` multiplies."""
+    return "bf16" if dtype == torch.bfloat16 and tiled_isa() == "avx512_bf16" else "float32"
+
+
+def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = "float") -> str:
+    """"tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
+    if activations != "float":
+        return "rows"
+    return "tiled" if rows >= TILED_MIN_ROWS[tile_kind(dtype)] else "rows"
 
 
 def kernels_available() -> bool:
@@ -32,16 +58,25 @@ def _ext():
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
-                 activations: str | None = None) -> torch.Tensor:
-    """F.linear's contract for a quantized weight: [..., K] -> [..., N], in x's dtype (computed
-    from float32 activations); `activations` overrides the weight's own mode."""
+                 activations: str | None = None, path: str | None = None) -> torch.Tensor:
+    """F.linear's contract for a quantized weight: [..., K] -> [..., N], in x's dtype;
+    `activations` overrides the weight's own mode, `path` the kernel `gemm_path` picks
+    (benchmarks and tests)."""
     activations = activations or w.activations
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    xf = x2 if x2.dtype == torch.float32 else x2.float()
-    y = _ext().quant_gemm(xf, w.data, w.qtype, w.shape[1], activations == "int8")
+    path = path or gemm_path(x2.shape[0], x2.dtype, activations)
+    if path not in PATHS or (path == "tiled" and activations != "float"):
+        raise ValueError(f"path must be one of {PATHS} ('tiled' takes float activations), got {path!r}")
+    if path == "tiled":
+        # NOTE: bf16 activations go in as they are: the bf16 tile path reads them directly
+        xt = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+        y = _ext().quant_gemm_tiled(xt, w.data, w.qtype, w.shape[1])
+    else:
+        xf = x2 if x2.dtype == torch.float32 else x2.float()
+        y = _ext().quant_gemm(xf, w.data, w.qtype, w.shape[1], activations == "int8")
     if bias is not None:
         y.add_(bias)
     y = y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -57,6 +92,13 @@ def embedding_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """[N, K] float32, every row (for tests and the dequantized comparison; never on the hot path)."""
     return embedding_rows(w, torch.arange(w.shape[0]))
+
+
+@functools.lru_cache(maxsize=1)
+def tiled_isa() -> str:
+    """The tiled kernel's instruction set here: avx512_bf16 (bf16 tiles for bf16 activations),
+    avx512, avx2 or portable (float32 tiles)."""
+    return _ext().tiled_isa()
 
 
 def int8_isa() -> str:

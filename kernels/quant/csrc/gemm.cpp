@@ -9,13 +9,14 @@
 //           compile time from what -march=native enables.
 //
 // Neither path holds more than a chunk of rows of W unpacked (NB rows per task); the matrix is
-// never dequantized. Work is split over output rows (at::parallel_for, ATen's thread pool).
+// never dequantized. Many activation rows go through tiled.cpp instead (ops.py picks). Work is split over output rows (at::parallel_for, ATen's thread pool).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <vector>
 
 #include "blocks.h"
+#include "tiled.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -384,6 +385,8 @@ void dispatch(int64_t fmt, Fn&& fn) {
   }
 }
 
+}  // namespace
+
 // K from the byte width of a row; checks what the Python side already promised.
 int64_t check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
@@ -396,8 +399,6 @@ int64_t check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
               " needs ", row_bytes);
   return row_bytes;
 }
-
-}  // namespace
 
 torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K,
                          bool int8_activations) {
@@ -453,4 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T, W as GGUF blocks (float32 x; float or int8-quantized activations)");
   m.def("dequantize_rows", &kvmesh_quant::dequantize_rows, "the float32 rows `ids` of a GGUF-block weight");
   m.def("int8_isa", &kvmesh_quant::int8_isa, "the instruction set of the int8 dot product");
+  m.def("quant_gemm_tiled", &kvmesh_quant::quant_gemm_tiled,
+        "y = x @ W^T for many rows: W dequantized a tile at a time (float32 or bfloat16 x)");
+  m.def("tiled_isa", &kvmesh_quant::tiled_isa, "the instruction set of the tiled path's kernels");
 }
