@@ -133,12 +133,13 @@ def test_two_adapters_never_share_a_block(llama_base, llama_adapters):
 
 
 def test_a_step_pays_only_for_the_sites_its_adapters_touch(llama_base, llama_adapters, monkeypatch):
-    from kvmesh.kernels import lora_ops
+    from kvmesh.kernels import lora_cpu, lora_ops
     llm = LLM(str(llama_base), enable_lora=True, max_lora_rank=16, dtype="float32", device="cpu",
               num_kv_blocks=32, block_size=4)
     calls = []
-    real = lora_ops.sgmv_add
-    monkeypatch.setattr(lora_ops, "sgmv_add", lambda *a: calls.append(a[1].shape) or real(*a))
+    for module in (lora_ops, lora_cpu):       # the torch path and the C++ kernel alike
+        real = module.sgmv_add
+        monkeypatch.setattr(module, "sgmv_add", lambda *a, real=real: calls.append(a[1].shape) or real(*a))
     llm.generate([[5, 6, 7]], GREEDY)
     assert calls == []                                        # base only: no LoRA kernel at all
     llm.generate([[5, 6, 7]], GREEDY,
