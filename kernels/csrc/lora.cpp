@@ -11,7 +11,9 @@
 // B is taken transposed, Bt [L, RT, N] (the site's storage on CPU): the expand then reads rows of
 // Bt along the output columns, which vectorise without horizontal sums. A site of several parts
 // (q/k/v) is block-diagonal in B: output columns [part_cols[p], part_cols[p+1]) use only ranks
-// [p*R, (p+1)*R), so the expand skips the zeros (parts times less work and fewer bytes).
+// [p*R, (p+1)*R), so the expand skips the zeros (parts times less work and fewer bytes). An
+// adapter of rank r < R fills only ranks [p*R, p*R + r) of each part: `slot_ranks[slot]` = r, and
+// both the shrink and the expand stop there (a slot of rank 0 does not touch this site: skipped).
 //
 // bfloat16: x, A, Bt and out are bf16, every sum is float32, each output rounded once; with
 // AVX512-BF16 the shrink's dot products are vdpbf16ps (pairs of bf16 products into float32).
@@ -46,6 +48,7 @@ constexpr int kVec = 2;       // AVX2: 8 accumulators of 16 registers
 
 struct Block {
   int64_t slot;
+  int64_t rank;    // the slot's adapter rank at this site (<= R)
   int64_t first;   // index into rows
   int64_t count;   // <= kBlock
 };
@@ -107,12 +110,17 @@ inline void shrink_rows(const T* const* xs, const T* a, int64_t K, int64_t RT, f
   for (; r < RT; ++r) shrink_tile<T, MT, 1>(xs, a + r * K, K, y + r, kMaxRank);
 }
 
-// y [m][kMaxRank] (first RT used) for m <= kBlock tokens
+// y [m][kMaxRank] for m <= kBlock tokens: ranks [p*R, p*R + r) of each part p (the others unread)
 template <typename T>
-void shrink(const T* const* xs, int64_t m, const T* a, int64_t K, int64_t RT, float* y) {
-  int64_t t = 0;
-  for (; t + kTok <= m; t += kTok) shrink_rows<T, kTok>(xs + t, a, K, RT, y + t * kMaxRank);
-  for (; t < m; ++t) shrink_rows<T, 1>(xs + t, a, K, RT, y + t * kMaxRank);
+void shrink(const T* const* xs, int64_t m, const T* a, int64_t K, int64_t parts, int64_t R, int64_t r,
+            float* y) {
+  for (int64_t p = 0; p < parts; ++p) {
+    const T* ap = a + p * R * K;
+    float* yp = y + p * R;
+    int64_t t = 0;
+    for (; t + kTok <= m; t += kTok) shrink_rows<T, kTok>(xs + t, ap, K, r, yp + t * kMaxRank);
+    for (; t < m; ++t) shrink_rows<T, 1>(xs + t, ap, K, r, yp + t * kMaxRank);
+  }
 }
 
 // ---- expand: out[t][n0:n1] += sum_r y[t][r] * Bt[r][n0:n1], r over one part's ranks ----------
@@ -161,13 +169,13 @@ inline void expand_cols(const float* y, const T* bt, int64_t N, int64_t r0, int6
 // Output columns [c0, c1) of m tokens, part by part (each part its own rank range).
 template <typename T>
 void expand(const float* y, int64_t m, const T* bt, int64_t N, const int64_t* part_cols, int64_t parts,
-            int64_t R, T* const* os, int64_t c0, int64_t c1) {
+            int64_t R, int64_t r, T* const* os, int64_t c0, int64_t c1) {
   for (int64_t p = 0; p < parts; ++p) {
     const int64_t n0 = std::max(c0, part_cols[p]), n1 = std::min(c1, part_cols[p + 1]);
     if (n0 >= n1) continue;
     int64_t t = 0;
-    for (; t + kTok <= m; t += kTok) expand_cols<T, kTok>(y + t * kMaxRank, bt, N, p * R, p * R + R, os + t, n0, n1);
-    for (; t < m; ++t) expand_cols<T, 1>(y + t * kMaxRank, bt, N, p * R, p * R + R, os + t, n0, n1);
+    for (; t + kTok <= m; t += kTok) expand_cols<T, kTok>(y + t * kMaxRank, bt, N, p * R, p * R + r, os + t, n0, n1);
+    for (; t < m; ++t) expand_cols<T, 1>(y + t * kMaxRank, bt, N, p * R, p * R + r, os + t, n0, n1);
   }
 }
 
@@ -189,10 +197,9 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
       os[i] = op + row * os0;
     }
   };
-  int64_t tokens = 0;
-  for (const Block& b : blocks) tokens += b.count;
   // multiply-adds of the whole call (the expand at its part-skipping cost)
-  const int64_t work = tokens * RT * (K + N / parts);
+  int64_t work = 0;
+  for (const Block& b : blocks) work += b.count * b.rank * parts * (K + N / parts);
   const int64_t threads = at::get_num_threads();
   // NOTE: a parallel region costs microseconds, and far more while other processes hold the
   // cores: a decode step's few tokens (tens of microseconds of work) run on the calling thread
@@ -206,8 +213,8 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
       for (int64_t i = begin; i < end; ++i) {
         const Block& b = blocks[i];
         ptrs(b, xs, os);
-        shrink<T>(xs, b.count, ap + b.slot * RT * K, K, RT, y);
-        expand<T>(y, b.count, bp + b.slot * RT * N, N, part_cols, parts, R, os, 0, N);
+        shrink<T>(xs, b.count, ap + b.slot * RT * K, K, parts, R, b.rank, y);
+        expand<T>(y, b.count, bp + b.slot * RT * N, N, part_cols, parts, R, b.rank, os, 0, N);
       }
     });
     return;
@@ -219,7 +226,8 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
     const T* xs[kBlock];
     T* os[kBlock];
     ptrs(blocks[i], xs, os);
-    shrink<T>(xs, blocks[i].count, ap + blocks[i].slot * RT * K, K, RT, y.data() + i * kBlock * kMaxRank);
+    shrink<T>(xs, blocks[i].count, ap + blocks[i].slot * RT * K, K, parts, R, blocks[i].rank,
+              y.data() + i * kBlock * kMaxRank);
   }
 #if KVMESH_SIMD
   const int64_t step = kVec * kW;
@@ -236,7 +244,7 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
       const int64_t c0 = (i % chunks) * width, c1 = std::min(N, c0 + width);
       ptrs(b, xs, os);
       expand<T>(y.data() + (i / chunks) * kBlock * kMaxRank, b.count, bp + b.slot * RT * N, N, part_cols,
-                parts, R, os, c0, c1);
+                parts, R, b.rank, os, c0, c1);
     }
   });
 }
@@ -245,7 +253,7 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
 
 void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, torch::Tensor& out,
                    const torch::Tensor& rows, const torch::Tensor& seg_starts, const torch::Tensor& seg_slots,
-                   const torch::Tensor& part_cols) {
+                   const torch::Tensor& part_cols, const torch::Tensor& slot_ranks) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == torch::kFloat || dt == torch::kBFloat16, "lora_sgmv_add: x must be float32 or bfloat16");
   TORCH_CHECK(a.scalar_type() == dt && bt.scalar_type() == dt && out.scalar_type() == dt,
@@ -259,10 +267,11 @@ void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::
   TORCH_CHECK(a.size(2) == K && bt.size(0) == L && bt.size(1) == RT && bt.size(2) == N,
               "lora_sgmv_add: shape mismatch: x [T, K], a [L, RT, K], bt [L, RT, N], out [T, N]");
   TORCH_CHECK(RT >= 1 && RT <= kMaxRank, "lora_sgmv_add: a's rank dim must be in [1, 256]");
-  for (const torch::Tensor* t : {&rows, &seg_starts, &seg_slots, &part_cols}) {
+  for (const torch::Tensor* t : {&rows, &seg_starts, &seg_slots, &part_cols, &slot_ranks}) {
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->dim() == 1 && t->is_contiguous(),
-                "lora_sgmv_add: rows, seg_starts, seg_slots and part_cols must be contiguous int64 [n]");
+                "lora_sgmv_add: rows, seg_starts, seg_slots, part_cols and slot_ranks must be contiguous int64 [n]");
   }
+  TORCH_CHECK(slot_ranks.size(0) == L, "lora_sgmv_add: slot_ranks must hold one rank per slot");
   const int64_t S = seg_slots.size(0), parts = part_cols.size(0) - 1, n = rows.size(0), T = x.size(0);
   TORCH_CHECK(seg_starts.size(0) == S + 1, "lora_sgmv_add: seg_starts must hold S + 1 bounds");
   TORCH_CHECK(parts >= 1 && RT % parts == 0, "lora_sgmv_add: part_cols must hold P + 1 bounds, P dividing RT");
@@ -272,13 +281,20 @@ void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::
   const int64_t* ss = seg_starts.data_ptr<int64_t>();
   const int64_t* sl = seg_slots.data_ptr<int64_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* rk = slot_ranks.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) {
+    TORCH_CHECK(rk[l] >= 0 && rk[l] <= RT / parts, "lora_sgmv_add: slot_ranks must be in [0, RT / P]");
+  }
   TORCH_CHECK(S == 0 || (ss[0] == 0 && ss[S] == n), "lora_sgmv_add: seg_starts must run from 0 to len(rows)");
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < T, "lora_sgmv_add: row out of range");
   std::vector<Block> blocks;
   for (int64_t s = 0; s < S; ++s) {
     TORCH_CHECK(sl[s] >= 0 && sl[s] < L, "lora_sgmv_add: slot out of range");
     TORCH_CHECK(ss[s] <= ss[s + 1], "lora_sgmv_add: seg_starts must ascend");
-    for (int64_t f = ss[s]; f < ss[s + 1]; f += kBlock) blocks.push_back({sl[s], f, std::min<int64_t>(kBlock, ss[s + 1] - f)});
+    if (rk[sl[s]] == 0) continue;     // the slot's adapter does not touch this site
+    for (int64_t f = ss[s]; f < ss[s + 1]; f += kBlock) {
+      blocks.push_back({sl[s], rk[sl[s]], f, std::min<int64_t>(kBlock, ss[s + 1] - f)});
+    }
   }
   if (blocks.empty()) return;
   if (dt == torch::kFloat) run<float>(x, a, bt, out, blocks, rp, pc, parts, RT / parts);

@@ -36,7 +36,7 @@ def test_fused_kernel_matches_the_float64_definition_to_rounding(layout, rank, d
     assert torch.equal(got[untouched], base[untouched])
     if dtype == torch.float32:
         # the torch path is held to the same bound, so the two differ by at most twice it
-        x, a, bt, base, rows, starts, seg_slots, _ = args
+        x, a, bt, base, rows, starts, seg_slots = args[:7]
         torch_out = base.clone()
         lora_ops.sgmv_add(x, a, bt.transpose(1, 2), torch_out, rows, starts, seg_slots)
         assert bool(((got.double() - torch_out.double()).abs() <= 2 * bound).all())
@@ -60,6 +60,21 @@ def test_fused_sites_of_three_parts_on_both_thread_layouts(token_slots, threads,
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_of_lower_rank_and_untouched_slots_skip_their_zero_ranks(dtype):
+    """R = 16 slots holding adapters of rank 16, 8, 3 and 0 (an adapter that leaves this site
+    alone): each computes only its own ranks, to the same result as the whole R."""
+    token_slots = [0, 1, 2, 3, -1, 1, 1, 2, 3, 0] + [1] * 11 + [3] * 9
+    args = case(token_slots, 77, 45, 16, parts=3, dtype=dtype, ranks=[16, 8, 3, 0])
+    got = fused(*args)
+    want, bound = definition_and_bound(*args[:4], token_slots, dtype)
+    assert bool(((got.double() - want).abs() <= bound).all())
+    untouched = [t for t, s in enumerate(token_slots) if s in (-1, 3)]    # rank 0: skipped
+    assert torch.equal(got[untouched], args[3][untouched])
+    full = fused(*args[:8], torch.full((4,), 16, dtype=torch.int64))      # every rank, zeros too
+    assert bool(((full.double() - want).abs() <= bound).all())
+
+
 def test_strided_x_and_out_rows_are_read_and_written_in_place():
     """A site's x and out can be column slices of wider tensors (unit stride along the row)."""
     args = list(case([0, 1, -1, 1], 40, 24, 8))
@@ -68,7 +83,8 @@ def test_strided_x_and_out_rows_are_read_and_written_in_place():
     wide_out = torch.zeros(4, 30)
     wide_out[:, 3:27] = args[3]
     x, out = wide_x[:, 5:45], wide_out[:, 3:27]
-    lora_cpu.sgmv_add(x, args[1], args[2], out, args[4], torch.tensor(args[5]), torch.tensor(args[6]), args[7])
+    lora_cpu.sgmv_add(x, args[1], args[2], out, args[4], torch.tensor(args[5]), torch.tensor(args[6]),
+                      args[7], args[8])
     assert torch.equal(out, fused(*args))
     assert torch.equal(wide_out[:, :3], torch.zeros(4, 3)) and torch.equal(wide_out[:, 27:], torch.zeros(4, 3))
 
@@ -90,9 +106,11 @@ def test_applies_only_to_what_the_kernel_takes():
     ({"cols": [0, 12, 8, 16]}, "part_cols must ascend"),
     ({"starts": [0, 1]}, "seg_starts must run from 0 to len"),
     ({"rows_dtype": torch.int32}, "contiguous int64"),
+    ({"ranks": [8, 9, 8, 8]}, "slot_ranks must be in"),
+    ({"ranks": [8, 8]}, "one rank per slot"),
 ])
 def test_bad_arguments_are_refused_and_out_is_untouched(bad, message):
-    x, a, bt, base, rows, starts, seg_slots, cols = case([0, 0, -1], 16, 16, 8, parts=1)
+    x, a, bt, base, rows, starts, seg_slots, cols, ranks = case([0, 0, -1], 16, 16, 8, parts=1)
     rows = torch.tensor(bad.get("rows", rows.tolist()), dtype=bad.get("rows_dtype", torch.int64))
     if "cols" in bad:
         a, bt = torch.zeros(4, 3 * 8, 16), torch.zeros(4, 3 * 8, 16)
@@ -101,5 +119,6 @@ def test_bad_arguments_are_refused_and_out_is_untouched(bad, message):
     out = base.clone()
     with pytest.raises(RuntimeError, match=message):
         lora_cpu.sgmv_add(x, a, bt, out, rows, torch.tensor(bad.get("starts", starts)),
-                          torch.tensor(bad.get("slots", seg_slots)), torch.tensor(bad.get("cols", cols.tolist())))
+                          torch.tensor(bad.get("slots", seg_slots)), torch.tensor(bad.get("cols", cols.tolist())),
+                          torch.tensor(bad.get("ranks", ranks.tolist())))
     assert torch.equal(out, base)

@@ -11,8 +11,10 @@ U32 = 2.0 ** -24     # unit roundoff of float32
 U_BF16 = 2.0 ** -8   # of bfloat16
 
 
-def case(token_slots, k, n, rank, parts=1, slots=4, dtype=torch.float32, seed=0):
-    """x, A, Bt (block-diagonal over `parts`), base out, and the mapping's arrays."""
+def case(token_slots, k, n, rank, parts=1, slots=4, dtype=torch.float32, seed=0, ranks=None):
+    """x, A, Bt (block-diagonal over `parts`), base out, the mapping's arrays, the part columns and
+    the slots' ranks (`ranks`: per slot, default all `rank`; a slot of rank r < R has zeros past
+    its first r ranks of each part, as LoRASite.set_slot leaves them)."""
     g = torch.Generator().manual_seed(seed)
     rt = parts * rank
     x = torch.randn(len(token_slots), k, generator=g).to(dtype)
@@ -22,6 +24,11 @@ def case(token_slots, k, n, rank, parts=1, slots=4, dtype=torch.float32, seed=0)
     for p in range(parts):          # part p's columns see only its own ranks
         bt[:, :p * rank, cols[p]:cols[p + 1]] = 0
         bt[:, (p + 1) * rank:, cols[p]:cols[p + 1]] = 0
+    ranks = [rank] * slots if ranks is None else ranks
+    for slot, r in enumerate(ranks):
+        for p in range(parts):
+            a[slot, p * rank + r:(p + 1) * rank] = 0
+            bt[slot, p * rank + r:(p + 1) * rank] = 0
     bt = bt.to(dtype)
     base = torch.randn(len(token_slots), n, generator=g).to(dtype)
     ts = torch.tensor(token_slots, dtype=torch.int64)
@@ -31,14 +38,15 @@ def case(token_slots, k, n, rank, parts=1, slots=4, dtype=torch.float32, seed=0)
     starts = [0] + [i for i in range(1, len(sorted_slots)) if sorted_slots[i] != sorted_slots[i - 1]]
     starts.append(len(sorted_slots))
     seg_slots = [sorted_slots[s] for s in starts[:-1]]
-    return x, a, bt, base, rows, starts, seg_slots, torch.tensor(cols, dtype=torch.int64)
+    return (x, a, bt, base, rows, starts, seg_slots, torch.tensor(cols, dtype=torch.int64),
+            torch.tensor(ranks, dtype=torch.int64))
 
 
-def fused(x, a, bt, base, rows, starts, seg_slots, cols):
+def fused(x, a, bt, base, rows, starts, seg_slots, cols, ranks):
     out = base.clone()
     assert lora_cpu.applies(x, a, bt, out)
     lora_cpu.sgmv_add(x, a, bt, out, rows, torch.tensor(starts, dtype=torch.int64),
-                      torch.tensor(seg_slots, dtype=torch.int64), cols)
+                      torch.tensor(seg_slots, dtype=torch.int64), cols, ranks)
     return out
 
 

@@ -30,7 +30,8 @@ class SitePart:
 
 
 class LoRASite:
-    __slots__ = ("prefix", "in_features", "parts", "rank", "a", "b", "bt", "part_cols", "adapted", "mapping")
+    __slots__ = ("prefix", "in_features", "parts", "rank", "a", "b", "bt", "part_cols", "slot_ranks",
+                 "fused", "adapted", "mapping")
 
     def __init__(self, prefix: str, in_features: int, parts: tuple[SitePart, ...], max_loras: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device, mapping: LoRAMapping):
@@ -50,6 +51,10 @@ class LoRASite:
             self.bt = None
         # [P + 1] output columns of each part (the kernel's block-diagonal expand)
         self.part_cols = torch.tensor([0, *(p.out_offset + p.out_features for p in parts)], dtype=torch.int64)
+        # [L] each slot's adapter rank at this site (0: untouched): the kernel skips the zero ranks
+        self.slot_ranks = torch.zeros(max_loras, dtype=torch.int64)
+        # the C++ kernel takes this site (CPU, its dtype, its rank rows): decided once
+        self.fused = self.bt is not None and lora_cpu.available(dtype, len(parts) * max_rank)
         self.adapted = [False] * max_loras     # per slot: does its adapter touch this site
         self.mapping = mapping
 
@@ -59,6 +64,7 @@ class LoRASite:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.adapted[slot] = bool(weights)
+        self.slot_ranks[slot] = max((a.shape[0] for a, _ in weights.values()), default=0)
         for i, (a, b) in weights.items():
             part, r, lo = self.parts[i], a.shape[0], i * self.rank
             self.a[slot, lo:lo + r].copy_(a)
@@ -75,7 +81,8 @@ class LoRASite:
             y = lora_triton.sgmv_shrink(x, self.a, m.rows, m.seg_starts, m.seg_slots, m.max_seg_len)
             lora_triton.sgmv_expand(y, self.b, out, m.rows, m.seg_starts, m.seg_slots, m.max_seg_len)
             return
-        if self.bt is not None and lora_cpu.applies(x, self.a, self.bt, out):
-            lora_cpu.sgmv_add(x, self.a, self.bt, out, m.rows, m.seg_starts, m.seg_slots, self.part_cols)
+        if self.fused and lora_cpu.rows_apply(x, out, self.a.dtype):
+            lora_cpu.sgmv_add(x, self.a, self.bt, out, m.rows, m.seg_starts, m.seg_slots,
+                              self.part_cols, self.slot_ranks)
             return
         lora_ops.sgmv_add(x, self.a, self.b, out, m.rows, m.starts, m.slots, m.runs, m.padded)
