@@ -57,11 +57,12 @@ def bench(tokens: int, rank: int, slots: int, dim: int, dtype: torch.dtype, copi
               (torch.randn(slots, rank, dim, generator=g) / rank ** 0.5).to(dtype)) for _ in range(copies)]
     outs = [torch.zeros(tokens, dim, dtype=dtype) for _ in range(2)]
     cols = torch.tensor([0, dim], dtype=torch.int64)
+    ranks = torch.full((slots,), rank, dtype=torch.int64)
     m = mapping
 
     def fused(i: int) -> None:
         a, bt = sites[i]
-        lora_cpu.sgmv_add(x, a, bt, outs[0], m.rows, m.seg_starts, m.seg_slots, cols)
+        lora_cpu.sgmv_add(x, a, bt, outs[0], m.rows, m.seg_starts, m.seg_slots, cols, ranks)
 
     def torch_path(i: int) -> None:
         a, bt = sites[i]
