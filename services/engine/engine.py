@@ -282,10 +282,10 @@ class LLMEngine:
             lora = self._lora_slot_bytes()
             blocks = max(0, int(free * cfg.kv_cache_memory_fraction) - lora) // self.block_bytes
             if lora:
-                logger.info("LoRA slots: %.1f MiB (--max-loras %d x --max-lora-rank %d, every site's "
-                         "A and B) taken from the KV cache's %.1f MiB -> %d blocks", lora / (1 << 20),
-                         cfg.max_loras, cfg.max_lora_rank,
-                         free * cfg.kv_cache_memory_fraction / (1 << 20), blocks)
+                logger.info("LoRA slots: %.1f MiB (--max-loras %d x --max-lora-rank %d, every "
+                            "site's A and B) taken from the KV cache's %.1f MiB -> %d blocks",
+                            lora / (1 << 20), cfg.max_loras, cfg.max_lora_rank,
+                            free * cfg.kv_cache_memory_fraction / (1 << 20), blocks)
         # NOTE: no point holding more than every sequence at full length.
         wanted = cfg.max_num_seqs * _cdiv(max_len, cfg.block_size)
         blocks = min(blocks, wanted)

@@ -9,8 +9,9 @@ part gets its own rank columns, so one shrink and one expand serve every part:
     out += (x @ A[slot]^T) @ B[slot]^T      per token, slot from the step's LoRAMapping
 
 NOTE: B is block-diagonal over the parts (zeros elsewhere): the torch path's expand does parts
-times the work of a per-part loop, for one GEMM per segment; the C++ kernel (CPU) skips the zeros. R is --max-lora-rank; a smaller adapter
-leaves its extra columns zero. No adapter is ever merged into the base weights.
+times the work of a per-part loop, for one GEMM per segment; the C++ kernel (CPU) skips the
+zeros. R is --max-lora-rank; a smaller adapter leaves its extra columns zero (the kernel reads
+only the first `slot_ranks[slot]`). No adapter is ever merged into the base weights.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class LoRASite:
             self.b = torch.zeros((max_loras, out, len(parts) * max_rank), dtype=dtype, device=device)
             self.bt = None
         # [P + 1] output columns of each part (the kernel's block-diagonal expand)
-        self.part_cols = torch.tensor([0, *(p.out_offset + p.out_features for p in parts)], dtype=torch.int64)
+        self.part_cols = torch.tensor([0, *(p.out_offset + p.out_features for p in parts)],
+                                      dtype=torch.int64)
         # [L] each slot's adapter rank at this site (0: untouched): the kernel skips the zero ranks
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int64)
         # the C++ kernel takes this site (CPU, its dtype, its rank rows): decided once
