@@ -9,5 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(x[:, :I]) * x[:, I:] (float32 / bfloat16, CPU)");
   m.def("write_kv_cache", &write_kv_cache, "K/V rows into their cache slots, -1 skipped (float32 / bfloat16, CPU)");
   m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
+  m.def("lora_sgmv_add", &lora_sgmv_add,
+        "LoRA shrink + expand of one site over tokens grouped by slot, in place (float32 / bfloat16, CPU)");
   m.def("isa", &isa, "The instruction-set path this build runs: avx512_bf16, avx512, avx2 or portable");
 }

@@ -22,3 +22,7 @@ void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch:
 std::string isa();
 // sampling.cpp
 torch::Tensor argmax_rows(const torch::Tensor& x);
+// lora.cpp
+void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, torch::Tensor& out,
+                   const torch::Tensor& rows, const torch::Tensor& seg_starts, const torch::Tensor& seg_slots,
+                   const torch::Tensor& part_cols, const torch::Tensor& slot_ranks);

@@ -2,6 +2,7 @@
 the output (the scheduler's update_from_output, then the output stage), then the observers."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from kvmesh.engine.loader import LoadedModel, load_model
 from kvmesh.engine.lora import LoRARequest
 from kvmesh.engine.lora.adapter import LoRAModel
 from kvmesh.engine.lora.manager import LoRAManager, lora_manager
+from kvmesh.engine.lora.memory import slot_bytes
 from kvmesh.engine.gpu_memory import kv_cache_bytes, log_kv_budget, profile_device_memory
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.model_runner import ModelRunner, kv_block_bytes, kv_block_layout
@@ -73,6 +75,9 @@ class LLMEngine:
         # NOTE: an s3:// / hf:// model is fetched into the node cache here (a no-op for a path)
         self.config = config = resolve_engine_model(config)
         self._load_model(loaded, kv_connector is not None)
+        # NOTE: before the KV cache is sized: the slots' memory is not the cache's to take
+        self.lora: LoRAManager | None = (lora_manager(self.loaded, config) if config.enable_lora
+                                         else None)
         num_gpu_blocks, num_cpu_blocks = self._size_kv_cache()
         self.kv_share = self._build_connector(kv_connector)
         self._build_cache_and_runner(num_gpu_blocks, num_cpu_blocks)
@@ -172,8 +177,6 @@ class LLMEngine:
         """The block bookkeeping (KVCacheManager) and the runner holding the cache tensors
         (it offers computed prompt blocks to the connector)."""
         config, mc = self.config, self.loaded.config
-        # NOTE: before the runner: its sites live in the model's layers
-        self.lora: LoRAManager | None = lora_manager(self.loaded, config) if config.enable_lora else None
         self.kv_manager = KVCacheManager(num_gpu_blocks, config.block_size, num_cpu_blocks,
                                          enable_caching=config.enable_prefix_caching,
                                          enable_events=config.enable_kv_events)
@@ -257,6 +260,9 @@ class LLMEngine:
         if self.kv_transfer is not None:
             self.kv_transfer.close()
 
+    def _lora_slot_bytes(self) -> int:
+        return 0 if self.lora is None else slot_bytes(self.lora.targets)
+
     def _num_gpu_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -271,6 +277,8 @@ class LLMEngine:
                 self.loaded.model, mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
                 mc.head_dim, self.loaded.dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
                 max(opts.decode_pad_sizes, default=0))
+            # the LoRA slots, allocated already, are part of the memory in use
+            mem = dataclasses.replace(mem, lora_slots=self._lora_slot_bytes())
             free = kv_cache_bytes(mem, cfg.gpu_memory_utilization)
             blocks = free // self.block_bytes
             log_kv_budget(mem, cfg.gpu_memory_utilization, blocks, cfg.block_size)
@@ -280,13 +288,22 @@ class LLMEngine:
             free = max(0, free_memory(device) - packed_copy_bytes(self.loaded.model))
             if self.executor is not None:
                 free = self.executor.kv_free_memory(free, device)
-            blocks = int(free * cfg.kv_cache_memory_fraction) // self.block_bytes
+            lora = self._lora_slot_bytes()
+            blocks = max(0, int(free * cfg.kv_cache_memory_fraction) - lora) // self.block_bytes
+            if lora:
+                logger.info("LoRA slots: %.1f MiB (--max-loras %d x --max-lora-rank %d, every "
+                            "site's A and B) taken from the KV cache's %.1f MiB -> %d blocks",
+                            lora / (1 << 20), cfg.max_loras, cfg.max_lora_rank,
+                            free * cfg.kv_cache_memory_fraction / (1 << 20), blocks)
         # NOTE: no point holding more than every sequence at full length.
         wanted = cfg.max_num_seqs * _cdiv(max_len, cfg.block_size)
         blocks = min(blocks, wanted)
         if blocks < 1:
+            lora = self._lora_slot_bytes()
             raise ValueError("no memory left for the KV cache; set --num-kv-blocks or raise "
-                             "--kv-cache-memory-fraction")
+                             "--kv-cache-memory-fraction" + (
+                                 f", or lower --max-loras or --max-lora-rank (the LoRA slots take "
+                                 f"{lora / (1 << 20):.1f} MiB)" if lora else ""))
         return blocks
 
     # ---- requests ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The KV cache's share of a GPU, sized as vLLM sizes it (`--gpu-memory-utilization`).
 
     KV cache = total device memory x utilization
-               - what is in use before profiling (CUDA context, the weights, other processes)
+               - what is in use before profiling (CUDA context, the weights, the LoRA slots,
+                 other processes)
                - the activation peak of a profiling forward at max_num_batched_tokens
                - the CUDA-graph pool (the activation peak of a decode at the largest graph size)
 
@@ -32,6 +33,9 @@ class DeviceMemory:
     weights: int             # of which the model's weights (for the log)
     activation_peak: int     # peak above the weights during the profiling forward
     graph_pool: int          # set aside for the CUDA graphs (0 without graphs)
+    # of in_use: the LoRA slots (--max-loras x --max-lora-rank, every site's A and B), allocated
+    # before the profile so the KV cache never takes their memory (for the log)
+    lora_slots: int = 0
 
 
 def kv_cache_bytes(mem: DeviceMemory, utilization: float) -> int:
@@ -43,10 +47,11 @@ def kv_cache_bytes(mem: DeviceMemory, utilization: float) -> int:
         raise ValueError(
             f"no GPU memory left for the KV cache: {utilization:.2f} x {mem.total / gib:.2f} GiB "
             f"= {budget / gib:.2f} GiB, of which {mem.in_use / gib:.2f} GiB are in use (weights "
-            f"{mem.weights / gib:.2f} GiB), activations peak at {mem.activation_peak / gib:.2f} "
-            f"GiB and CUDA graphs take {mem.graph_pool / gib:.2f} GiB; raise "
+            f"{mem.weights / gib:.2f} GiB, LoRA slots {mem.lora_slots / gib:.2f} GiB), activations "
+            f"peak at {mem.activation_peak / gib:.2f} GiB and CUDA graphs take "
+            f"{mem.graph_pool / gib:.2f} GiB; raise "
             "--gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, use "
-            "--enforce-eager, or set --num-kv-blocks")
+            "--enforce-eager, lower --max-loras or --max-lora-rank, or set --num-kv-blocks")
     return left
 
 
@@ -129,7 +134,8 @@ def profile_device_memory(model: nn.Module, num_layers: int, block_size: int, nu
 
 def log_kv_budget(mem: DeviceMemory, utilization: float, num_blocks: int, block_size: int) -> None:
     mib = 1 << 20
-    logger.info("GPU memory: %.0f MiB x %.2f; in use %.0f MiB (weights %.0f MiB), activation "
-                "peak %.0f MiB, CUDA graphs %.0f MiB -> KV cache %d blocks (%d tokens)",
+    logger.info("GPU memory: %.0f MiB x %.2f; in use %.0f MiB (weights %.0f MiB, LoRA slots %.0f "
+                "MiB), activation peak %.0f MiB, CUDA graphs %.0f MiB -> KV cache %d blocks (%d tokens)",
                 mem.total / mib, utilization, mem.in_use / mib, mem.weights / mib,
+                mem.lora_slots / mib,
                 mem.activation_peak / mib, mem.graph_pool / mib, num_blocks, num_blocks * block_size)

@@ -58,6 +58,7 @@ def test_the_engine_sizes_a_cuda_cache_from_the_profile(smollm, monkeypatch):
                               gpu_memory_utilization=0.5)
     eng.loaded = dataclasses.replace(smollm, device=torch.device("cuda"), attention_backend="triton")
     eng.executor = None
+    eng.lora = None
     eng.block_bytes = 1 << 20
     assert eng._num_gpu_blocks() == (2 * GIB - GIB - GIB // 2) // (1 << 20)
     assert seen == {"tokens": 512, "seqs": 16, "graph": 16}

@@ -193,3 +193,21 @@ def test_kvmesh_cpu_kernels_unknown_value_is_an_error_naming_the_choices(monkeyp
     with pytest.raises(ValueError, match="KVMESH_CPU_KERNELS='sse4': expected 0, 1 or one of "
                                          "avx512_bf16, avx512, avx2, portable"):
         cpu_kernels.load()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_sgmv_add(path_ext, monkeypatch, dtype):
+    """The fused LoRA kernel on this path: a mixed decode batch and a 13-token segment (blocks of
+    8 and a remainder), odd K and N (every vector tail), three parts, within the float64
+    definition's derived bound (tests/support/lora_cases.py)."""
+    from lora_cases import case, definition_and_bound, fused
+
+    from kvmesh.kernels import lora_cpu
+
+    monkeypatch.setattr(lora_cpu, "load", lambda: path_ext[1])
+    token_slots = [1, -1, 0, 2, 1, -1, 0, 2] + [3] * 13
+    args = case(token_slots, 77, 45, 16, parts=3, dtype=dtype)
+    got = fused(*args)
+    want, bound = definition_and_bound(*args[:4], token_slots, dtype)
+    assert bool(((got.double() - want).abs() <= bound).all())
+    assert torch.equal(got[[1, 5]], args[3][[1, 5]])          # base-model rows untouched

@@ -133,18 +133,22 @@ def test_two_adapters_never_share_a_block(llama_base, llama_adapters):
 
 
 def test_a_step_pays_only_for_the_sites_its_adapters_touch(llama_base, llama_adapters, monkeypatch):
-    from kvmesh.kernels import lora_ops
+    from kvmesh.kernels import cpu_kernels, lora_cpu, lora_ops
     llm = LLM(str(llama_base), enable_lora=True, max_lora_rank=16, dtype="float32", device="cpu",
               num_kv_blocks=32, block_size=4)
     calls = []
-    real = lora_ops.sgmv_add
-    monkeypatch.setattr(lora_ops, "sgmv_add", lambda *a: calls.append(a[1].shape) or real(*a))
+    for module in (lora_ops, lora_cpu):       # the torch path and the C++ kernel alike
+        real = module.sgmv_add
+        monkeypatch.setattr(module, "sgmv_add",
+                            lambda *a, real=real, m=module: calls.append((m, a[1].shape)) or real(*a))
     llm.generate([[5, 6, 7]], GREEDY)
     assert calls == []                                        # base only: no LoRA kernel at all
     llm.generate([[5, 6, 7]], GREEDY,
                  lora_request=LoRARequest("od", 1, str(llama_adapters["o-down"])))
-    # 8 forwards x 2 layers x the o_proj and down_proj sites (q/k/v and gate/up: untouched)
-    assert calls == [(1, 16, 64), (1, 16, 96)] * 2 * NEW
+    # 8 forwards x 2 layers x the o_proj and down_proj sites (q/k/v and gate/up: untouched), each
+    # one call of the C++ kernel where it builds (the torch path only without it)
+    kernel = lora_cpu if cpu_kernels.load() is not None else lora_ops
+    assert calls == [(kernel, (1, 16, 64)), (kernel, (1, 16, 96))] * 2 * NEW
 
 
 def test_prompt_lookup_speculation_with_adapters_stays_each_adapters_greedy_output(llama_base, llama_adapters):

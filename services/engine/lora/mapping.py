@@ -34,8 +34,9 @@ class LoRAMapping:
         self.slots: list[int] = []             # [S] host slot per segment
         self.runs: list[tuple[int, int]] | None = None  # [S] batch-row ranges, when contiguous
         self.padded: Padded | None = None      # the segments as [S, L] (CPU, several segments)
-        self.seg_starts: torch.Tensor | None = None   # [S + 1] int32 on the device (Triton path)
-        self.seg_slots: torch.Tensor | None = None    # [S] int32 on the device
+        # the segments as tensors: int32 on CUDA (Triton path), int64 on CPU (C++ kernel)
+        self.seg_starts: torch.Tensor | None = None   # [S + 1]
+        self.seg_slots: torch.Tensor | None = None    # [S]
         self.max_seg_len = 0
 
     def clear(self) -> None:
@@ -62,6 +63,8 @@ class LoRAMapping:
             segs = len(self.slots)
             if segs > 1 and segs * self.max_seg_len <= PAD_WASTE * rows.size:
                 self.padded = _pad(rows, starts, self.slots, self.max_seg_len)
+            self.seg_starts = torch.from_numpy(starts.astype(np.int64))
+            self.seg_slots = torch.from_numpy(sorted_slots[starts[:-1]].astype(np.int64))
         self.rows = torch.from_numpy(rows).to(device)
         if device.type == "cuda":
             self.seg_starts = torch.tensor(self.starts, dtype=torch.int32).to(device)
