@@ -128,8 +128,12 @@ def instrument(engine, timers: Timers) -> None:
 
 
 class _TimedCallable:
+    """The sampler, timed through both ways the runner calls it: `sampler(...)` (speculative
+    verification) and `sampler.sample(...)` (every other step: the draws on the device)."""
+
     def __init__(self, timers: Timers, name: str, inner) -> None:
         self._call = timers.wrap(name, inner.__call__)
+        self.sample = timers.wrap(name, inner.sample)
         self._inner = inner
 
     def __call__(self, *a, **kw):
