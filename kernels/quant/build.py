@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp")
-HEADERS = (_CSRC / "blocks.h", _CSRC / "tiled.h")
+HEADERS = (_CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h")
 NAME = "kvmesh_quant_kernels"
 SUBDIR = "quant-kernels"
 

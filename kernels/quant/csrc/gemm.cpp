@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "simd.h"
 #include "tiled.h"
 
 #if defined(__AVX2__)
@@ -49,12 +50,6 @@ inline __m256i dot32(__m256i w, __m256i x) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -99,7 +94,7 @@ inline void fdot_rows_direct(const uint8_t* row, int64_t nblk, const float* x, i
       for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 template <int F>
 constexpr bool kDirect = F == Q8_0 || F == Q4_0 || F == Q4_1;
@@ -232,7 +227,7 @@ inline void dot_rows(const uint8_t* q, const Sub* sub, const float* a8, const QR
         cacc[r] += sub[b].c[0] * xr[r].s[2 * b] + sub[b].c[1] * xr[r].s[2 * b + 1];
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + cacc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + cacc[r];
 #else
   (void)a8;
   float acc[R] = {};
@@ -293,7 +288,7 @@ inline void dot_rows_direct(const uint8_t* row, int64_t nblk, const QRow* xr, fl
       if constexpr (F != Q8_0) cacc[r] += c * (xr[r].s[2 * b] + xr[r].s[2 * b + 1]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + cacc[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + cacc[r];
 }
 #else
 template <int F, int R>

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -203,13 +204,6 @@ inline void store_sums(__m512 (&acc)[MR][NR], float* y, int64_t ldy, bool add) {
       }
     }
   }
-}
-#elif KQ_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 #endif
 
