@@ -27,6 +27,10 @@ request, greedily and ignoring EOS:
   hf-cb      transformers' continuous batching (the ContinuousBatchingManager behind
              `generate_batch`, attn_implementation="paged|sdpa"), one add_request per request
              with its own max_new_tokens and eos_token_id=-1 (no EOS).
+  llama.cpp  llama.cpp's `llama-server` on the same GGUF file (the built-in model), --max-num-seqs
+             slots, every request posted at once as token ids,
+             greedy, ignore_eos, no prompt cache (benchmarks/llama_cpp_peer.py); its weight
+             bytes, peak RSS and start-up time are printed. Idle machine only.
 
 Both transformers systems use one model loaded by transformers from the same files (the GGUF
 for the built-in model), in the same dtype on the same device. Each system is warmed up (a few
@@ -76,7 +80,7 @@ from benchmarks.models import RANDOM_MODELS, resolve_model  # noqa: E402
 from benchmarks.workload import (SCENARIOS, WORKLOADS, generate_requests, make_prompt_ids,  # noqa: E402
                                  summarize, uniform_requests)
 
-SYSTEMS = ("kvmesh", "vllm", "hf-static", "hf-cb")
+SYSTEMS = ("kvmesh", "vllm", "hf-static", "hf-cb", "llama.cpp")
 
 
 @dataclass(slots=True)
@@ -312,6 +316,24 @@ def print_vllm_profile(traces: list[Path], profile_dir: Path) -> None:
         print(flush=True)
 
 
+def run_llama_cpp(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[float, float, list[list[int]], str]:
+    from benchmarks import llama_cpp_peer
+    from kvmesh.common.model_files import builtin_model_path
+
+    gguf = builtin_model_path() if model_path is None else Path(model_path)
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        raise SystemExit(f"offline_throughput.py: error: --systems llama.cpp needs the built-in GGUF model, got {gguf}")
+    threads = args.threads or torch.get_num_threads()
+    binary = Path(args.llama_server).expanduser() if args.llama_server else None
+    res = llama_cpp_peer.run(gguf, [(r.prompt_ids, r.output_len) for r in reqs],
+                             [(r.prompt_ids, r.output_len) for r in _warmup_requests(reqs)],
+                             slots=args.max_num_seqs, threads=threads, binary=binary,
+                             log=Path(args.llama_log) if args.llama_log else None)
+    print(f"# llama.cpp: {gguf.stat().st_size / 1e6:.1f} MB GGUF file served as it is; "
+          f"start-up {res.start_s:.1f} s; peak RSS {res.peak_rss_bytes / 1e6:.0f} MB", flush=True)
+    return res.wall_s, res.cpu_s, res.outputs, res.note
+
+
 def _warmup_requests(reqs: list[BenchRequest]) -> list[BenchRequest]:
     return [BenchRequest(r.prompt_ids[:32], 4) for r in reqs[:4]]
 
@@ -386,6 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds")
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here (default: dropped "
                    "unless it fails)")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary (default: $KVMESH_LLAMA_SERVER or the "
+                   "build under ~/.cache/kvmesh/llama.cpp, see benchmarks/llama_cpp_peer.py)")
+    p.add_argument("--llama-log", default=None, help="write llama-server's output here")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16; or a comma list to run kvmesh once per dtype, side by "
                         "side (kvmesh-float32, kvmesh-bfloat16, ...; vLLM and transformers get the first)")
@@ -469,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
             wall, cpu, outs, note = run_kvmesh(loads[dtype, q], reqs, args, tp, model_path)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
+        elif system == "llama.cpp":
+            wall, cpu, outs, note = run_llama_cpp(model_path, reqs, args)
         else:
             if hf is None:
                 hf = load_hf_model(model_path, args.dtype, args.device)
