@@ -60,6 +60,14 @@ def _to_operand(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _to_output(acc, y_dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """The float32 result tile cast for the store (rounded to nearest even in the interpreter too)."""
+    if UPCAST and y_dtype == tl.bfloat16:
+        acc = _round_to_bf16(acc)
+    return acc.to(y_dtype)
+
+
+@triton.jit
 def _e4m3_bits_to_f32(b):
     """e4m3fn bytes (uint8) to their float32 values, exactly, in integer arithmetic: sm_80 has
     no fp8 type. Normal: (8 + m) * 2^(e - 10); subnormal (e = 0): m * 2^-9."""
@@ -87,7 +95,7 @@ def _f32_to_e4m3_bits(y):
     ur = r.to(tl.int32, bitcast=True)
     re = ur >> 23
     bits = tl.where(re >= 121, ((re - 120) << 3) | ((ur >> 20) & 7), m.to(tl.int32))
-    return tl.where(y < 0, bits | 0x80, bits)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, bits | 0x80, bits)   # -0.0 keeps its sign
 
 
 @triton.jit
@@ -146,7 +154,7 @@ def _w4a16_kernel(
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -210,7 +218,7 @@ def _scaled_gemm_kernel(
     BLOCK_K: tl.constexpr,
     WEIGHT_ONLY: tl.constexpr,  # w holds e4m3 bits, widened to x's dtype here (sm_80)
     DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,       # fp32 tl.dot operands for float tiles (interpreter)
+    UPCAST: tl.constexpr,       # the interpreter: fp32 tl.dot operands for float tiles
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -243,7 +251,7 @@ def _scaled_gemm_kernel(
     if bias_ptr is not None:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(y_ptrs, _to_output(out, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -395,7 +403,7 @@ def w8a8_gemm(
     if x.shape[0] == 0 or n == 0:
         return y
     x_q, x_scale = scaled_int8_quant(x)
-    _launch_scaled(x_q, weight, x_scale, weight_scale, bias, y, False, False)
+    _launch_scaled(x_q, weight, x_scale, weight_scale, bias, y, False, paged_attention.upcast_operands(x))
     return y
 
 
