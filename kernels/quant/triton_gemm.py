@@ -98,7 +98,9 @@ def _f32_to_e4m3_bits(y):
     return tl.where(y.to(tl.int32, bitcast=True) < 0, bits | 0x80, bits)   # -0.0 keeps its sign
 
 
-@triton.jit
+# NOTE: M changes every step and the scale strides (K / group_size) with the model; not
+# specialising them (16-divisible or not) keeps one compiled kernel per tile choice
+@triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn"])
 def _w4a16_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides)
     q_ptr,          # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble, odd k high
@@ -203,7 +205,7 @@ def _fp8_quant_kernel(
     tl.store(q_ptr + row * stride_qm + offs, _f32_to_e4m3_bits(y).to(tl.uint8), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _scaled_gemm_kernel(
     x_ptr,          # [M, K] int8 (W8A8), fp8e4nv (FP8 on sm_89+) or fp16/bf16/fp32 (FP8 weight-only)
     w_ptr,          # [N, K] int8, fp8e4nv, or uint8 e4m3fn bits (weight-only)
@@ -230,8 +232,11 @@ def _scaled_gemm_kernel(
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk   # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]               # [BLOCK_K, BLOCK_N]
     x_dtype = x_ptr.dtype.element_ty
-    integer = x_dtype == tl.int8
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32 if integer else tl.float32)
+    integer: tl.constexpr = x_dtype == tl.int8
+    if integer:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -256,13 +261,21 @@ def _scaled_gemm_kernel(
 
 # ---------------------------------------------------------------------------- launchers
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows.
+def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows whose tl.dot operands are `dtype`.
 
     NOTE: decode batches (M <= 16) read every weight once for a few rows; 32-column tiles give
     4x the programs of 128-column ones, so a 4096-row weight spreads over 128 programs (more
-    SMs streaming it) instead of 32. Larger M reuses each weight tile over 64 rows."""
-    return (16, 32, 4, 4) if m <= 16 else (64, 128, 4, 3)
+    SMs streaming it) instead of 32. Larger M reuses each weight tile over 64 rows, with 8 warps
+    (4 held 254 registers a thread on sm_80 with the W4A16 dequantized tiles). fp32 operands
+    run on FMA units, not tensor cores, and hold their K steps in registers: 32 x 64 tiles over
+    32-column steps with 8 warps (64 x 128 over 64 spilled 11 KB; 32 x 64 over 64, 136-240 B;
+    4 warps, 24 B on sm_90)."""
+    if m <= 16:
+        return 16, 32, 4, 4
+    if dtype == torch.float32:
+        return 32, 64, 8, 2
+    return 64, 128, 8, 3
 
 
 def _check_x(x: torch.Tensor, k: int, what: str) -> None:
@@ -327,8 +340,8 @@ def w4a16_gemm(
     if x.shape[0] == 0 or n == 0:
         return y
     upcast = paged_attention.upcast_operands(x)
-    block_m, block_n, warps, stages = _tiles(x.shape[0])
-    block_k = 64 if group_size % 64 == 0 else 32
+    block_m, block_n, warps, stages = _tiles(x.shape[0], x.dtype)
+    block_k = 64 if group_size % 64 == 0 and x.dtype != torch.float32 else 32
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, perm, bias, y, x.shape[0], n, k, group_size,
@@ -371,10 +384,10 @@ def scaled_fp8_quant(x: torch.Tensor,    # [M, K] float16 / bfloat16 / float32
 def _launch_scaled(x, w, x_scale, w_scale, bias, y, weight_only: bool, upcast: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
-    block_m, block_n, warps, stages = _tiles(m)
+    block_m, block_n, warps, stages = _tiles(m, x.dtype)
     # NOTE: 1-byte operands take 128 columns a step (the int8 / fp8 MMA's K is 32); the
-    # weight-only path widens its weight tile in registers, so it steps 64
-    block_k = 64 if weight_only else 128
+    # weight-only path widens its weight tile in registers, so it steps 64 (fp32: 32, as W4A16)
+    block_k = 128 if not weight_only else 32 if x.dtype == torch.float32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _scaled_gemm_kernel[grid](
         x, w, x_scale, w_scale, bias, y, m, n, k,
