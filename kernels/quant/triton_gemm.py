@@ -16,7 +16,8 @@ them as stored and dequantizes a tile at a time in registers, never a copy of th
 
 A program owns BLOCK_M rows and BLOCK_N columns of y and walks K; decode-sized M gets 16-row,
 32-column tiles (more programs over N), larger M 64 x 128 (`_tiles`). References:
-`kvmesh.kernels.reference` (w4a16_gemm, w8a8_gemm, fp8_gemm, scaled_int8_quant, scaled_fp8_quant).
+`kvmesh.kernels.reference` (w4a16_gemm, w8a8_gemm, fp8_gemm). The activation quantizations and
+the number-format helpers: `triton_quant.py`.
 """
 from __future__ import annotations
 
@@ -25,28 +26,10 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels import paged_attention
+from kvmesh.kernels.quant.triton_quant import (e4m3_bits_to_f32, round_to_bf16, scaled_fp8_quant,
+                                                 scaled_int8_quant)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8_MAX = 448.0        # e4m3fn's largest finite value
-_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: float32 x + this - this rounds |x| < 2^22 half to even
-
-
-@triton.jit
-def _round_half_even(v):
-    """v rounded to an integer, half to even (float32, |v| < 2^22): the float32 ulp at the magic
-    number is 1, so the add rounds, and the subtract is exact."""
-    return (v + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _round_to_bf16(v):
-    """float32 v rounded to the nearest bfloat16, ties to even, still as float32.
-
-    NOTE: only the interpreter path uses it: its float32 -> bfloat16 cast truncates, where a
-    GPU's (cvt.rn) rounds to nearest even as torch does."""
-    u = v.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -54,7 +37,7 @@ def _to_operand(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
     """A float32 weight tile as the tl.dot operand for activations of x_dtype."""
     if UPCAST:
         if x_dtype == tl.bfloat16:
-            return _round_to_bf16(w)
+            return round_to_bf16(w)
         return w.to(x_dtype).to(tl.float32)
     return w.to(x_dtype)
 
@@ -63,39 +46,8 @@ def _to_operand(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
 def _to_output(acc, y_dtype: tl.constexpr, UPCAST: tl.constexpr):
     """The float32 result tile cast for the store (rounded to nearest even in the interpreter too)."""
     if UPCAST and y_dtype == tl.bfloat16:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     return acc.to(y_dtype)
-
-
-@triton.jit
-def _e4m3_bits_to_f32(b):
-    """e4m3fn bytes (uint8) to their float32 values, exactly, in integer arithmetic: sm_80 has
-    no fp8 type. Normal: (8 + m) * 2^(e - 10); subnormal (e = 0): m * 2^-9."""
-    u = b.to(tl.int32)
-    e = (u >> 3) & 0xF
-    m = u & 7
-    pow2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)   # 2^(max(e, 1) - 10)
-    mag = tl.where(e > 0, m + 8, m).to(tl.float32) * pow2
-    return tl.where((u & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def _f32_to_e4m3_bits(y):
-    """float32 y in [-448, 448] rounded to e4m3fn (nearest, ties to even) as its bits (int32).
-
-    NOTE: done in integer arithmetic, not with a cast: the interpreter's float32 -> fp8 cast
-    drops the carry of a mantissa that rounds up, and sm_80 has no fp8 type."""
-    a = tl.abs(y)
-    e = a.to(tl.int32, bitcast=True) >> 23                   # biased float32 exponent
-    qe = tl.maximum(e, 121) - 3                               # the e4m3 step at a: 2^(qe - 127)
-    step = (qe << 23).to(tl.float32, bitcast=True)
-    inv = ((254 - qe) << 23).to(tl.float32, bitcast=True)     # 1 / step, exact
-    m = _round_half_even(a * inv)                             # 0..16 steps (16: the next binade)
-    r = m * step                                              # the rounded |y|, exact
-    ur = r.to(tl.int32, bitcast=True)
-    re = ur >> 23
-    bits = tl.where(re >= 121, ((re - 120) << 3) | ((ur >> 20) & 7), m.to(tl.int32))
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, bits | 0x80, bits)   # -0.0 keeps its sign
 
 
 # NOTE: M changes every step and the scale strides (K / group_size) with the model; not
@@ -159,52 +111,6 @@ def _w4a16_kernel(
     tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _int8_quant_kernel(
-    x_ptr,          # [M, K] fp16 / bf16 / fp32
-    q_ptr,          # [M, K] int8
-    scale_ptr,      # [M] float32: max|x[m]| / 127
-    K,
-    stride_xm, stride_xk, stride_qm,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.max(amax, 0), 127.0)
-    div = tl.where(scale > 0, scale, 1.0)       # an all-zero row: scale 0, values 0
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + offs < K
-        v = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        q = _round_half_even(tl.math.div_rn(v, div))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(tl.int8), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-@triton.jit
-def _fp8_quant_kernel(
-    x_ptr,          # [M, K] fp16 / bf16 / fp32
-    q_ptr,          # [M, K] uint8: e4m3fn bits
-    scale_ptr,      # [1] float32: max|x| / 448
-    K,
-    stride_xm, stride_xk, stride_qm,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    scale = tl.load(scale_ptr)
-    div = tl.where(scale > 0, scale, 1.0)
-    v = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, div), -448.0), 448.0)
-    tl.store(q_ptr + row * stride_qm + offs, _f32_to_e4m3_bits(y).to(tl.uint8), mask=mask)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _scaled_gemm_kernel(
     x_ptr,          # [M, K] int8 (W8A8), fp8e4nv (FP8 on sm_89+) or fp16/bf16/fp32 (FP8 weight-only)
@@ -242,7 +148,7 @@ def _scaled_gemm_kernel(
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if WEIGHT_ONLY:
-            b = _to_operand(_e4m3_bits_to_f32(b), x_dtype, UPCAST)
+            b = _to_operand(e4m3_bits_to_f32(b), x_dtype, UPCAST)
         if UPCAST and not integer:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -350,35 +256,6 @@ def w4a16_gemm(
         DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, num_warps=warps, num_stages=stages,
     )
     return y
-
-
-def scaled_int8_quant(x: torch.Tensor,   # [M, K] float16 / bfloat16 / float32
-                      ) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [M, K] int8, x_scale [M] float32)
-    """Per-row (per-token) symmetric int8: scale = max|x| / 127, x_q = round_half_even(x / scale)."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a 2-D float16 / bfloat16 / float32 tensor, got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m:
-        _int8_quant_kernel[(m,)](x, q, scale, k, *x.stride(), q.stride(0), BLOCK=1024, num_warps=4)
-    return q, scale
-
-
-def scaled_fp8_quant(x: torch.Tensor,    # [M, K] float16 / bfloat16 / float32
-                     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [M, K] float8_e4m3fn, scale [1] float32)
-    """Per-tensor e4m3: scale = max|x| / 448, x_q = x / scale rounded to nearest e4m3 (ties even)."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a 2-D float16 / bfloat16 / float32 tensor, got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    # NOTE: one torch reduction (no host sync) for the tensor's max; the kernel reads it on the device
-    scale = (x.abs().amax().float() / _FP8_MAX).reshape(1) if x.numel() else torch.zeros(1, device=x.device)
-    if x.numel():
-        block = 1024
-        _fp8_quant_kernel[(m, triton.cdiv(k, block))](x, q, scale, k, *x.stride(), q.stride(0),
-                                                       BLOCK=block, num_warps=4)
-    return q.view(torch.float8_e4m3fn), scale
 
 
 def _launch_scaled(x, w, x_scale, w_scale, bias, y, weight_only: bool, upcast: bool) -> None:

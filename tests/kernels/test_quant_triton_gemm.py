@@ -1,5 +1,5 @@
-"""The GPU GEMMs for quantized weights (kernels/quant/triton_gemm.py), in the interpreter, against
-kernels/reference.py on the canonical layout: W4A16 int4 groups, W8A8 int8, FP8 e4m3.
+"""The quantized GEMMs on the GPU (kernels/quant/triton_gemm.py, triton_quant.py) in the
+interpreter, against kernels/reference.py on the canonical layout: W4A16 int4 groups, W8A8 int8, FP8 e4m3.
 
 Bounds are the kernels' own rounding, not a tolerance: the reference is the float64 product of
 exactly the operands the kernel multiplies, so what remains is float32 accumulation
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kvmesh.kernels import reference  # noqa: E402
-from kvmesh.kernels.quant import triton_gemm  # noqa: E402
+from kvmesh.kernels.quant import triton_gemm, triton_quant  # noqa: E402
 
 U32 = 2.0 ** -24
 UNIT = {torch.float32: U32, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}   # unit roundoff
@@ -96,7 +96,7 @@ def test_int8_quantization_is_the_reference_bit_for_bit():
     x[2, 6:] = 0.0
     for dtype in DTYPES:
         xd = x.to(dtype)
-        q, scale = triton_gemm.scaled_int8_quant(xd)
+        q, scale = triton_quant.scaled_int8_quant(xd)
         want_q, want_scale = reference.scaled_int8_quant(xd)
         assert q.dtype == torch.int8 and scale.dtype == torch.float32
         assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
@@ -139,13 +139,13 @@ def test_fp8_quantization_rounds_to_nearest_even_e4m3_like_torch():
     x = torch.cat([torch.tensor(ties), torch.randn(200, generator=_gen(2)) * 50]).reshape(8, 27)
     for dtype in DTYPES:
         xd = x.to(dtype)
-        q, scale = triton_gemm.scaled_fp8_quant(xd)
+        q, scale = triton_quant.scaled_fp8_quant(xd)
         want_q, want_scale = reference.scaled_fp8_quant(xd)
         assert q.dtype == torch.float8_e4m3fn and torch.equal(scale, want_scale)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert scale.item() == 1.0    # max |x| = 448: the ties above are divided by 1
     assert q.float().flatten()[:10].tolist() == [448.0, 448.0, 1.0, 1.25, 16.0, 16.0, 20.0, 0.0, 2.0 ** -8, 2.0 ** -6]
-    zero_q, zero_scale = triton_gemm.scaled_fp8_quant(torch.zeros(2, 5))
+    zero_q, zero_scale = triton_quant.scaled_fp8_quant(torch.zeros(2, 5))
     assert zero_scale.item() == 0.0 and not zero_q.view(torch.uint8).any()
 
 
@@ -241,4 +241,4 @@ def test_w8a8_and_fp8_refuse_bad_input():
     with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32, got torch.float64"):
         triton_gemm.fp8_gemm(x.double(), w8, torch.ones(1))
     with pytest.raises(ValueError, match="x must be a 2-D float16 / bfloat16 / float32 tensor"):
-        triton_gemm.scaled_int8_quant(torch.zeros(3))
+        triton_quant.scaled_int8_quant(torch.zeros(3))
