@@ -228,7 +228,8 @@ def w4a16_gemm(
     perm: torch.Tensor | None = None,  # [K] int64: GPTQ act-order, x[:, perm] is multiplied
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:                    # [M, N] x's dtype
-    """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype (kvmesh.kernels.reference.w4a16_gemm)."""
+    """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype
+    (kvmesh.kernels.reference.w4a16_gemm)."""
     n = qweight.shape[0] if qweight.dim() == 2 else -1
     k = 2 * qweight.shape[1] if qweight.dim() == 2 else -1
     if qweight.dim() != 2:
