@@ -143,9 +143,31 @@ def _launch_lora(s: EngineShape, dtype) -> None:
                                 seg_slots, tokens)
 
 
+def _launch_quant_gemm(s: EngineShape, dtype) -> None:
+    """The GEMMs of Hugging Face quantized checkpoints (kernels/quant/triton_gemm.py) on a
+    hidden x hidden projection: a decode batch (16 x 32 tiles) and a prefill batch (64 x 128).
+    W4A16 at group size 128 (64 where it does not divide hidden), GPTQ act-order with a bias in
+    bf16 only (the gather is the one difference); FP8 per tensor on both paths (per channel
+    differs by one stride), the fp8 MMA path for sm_90 only (sm_80 has no fp8 type)."""
+    from kvmesh.kernels.quant import triton_gemm
+    n = k = s.hidden
+    group = 128 if k % 128 == 0 else 64
+    for tokens in (8, 2048):
+        x = _meta(tokens, k, dtype=dtype)
+        int4 = (_meta(n, k // 2, dtype=torch.uint8), _meta(n, k // group, dtype=dtype),
+                _meta(n, k // group, dtype=torch.uint8), group)
+        triton_gemm.w4a16_gemm(x, *int4)
+        if dtype == torch.bfloat16:
+            triton_gemm.w4a16_gemm(x, *int4, _meta(k, dtype=torch.int64), _meta(n, dtype=dtype))
+        triton_gemm.w8a8_gemm(x, _meta(n, k, dtype=torch.int8), _meta(n, dtype=torch.float32))
+        for arch in (80, 90):
+            triton_gemm.fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), _meta(1, dtype=torch.float32),
+                                 arch=arch)
+
+
 # Each entry calls public kernel functions as the engine does for one (shape, dtype).
 LAUNCHES: tuple[Callable[[EngineShape, torch.dtype], None], ...] = (
-    _launch_norm_rope_cache, _launch_attention, _launch_moe, _launch_lora,
+    _launch_norm_rope_cache, _launch_attention, _launch_moe, _launch_lora, _launch_quant_gemm,
 )
 
 
@@ -168,7 +190,11 @@ class Variant:
 
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+          torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+          torch.float8_e4m3fn: "fp8e4nv"}
+# NOTE: Triton refuses fp8e4nv (e4m3) before sm_89 (no fp8 conversions nor MMA there); a
+# variant with such an argument is compiled for the targets that have it and marked for the others
+_MIN_CC = {"fp8e4nv": 89}
 
 
 def _specialise(value, specialise: bool = True) -> tuple[str, bool, Any]:
@@ -259,10 +285,10 @@ def all_kernels() -> set[str]:
 
     import kvmesh.kernels as pkg
     names = set()
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name in ("bench", "gpu_compile"):
+    for info in pkgutil.walk_packages(pkg.__path__, "kvmesh.kernels."):   # subpackages (quant) too
+        if info.name.rsplit(".", 1)[-1] in ("bench", "gpu_compile"):
             continue
-        module = importlib.import_module(f"kvmesh.kernels.{info.name}")
+        module = importlib.import_module(info.name)
         names |= {n for n, obj in vars(module).items() if isinstance(obj, JITFunction) and n.endswith("_kernel")}
     return names
 
@@ -275,6 +301,7 @@ class Resources:
     local: int          # bytes of local memory per thread (> 0: spills)
     shared: int         # bytes of shared memory per block (Triton's dynamic allocation)
     error: str = ""
+    unsupported: str = ""   # why this target cannot run the variant (not compiled, not a failure)
 
     @property
     def spills(self) -> bool:
@@ -297,6 +324,9 @@ def _cuobjdump(cubin: bytes) -> dict[str, int]:
 
 def compile_variant(v: Variant, cc: int) -> Resources:
     """Compile for sm_<cc> (ptxas included) and read the cubin's resource usage."""
+    for _, ty in v.signature:
+        if cc < _MIN_CC.get(ty.lstrip("*"), 0):
+            return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: {ty.lstrip('*')} needs sm_{_MIN_CC[ty.lstrip('*')]}+")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -314,7 +344,7 @@ def compile_variant(v: Variant, cc: int) -> Resources:
 
 _SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_G", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_K",
           "BLOCK_D", "NUM_SPLITS", "MIN_CHUNK", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
-          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND", "NUM_STAGES")
+          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND", "NUM_STAGES", "WEIGHT_ONLY", "perm_ptr", "bias_ptr")
 
 
 def describe(v: Variant) -> str:
@@ -333,7 +363,7 @@ def markdown(results, ccs=TARGETS) -> str:
             + " | ".join(f"sm_{cc} regs / stack / local / shared" for cc in ccs) + " |")
     lines = [head, "|" + "---|" * (5 + len(ccs))]
     for v, res in results:
-        cells = [r.error or f"{r.registers} / {r.stack} / {r.local} / {r.shared}" for r in res]
+        cells = [r.unsupported or r.error or f"{r.registers} / {r.stack} / {r.local} / {r.shared}" for r in res]
         lines.append(f"| `{v.kernel}` | {v.dtype} | {describe(v)} | {v.num_warps} | "
                      f"{', '.join(v.shapes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -316,3 +316,68 @@ def fused_moe(
         y = linear(F.silu(gate) * up, w2[expert])                     # [n, hidden]
         out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
     return out
+
+
+# Quantized GEMMs (the ground truth of kernels/quant/triton_gemm.py). Each returns the float64
+# product of exactly the operands the kernel multiplies, before the kernel's float32
+# accumulation and its rounding to x's dtype, so a test can bound that rounding.
+
+def dequantize_int4(
+    qweight: torch.Tensor,      # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble
+    scales: torch.Tensor,       # [N, K // group_size] float
+    zeros: torch.Tensor,        # [N, K // group_size] uint8, 0..15
+    group_size: int,
+) -> torch.Tensor:              # [N, K] float32: (q - zero) * scale
+    n = qweight.shape[0]
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, -1).float()
+    group = torch.arange(q.shape[1], device=q.device) // group_size
+    return (q - zeros.float()[:, group]) * scales.float()[:, group]
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, perm: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:   # [M, N] float64
+    """x[:, perm] @ W^T + bias, W dequantized in float32 and rounded to x's dtype (the tl.dot operand)."""
+    w = dequantize_int4(qweight, scales, zeros, group_size).to(x.dtype)
+    if perm is not None:
+        x = x[:, perm]
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: scale = max|x| / 127 (float32), q = x / scale rounded half to even (0 for a zero row)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / 127
+    q = torch.round(xf / torch.where(scale > 0, scale, 1.0)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def w8a8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:   # [M, N] float64
+    """(x_q @ w^T, exact in integers) * x_scale[m] * w_scale[n] + bias."""
+    q, scale = scaled_int8_quant(x)
+    acc = (q.long() @ weight.long().T).double()
+    y = acc * scale.double()[:, None] * weight_scale.double()[None, :]
+    return y if bias is None else y + bias.double()
+
+
+def scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor: scale = max|x| / 448 (float32, [1]), q = x / scale cast to e4m3fn (nearest, ties even)."""
+    xf = x.float()
+    scale = (xf.abs().amax() / 448).reshape(1)
+    q = (xf / torch.where(scale > 0, scale, 1.0)).clamp(-448, 448)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, *, fp8_activations: bool = True) -> torch.Tensor:  # [M, N] float64
+    """fp8_activations: (x_q @ w^T) * x_scale * w_scale + bias (sm_89+); else (x @ w^T) * w_scale + bias (sm_80)."""
+    w = weight.double()
+    if fp8_activations:
+        q, scale = scaled_fp8_quant(x)
+        y = (q.double() @ w.T) * scale.double()
+    else:
+        y = x.double() @ w.T
+    y = y * weight_scale.double()[None, :]
+    return y if bias is None else y + bias.double()

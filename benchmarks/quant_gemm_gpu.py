@@ -1,0 +1,153 @@
+"""The Triton quantized GEMMs (kernels/quant/triton_gemm.py) against torch's dense GEMM on a GPU.
+
+    python benchmarks/quant_gemm_gpu.py                       # Llama-8B shapes, M 1..4096, bf16
+    python benchmarks/quant_gemm_gpu.py --shapes gate_up,down --rows 1,16,256 --dtype fp16
+    python benchmarks/quant_gemm_gpu.py --device cpu          # smoke: interpreter, tiny shapes
+
+For each projection shape (N x K; Llama-3-8B's, q/k/v and gate/up fused as the engine runs them)
+and each M, on random weights of that shape, it times with triton's do_bench (median ms):
+  * dense:   torch.nn.functional.linear on the bf16/fp16 weight (cuBLAS), the reference speed;
+  * w4a16:   w4a16_gemm, int4 groups of 128 with zero points (0.5 bytes a weight + 1/64 of scales);
+  * w8a8:    w8a8_gemm, int8 weights per channel, x quantized per token (the quantization
+             kernel included in the time);
+  * fp8:     fp8_gemm, e4m3 weights per channel (sm_89+: x cast per tensor, fp8 MMA, its
+             max-reduction and cast included; below: the weight widened in registers);
+  * scaled_mm: torch._scaled_mm on the same fp8 operands (sm_89+ only; x quantized by torch
+             outside the timing), the peer for the fp8 path;
+and prints per row the time in microseconds, the ratio dense / path (above 1: faster than
+dense), the weight bytes a call reads and the bandwidth that makes (weight bytes / time), and
+each path's largest error against its torch reference (kernels/reference.py), relative to
+max |reference|. On `--device cpu` the kernels run in the interpreter at tiny shapes: a check
+that the script runs, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# Llama-3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; fused as the engine runs them
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+CPU_SHAPES = {"tiny": (40, 128)}
+PATHS = ("dense", "w4a16", "w8a8", "fp8", "scaled_mm")
+GROUP_SIZE = 128
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
+    p.add_argument("--rows", default=None, help="comma-separated M (default: 1,16,64,256,1024,4096; cpu: 1,20)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    return p.parse_args(argv)
+
+
+def _bench(fn, device: str) -> float:
+    """Milliseconds per call (do_bench's median on CUDA; one timed call on CPU)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, return_mode="median")
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _weights(torch, n: int, k: int, dtype, device: str, g):
+    """Every layout of one random [n, k] weight: (dense, int4 groups, int8, e4m3) and their bytes."""
+    from kvmesh.kernels import reference
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=g)
+    scales = (torch.rand(n, k // GROUP_SIZE, device=device, generator=g) * 2e-3 + 1e-4).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // GROUP_SIZE), dtype=torch.uint8, device=device, generator=g)
+    dense = reference.dequantize_int4(qweight, scales, zeros, GROUP_SIZE).to(dtype)
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
+    w8_scale = torch.rand(n, device=device, generator=g) * 1e-4 + 1e-5
+    fp8 = (torch.randn(n, k, device=device, generator=g) * 20).to(torch.float8_e4m3fn)
+    fp8_scale = torch.rand(n, device=device, generator=g) * 1e-3 + 1e-5
+    nbytes = {"dense": dense.numel() * dense.element_size(),
+              "w4a16": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
+              "w8a8": w8.numel() + 4 * n, "fp8": fp8.numel() + 4 * n, "scaled_mm": fp8.numel() + 4 * n}
+    return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
+
+
+def _calls(torch, w, x, fp8_mma: bool):
+    """path -> (the timed call, its float64 reference or None)."""
+    import torch.nn.functional as F
+
+    from kvmesh.kernels import reference
+    from kvmesh.kernels.quant import triton_gemm as tg
+    calls = {
+        "dense": (lambda: F.linear(x, w["dense"]), lambda: x.double() @ w["dense"].double().T),
+        "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE),
+                  lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
+        "w8a8": (lambda: tg.w8a8_gemm(x, *w["w8"]), lambda: reference.w8a8_gemm(x, *w["w8"])),
+        "fp8": (lambda: tg.fp8_gemm(x, *w["fp8"]),
+                lambda: reference.fp8_gemm(x, *w["fp8"], fp8_activations=fp8_mma)),
+    }
+    if fp8_mma and x.is_cuda and hasattr(torch, "_scaled_mm"):
+        xq, xs = reference.scaled_fp8_quant(x)
+        fp8, ws = w["fp8"]
+        row_scale = xs.expand(x.shape[0]).reshape(-1, 1).contiguous()     # row-wise a with per-channel b
+        calls["scaled_mm"] = (
+            lambda: torch._scaled_mm(xq, fp8.T, scale_a=row_scale, scale_b=ws.reshape(1, -1),
+                                     out_dtype=x.dtype),
+            lambda: reference.fp8_gemm(x, fp8, ws, fp8_activations=True))
+    return calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")     # before any kernel module is imported
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/quant_gemm_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False): run it "
+              "on a GPU machine, or with --device cpu for an interpreter smoke run.", file=sys.stderr)
+        return 2
+    table = CPU_SHAPES if args.device == "cpu" else SHAPES
+    names = list(table) if args.shapes is None else args.shapes.split(",")
+    unknown = [s for s in names if s not in table] + [p for p in args.paths.split(",") if p not in PATHS]
+    if unknown:
+        print(f"unknown shape or path: {', '.join(unknown)} (shapes: {', '.join(table)}; paths: "
+              f"{', '.join(PATHS)})", file=sys.stderr)
+        return 2
+    rows = [int(r) for r in (args.rows or ("1,20" if args.device == "cpu" else "1,16,64,256,1024,4096")).split(",")]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    from kvmesh.kernels.quant import triton_gemm as tg
+    fp8_mma = tg.fp8_mma(torch.device(args.device))
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    print(f"# {device_name}, {args.dtype}, fp8 path: {'fp8 MMA' if fp8_mma else 'weight-only'}, "
+          f"W4A16 group size {GROUP_SIZE}; us per call (median), dense/path, weight GB/s, rel. error")
+    print("| shape | M | path | us | dense/path | weight MB | GB/s | rel. error |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    g = torch.Generator(device=args.device).manual_seed(0)
+    for name in names:
+        n, k = table[name]
+        w, nbytes = _weights(torch, n, k, dtype, args.device, g)
+        for m in rows:
+            x = torch.randn(m, k, device=args.device, dtype=dtype, generator=g)
+            calls = _calls(torch, w, x, fp8_mma)
+            times = {}
+            for path in [p for p in args.paths.split(",") if p in calls]:
+                run, ref = calls[path]
+                try:
+                    want = ref()[:64]              # the error spot check: the first 64 rows
+                    err = (run()[:64].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    times[path] = _bench(run, args.device)
+                except Exception as e:  # noqa: BLE001  (one failing path must not end a GPU session)
+                    print(f"| {name} {n}x{k} | {m} | {path} | failed: {type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0][:160]} | | | | |")
+                    continue
+                ratio = times["dense"] / times[path] if "dense" in times else float("nan")
+                print(f"| {name} {n}x{k} | {m} | {path} | {times[path] * 1e3:.1f} | {ratio:.2f} | "
+                      f"{nbytes[path] / 1e6:.1f} | {nbytes[path] / times[path] / 1e6:.0f} | {err:.1e} |")
+            del x, calls
+        del w
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

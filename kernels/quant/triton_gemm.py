@@ -1,0 +1,338 @@
+"""Triton GEMMs for quantized weights on the GPU: W4A16 (AWQ / GPTQ), W8A8 int8 and FP8 e4m3.
+
+    y [M, N] = x [M, K] @ W [N, K]^T (+ bias [N]), in x's dtype (float16 / bfloat16 / float32)
+
+The weights are in the canonical layout every Hugging Face quantized checkpoint is converted to
+at load (docs/KERNELS.md, "Hugging Face quantized checkpoints on the GPU"); each kernel reads
+them as stored and dequantizes a tile at a time in registers, never a copy of the matrix.
+
+    w4a16_gemm   int4 groups with zero points: (q - zero) * scale, rounded to x's dtype, tl.dot
+                 in x's dtype with float32 accumulation (float32 x: fp32 operands, tf32 off)
+    w8a8_gemm    x quantized per row to int8 (scaled_int8_quant), int8 tl.dot into int32,
+                 then * x_scale[m] * w_scale[n]
+    fp8_gemm     sm_89+: x cast to e4m3 per tensor (scaled_fp8_quant), fp8 tl.dot, then
+                 * x_scale * w_scale; sm_80 (no fp8 MMA nor fp8 type): the weight tile widened
+                 to x's dtype in registers and multiplied with x as it is (weight-only)
+
+A program owns BLOCK_M rows and BLOCK_N columns of y and walks K; decode-sized M gets 16-row,
+32-column tiles (more programs over N), larger M 64 x 128 (`_tiles`). References:
+`kvmesh.kernels.reference` (w4a16_gemm, w8a8_gemm, fp8_gemm). The activation quantizations and
+the number-format helpers: `triton_quant.py`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmesh.kernels import paged_attention
+from kvmesh.kernels.quant.triton_quant import (e4m3_bits_to_f32, round_to_bf16, scaled_fp8_quant,
+                                                 scaled_int8_quant)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _to_operand(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """A float32 weight tile as the tl.dot operand for activations of x_dtype."""
+    if UPCAST:
+        if x_dtype == tl.bfloat16:
+            return round_to_bf16(w)
+        return w.to(x_dtype).to(tl.float32)
+    return w.to(x_dtype)
+
+
+@triton.jit
+def _to_output(acc, y_dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """The float32 result tile cast for the store (rounded to nearest even in the interpreter too)."""
+    if UPCAST and y_dtype == tl.bfloat16:
+        acc = round_to_bf16(acc)
+    return acc.to(y_dtype)
+
+
+# NOTE: M changes every step and the scale strides (K / group_size) with the model; not
+# specialising them (16-divisible or not) keeps one compiled kernel per tile choice
+@triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn"])
+def _w4a16_kernel(
+    x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides)
+    q_ptr,          # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble, odd k high
+    s_ptr,          # [N, K // group_size] fp16 / bf16 / fp32 scales
+    z_ptr,          # [N, K // group_size] uint8 zero points, 0..15
+    perm_ptr,       # [K] int64: x column of weight column k (GPTQ act-order), or None
+    bias_ptr,       # [N] float, or None
+    y_ptr,          # [M, N] x's dtype
+    M, N, K, group_size,
+    stride_xm, stride_xk, stride_qn, stride_sn, stride_zn, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,      # weight columns a step; divides group_size (one group a step)
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else x's dtype
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_h = tl.arange(0, BLOCK_K // 2)         # byte h of a step holds columns 2h and 2h + 1
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm                        # [BLOCK_M, 1]
+    q_ptrs = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn + offs_h[:, None]       # [BLOCK_K/2, BLOCK_N]
+    s_ptrs = s_ptr + offs_n.to(tl.int64) * stride_sn                                  # [BLOCK_N]
+    z_ptrs = z_ptr + offs_n.to(tl.int64) * stride_zn
+    x_dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # NOTE: the even and the odd columns are two tl.dot of half the step each, so the nibbles
+    # never need interleaving in registers: x is read at stride 2 instead
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * offs_h
+        if perm_ptr is not None:
+            col_even = tl.load(perm_ptr + col)
+            col_odd = tl.load(perm_ptr + col + 1)
+        else:
+            col_even = col
+            col_odd = col + 1
+        x_even = tl.load(x_rows + col_even[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+        x_odd = tl.load(x_rows + col_odd[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+        packed = tl.load(q_ptrs + k0 // 2, mask=n_mask[None, :], other=0)
+        g = k0 // group_size
+        scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        zero = tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.float32)[None, :]
+        w_even = _to_operand(((packed & 0xF).to(tl.float32) - zero) * scale, x_dtype, UPCAST)
+        w_odd = _to_operand(((packed >> 4).to(tl.float32) - zero) * scale, x_dtype, UPCAST)
+        if UPCAST:
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
+        acc = tl.dot(x_even, w_even, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x_odd, w_odd, acc, input_precision=DOT_PRECISION)
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _scaled_gemm_kernel(
+    x_ptr,          # [M, K] int8 (W8A8), fp8e4nv (FP8 on sm_89+) or fp16/bf16/fp32 (FP8 weight-only)
+    w_ptr,          # [N, K] int8, fp8e4nv, or uint8 e4m3fn bits (weight-only)
+    x_scale_ptr,    # [M] (W8A8) or [1] (FP8) float32, or None (weight-only)
+    w_scale_ptr,    # [N] or [1] float32 (stride_ws 0 for one scale)
+    bias_ptr,       # [N] float, or None
+    y_ptr,          # [M, N]
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_xs, stride_ws, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WEIGHT_ONLY: tl.constexpr,  # w holds e4m3 bits, widened to x's dtype here (sm_80)
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,       # the interpreter: fp32 tl.dot operands for float tiles
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk   # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]               # [BLOCK_K, BLOCK_N]
+    x_dtype = x_ptr.dtype.element_ty
+    integer: tl.constexpr = x_dtype == tl.int8
+    if integer:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if WEIGHT_ONLY:
+            b = _to_operand(e4m3_bits_to_f32(b), x_dtype, UPCAST)
+        if UPCAST and not integer:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
+    out = acc.to(tl.float32)
+    if x_scale_ptr is not None:
+        out = out * tl.load(x_scale_ptr + offs_m * stride_xs, mask=m_mask, other=0.0)[:, None]
+    out = out * tl.load(w_scale_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)[None, :]
+    if bias_ptr is not None:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, _to_output(out, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---------------------------------------------------------------------------- launchers
+
+def _tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows whose tl.dot operands are `dtype`.
+
+    NOTE: decode batches (M <= 16) read every weight once for a few rows; 32-column tiles give
+    4x the programs of 128-column ones, so a 4096-row weight spreads over 128 programs (more
+    SMs streaming it) instead of 32. Larger M reuses each weight tile over 64 rows, with 8 warps
+    (4 held 254 registers a thread on sm_80 with the W4A16 dequantized tiles). fp32 operands
+    run on FMA units, not tensor cores, and hold their K steps in registers: 32 x 64 tiles over
+    32-column steps with 8 warps (64 x 128 over 64 spilled 11 KB; 32 x 64 over 64, 136-240 B;
+    4 warps, 24 B on sm_90)."""
+    if m <= 16:
+        return 16, 32, 4, 4
+    if dtype == torch.float32:
+        return 32, 64, 8, 2
+    return 64, 128, 8, 3
+
+
+def _check_x(x: torch.Tensor, k: int, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.shape[1] != k:
+        raise ValueError(f"x has K = {x.shape[1]} columns but {what}")
+
+
+def _check_rows(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
+    """A weight-side tensor: exact shape, one of dtypes, unit stride along its last dimension."""
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                         f"got {str(t.dtype).removeprefix('torch.')}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension")
+
+
+def _check_bias_device(x: torch.Tensor, n: int, bias: torch.Tensor | None, *tensors: torch.Tensor) -> None:
+    if bias is not None:
+        _check_rows(bias, "bias", (n,), _FLOAT_DTYPES)
+    if any(t is not None and t.device != x.device for t in (*tensors, bias)):
+        raise ValueError("x and every weight tensor must be on one device")
+
+
+def _out(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+
+
+def _dot_precision(upcast: bool, x: torch.Tensor) -> str:
+    return "ieee" if upcast else paged_attention.dot_precision(x.dtype)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,                  # [M, K] float16 / bfloat16 / float32
+    qweight: torch.Tensor,            # [N, K // 2] uint8, two 4-bit weights a byte (even k low)
+    scales: torch.Tensor,             # [N, K // group_size] float16 / bfloat16 / float32
+    zeros: torch.Tensor,              # [N, K // group_size] uint8, 0..15
+    group_size: int,                  # a multiple of 32 dividing K (AWQ / GPTQ: 32, 64, 128)
+    perm: torch.Tensor | None = None,  # [K] int64: GPTQ act-order, x[:, perm] is multiplied
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:                    # [M, N] x's dtype
+    """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype
+    (kvmesh.kernels.reference.w4a16_gemm)."""
+    n = qweight.shape[0] if qweight.dim() == 2 else -1
+    k = 2 * qweight.shape[1] if qweight.dim() == 2 else -1
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-D [N, K // 2], got shape {tuple(qweight.shape)}")
+    _check_x(x, k, f"qweight {list(qweight.shape)} packs K = {k}")
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 32 or k % group_size:
+        raise ValueError(f"group_size must be a positive multiple of 32 that divides K = {k}, got {group_size}")
+    _check_rows(qweight, "qweight", (n, k // 2), (torch.uint8,))
+    _check_rows(scales, "scales", (n, k // group_size), _FLOAT_DTYPES)
+    _check_rows(zeros, "zeros", (n, k // group_size), (torch.uint8,))
+    if perm is not None:
+        _check_rows(perm, "perm", (k,), (torch.int64,))
+    _check_bias_device(x, n, bias, qweight, scales, zeros, perm)
+    y = _out(x, n)
+    if x.shape[0] == 0 or n == 0:
+        return y
+    upcast = paged_attention.upcast_operands(x)
+    block_m, block_n, warps, stages = _tiles(x.shape[0], x.dtype)
+    block_k = 64 if group_size % 64 == 0 and x.dtype != torch.float32 else 32
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](
+        x, qweight, scales, zeros, perm, bias, y, x.shape[0], n, k, group_size,
+        *x.stride(), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def _launch_scaled(x, w, x_scale, w_scale, bias, y, weight_only: bool, upcast: bool) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    block_m, block_n, warps, stages = _tiles(m, x.dtype)
+    # NOTE: 1-byte operands take 128 columns a step (the int8 / fp8 MMA's K is 32); the
+    # weight-only path widens its weight tile in registers, so it steps 64 (fp32: 32, as W4A16)
+    block_k = 128 if not weight_only else 32 if x.dtype == torch.float32 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _scaled_gemm_kernel[grid](
+        x, w, x_scale, w_scale, bias, y, m, n, k,
+        *x.stride(), w.stride(0), 0 if x_scale is None or x_scale.numel() == 1 else 1,
+        0 if w_scale.numel() == 1 else 1, y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHT_ONLY=weight_only,
+        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, num_warps=warps, num_stages=stages,
+    )
+
+
+def w8a8_gemm(
+    x: torch.Tensor,                  # [M, K] float16 / bfloat16 / float32
+    weight: torch.Tensor,             # [N, K] int8
+    weight_scale: torch.Tensor,       # [N] float32 (per output channel)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:                    # [M, N] x's dtype
+    """y = (x_q @ w^T in int32) * x_scale[m] * w_scale[n] + bias, x_q from scaled_int8_quant(x)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_x(x, k, f"weight {list(weight.shape)} has K = {k}")
+    _check_rows(weight, "weight", (n, k), (torch.int8,))
+    _check_rows(weight_scale, "weight_scale", (n,), (torch.float32,))
+    _check_bias_device(x, n, bias, weight, weight_scale)
+    y = _out(x, n)
+    if x.shape[0] == 0 or n == 0:
+        return y
+    x_q, x_scale = scaled_int8_quant(x)
+    _launch_scaled(x_q, weight, x_scale, weight_scale, bias, y, False, paged_attention.upcast_operands(x))
+    return y
+
+
+def fp8_mma(device: torch.device) -> bool:
+    """Whether fp8_gemm multiplies in fp8 on this device: CUDA sm_89+ (fp8 MMA); the
+    interpreter runs the fp8 path too (pass `arch` to pick the other)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_gemm(
+    x: torch.Tensor,                  # [M, K] float16 / bfloat16 / float32
+    weight: torch.Tensor,             # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,       # [1] (per tensor) or [N] (per channel) float32
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    arch: int | None = None,          # compute capability as 80, 90...; None: x's device
+) -> torch.Tensor:                    # [M, N] x's dtype
+    """sm_89+: y = (x_q @ w^T) * x_scale * w_scale + bias, x_q = scaled_fp8_quant(x);
+    below: y = (x @ w^T) * w_scale + bias, the e4m3 weight widened exactly to x's dtype."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_x(x, k, f"weight {list(weight.shape)} has K = {k}")
+    _check_rows(weight, "weight", (n, k), (torch.float8_e4m3fn,))
+    if weight_scale.dim() != 1 or weight_scale.shape[0] not in (1, n) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32 [1] or [{n}], got "
+                         f"{str(weight_scale.dtype).removeprefix('torch.')} {list(weight_scale.shape)}")
+    _check_bias_device(x, n, bias, weight, weight_scale)
+    y = _out(x, n)
+    if x.shape[0] == 0 or n == 0:
+        return y
+    fp8 = fp8_mma(x.device) if arch is None else arch >= 89
+    if fp8:
+        x_q, x_scale = scaled_fp8_quant(x)
+        _launch_scaled(x_q, weight, x_scale, weight_scale, bias, y, False, paged_attention.upcast_operands(x))
+    else:
+        _launch_scaled(x, weight.view(torch.uint8), None, weight_scale, bias, y, True,
+                       paged_attention.upcast_operands(x))
+    return y

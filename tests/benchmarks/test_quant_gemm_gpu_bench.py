@@ -1,0 +1,30 @@
+"""benchmarks/quant_gemm_gpu.py: refuses --device cuda without a GPU and unknown names; its
+--device cpu smoke path (the interpreter, a tiny shape) runs every CPU-applicable path and
+reports each within its bf16 output rounding of the reference."""
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from benchmarks import quant_gemm_gpu as bench  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the bench would run")
+def test_refuses_cuda_without_a_gpu(capsys):
+    assert bench.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_refuses_unknown_shapes_and_paths(capsys):
+    assert bench.main(["--device", "cpu", "--shapes", "huge", "--paths", "dense,w2a4"]) == 2
+    assert "unknown shape or path: huge, w2a4" in capsys.readouterr().err
+
+
+def test_cpu_smoke_rows_and_errors(capsys):
+    assert bench.main(["--device", "cpu", "--rows", "3"]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tiny")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w8a8", "fp8")]
+    # bf16 results: one rounding (2^-8 of the largest value) plus float32 accumulation over K = 128
+    assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
