@@ -210,7 +210,8 @@ def _acceptance(runs: list[dict]) -> dict:
     if not drafts:
         return {}
     acc = sum(r["accepted"] for r in runs)
-    return {"acceptance_length": 1 + acc / drafts,
+    return {"verifications": drafts, "accepted_tokens": acc,
+            "acceptance_length": 1 + acc / drafts,
             "acceptance_rate": acc / max(sum(r["draft_tokens"] for r in runs), 1)}
 
 
