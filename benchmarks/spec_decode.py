@@ -71,6 +71,10 @@ WORKLOADS = {
 }
 
 
+# keys of --speculative-config that vLLM's CPU build (0.32) refuses: left out of its config
+KVMESH_ONLY_KEYS = ("disable_by_batch_size",)
+
+
 def _run_one(engine, rid: str, prompt_ids: list[int], max_tokens: int) -> dict:
     from kvmesh.engine.sampling_params import SamplingParams
     engine.add_request(rid, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -159,7 +163,12 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
     if not args.vllm_command:
         peer.ensure_venv(venv)
     vllm_spec = None if spec is None else {k: v for k, v in spec.items()
-                                           if k != "disable_by_batch_size"}
+                                           if k not in KVMESH_ONLY_KEYS}
+    dropped = sorted(set(spec or ()) & set(KVMESH_ONLY_KEYS))
+    if dropped:
+        print(f"# vllm: {', '.join(dropped)} left out of vLLM's --speculative-config (vLLM 0.32's "
+              "SpeculativeConfig has no such key): vLLM speculates at every batch size",
+              flush=True)
     reqs = [r for rs in work.batches.values() for r in rs]
     longest = max([len(p) for ps in work.latency.values() for p in ps]
                   + [len(r["prompt_ids"]) for r in reqs]) + max(args.max_tokens,
@@ -189,7 +198,9 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
     if not isinstance(raw, dict) or not isinstance(raw.get("latency"), list):
         raise peer.PeerError(f"the peer's spec_decode result is malformed: {str(raw)[:300]}")
     lat = iter(raw["latency"])
-    out = {"latency": {}, "batches": raw.get("batches", []), "note": raw.get("note", "")}
+    note = " ".join(x for x in (raw.get("note", ""), dropped and
+                                f"{', '.join(dropped)} left out (no such key in vLLM)") if x)
+    out = {"latency": {}, "batches": raw.get("batches", []), "note": note}
     if "latency" in args.parts:
         out["latency"] = {name: [next(lat) for _ in ps] for name, ps in work.latency.items()}
     return out

@@ -65,7 +65,13 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     assert vl["latency"]["copy"]["spec"]["acceptance_length"] == 2.5
     assert vl["latency"]["copy"]["spec"]["acceptance_rate"] == 0.75
     assert "acceptance_length" not in vl["latency"]["copy"]["off"]
+    # three copy prompts, 2 verifications and 3 accepted tokens each (as the stand-in answers)
+    assert (vl["latency"]["copy"]["spec"]["verifications"],
+            vl["latency"]["copy"]["spec"]["accepted_tokens"]) == (6, 9)
+    assert vl["note"] == "stand-in disable_by_batch_size left out (no such key in vLLM)"
+    assert kv["note"] == ""
     out = capsys.readouterr().out
+    assert "# vllm: disable_by_batch_size left out of vLLM's --speculative-config" in out
     assert "# kvmesh: offline throughput" in out and "# vllm: batch-1 latency" in out
     assert "side by side" in out
 
