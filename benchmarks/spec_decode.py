@@ -9,6 +9,7 @@ each with and without speculation, kvmesh and (optionally) vLLM's CPU build side
 --max-tokens (stopping at EOS):
   copy   the answer copies from the prompt (repeat a code snippet / a paragraph with one edit):
          prompt lookup's territory
+  verbatim  copy a paragraph word for word: the model really copies (most drafts accepted)
   free   open-ended questions: few drafts match, the adaptive back-off should keep the cost small
 For each workload and mode (off, spec) it reports the mean inter-token latency (decode time /
 (tokens - 1): the first token's prefill excluded), decode tok/s, and with speculation the mean
@@ -56,12 +57,23 @@ _TEXT = ("The harbour town wakes before dawn. Fishing boats leave the quay one b
          "to the smell of bread. By seven the market is full: crates of mackerel, baskets of "
          "lemons, old men arguing about the weather.")
 
+_TEXT2 = ("Our library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to "
+          "eight books for three weeks, and renew them twice online. Study rooms on the second "
+          "floor can be booked at the front desk; please keep them quiet and leave them tidy.")
+
 WORKLOADS = {
     "copy": [
         f"Here is a Python function:\n\n{_CODE}\nRewrite it exactly, renaming `out` to `merged`:\n\n",
         f"{_TEXT}\n\nRepeat the paragraph above word for word, but say 'village' instead of "
         "'town':\n\n",
         f"{_CODE}\nCopy the function above unchanged:\n\n",
+    ],
+    # NOTE: SmolLM2-135M rewrites rather than copies on most "copy" prompts (a quarter to two
+    # fifths of the drafts accepted); these two it copies (nearly) word for word, the ceiling
+    # prompt lookup reaches with this model
+    "verbatim": [
+        f"Copy this text exactly, word for word:\n\n{_TEXT}",
+        f"Copy this text exactly, word for word:\n\n{_TEXT2}",
     ],
     "free": [
         "Write a short poem about the sea.",
@@ -266,12 +278,13 @@ def report(args, results: dict[str, dict[str, dict]], spec: dict) -> dict:
                   f"{same}")
         rep["systems"][system] = sysrep
     if len(results) > 1 and all(m["spec"]["latency"] for m in results.values()):
-        print("\n# side by side, speculation on: ITL ms (copy / free), tok/s at each batch")
+        print("\n# side by side, speculation on: ITL ms per workload, tok/s at each batch")
         for system, modes in results.items():
-            lat = {n: summarise(r)["itl_ms"] for n, r in modes["spec"]["latency"].items()}
+            lat = " ".join(f"{n} {summarise(r)['itl_ms']:7.2f} "
+                           for n, r in modes["spec"]["latency"].items())
             tput = " ".join(f"b{b['name'][1:]}={summarise_batch(b)['tok_s']:.1f}"
                             for b in modes["spec"]["batches"])
-            print(f"{system:8} copy {lat.get('copy', 0):7.2f}  free {lat.get('free', 0):7.2f}  {tput}")
+            print(f"{system:8} {lat} {tput}")
     return rep
 
 

@@ -50,12 +50,12 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     # one vLLM start per mode, off first; disable_by_batch_size (kvmesh-only) left out
     assert [s["speculative_config"] for s in sent] == [None, {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}]
-    assert [len(s["latency"]) for s in sent] == [6, 6]          # three copy + three free prompts
+    assert [len(s["latency"]) for s in sent] == [8, 8]          # 3 copy, 2 verbatim, 3 free
     assert [(b["name"], len(b["requests"]), b["requests"][0]["max_tokens"])
             for b in sent[1]["batches"]] == [("b1", 1, 3), ("b3", 3, 3)]
     report = json.loads((tmp_path / "out.json").read_text())
     kv, vl = report["systems"]["kvmesh"], report["systems"]["vllm"]
-    assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "free"}
+    assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "verbatim", "free"}
     for name in ("b1", "b3"):
         t = kv["throughput"][name]
         assert t["greedy_identical"] and t["off"]["tokens"] == t["spec"]["tokens"] == 3 * int(name[1:])
