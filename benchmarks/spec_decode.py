@@ -93,13 +93,20 @@ def _run_one(engine, rid: str, prompt_ids: list[int], max_tokens: int) -> dict:
     t_first = t_end = None
     drafts = draft_tokens = accepted = 0
     tokens: list[int] = []
+    # decode steps after the first token, by kind: [steps, seconds] with drafts / without
+    steps = {"drafted": [0, 0.0], "plain": [0, 0.0]}
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
         s = engine.last_stats
         drafts += s.spec_num_drafts
         draft_tokens += s.spec_num_draft_tokens
         accepted += s.spec_num_accepted_tokens
+        if t_first is not None:
+            kind = steps["drafted" if s.spec_num_drafts else "plain"]
+            kind[0] += 1
+            kind[1] += now - t0
         for out in outs:
             if out.outputs[0].delta_token_ids and t_first is None:
                 t_first = now
@@ -107,7 +114,7 @@ def _run_one(engine, rid: str, prompt_ids: list[int], max_tokens: int) -> dict:
                 tokens = out.outputs[0].token_ids
                 t_end = now
     return {"tokens": tokens, "decode_s": t_end - t_first, "drafts": drafts,
-            "draft_tokens": draft_tokens, "accepted": accepted}
+            "draft_tokens": draft_tokens, "accepted": accepted, "steps": steps}
 
 
 def _run_batch(engine, name: str, reqs: list[dict]) -> dict:
@@ -225,6 +232,12 @@ def summarise(runs: list[dict]) -> dict:
     out = {"itl_ms": 1000 * seconds / max(tokens, 1), "decode_tok_s": tokens / max(seconds, 1e-9),
            "tokens": tokens}
     out.update(_acceptance(runs))
+    if all("steps" in r for r in runs):       # kvmesh: the mean step with and without drafts
+        for kind in ("drafted", "plain"):
+            n = sum(r["steps"][kind][0] for r in runs)
+            if n:
+                out[f"{kind}_step_ms"] = 1000 * sum(r["steps"][kind][1] for r in runs) / n
+                out[f"{kind}_steps"] = n
     return out if drafts else {k: v for k, v in out.items() if not k.startswith("accept")}
 
 
@@ -265,6 +278,14 @@ def report(args, results: dict[str, dict[str, dict]], spec: dict) -> dict:
                   f"{f.get('acceptance_length', 1.0):10.2f} "
                   f"{100 * f.get('acceptance_rate', 0.0):8.1f}% "
                   f"{b['itl_ms'] / f['itl_ms']:7.2f}x {same}")
+            if "drafted_step_ms" in f:
+                # NOTE: the ITL gain is tokens per step x (plain step / mean step): this line
+                # splits the two (a verify step's cost against a plain one, same engine)
+                tokens_per_step = f["tokens"] / (f["drafted_steps"] + f.get("plain_steps", 0))
+                print(f"{'':8} steps: {f['drafted_steps']} drafted at {f['drafted_step_ms']:.2f} "
+                      f"ms, {f.get('plain_steps', 0)} plain at {f.get('plain_step_ms', 0):.2f} "
+                      f"ms (off: {b.get('plain_step_ms', 0):.2f} ms); "
+                      f"{tokens_per_step:.2f} tokens per step")
         if on["batches"]:
             print(f"\n# {system}: offline throughput ({args.throughput_max_tokens} tokens each)")
             print(f"{'batch':>6} {'off tok/s':>10} {'spec tok/s':>10} {'ratio':>7} "

@@ -56,6 +56,12 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "out.json").read_text())
     kv, vl = report["systems"]["kvmesh"], report["systems"]["vllm"]
     assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "verbatim", "free"}
+    for name in ("copy", "verbatim", "free"):
+        off, on = kv["latency"][name]["off"], kv["latency"][name]["spec"]
+        # without drafts one token per step; with them, batch 1: one verification per drafted step
+        assert off["plain_steps"] == off["tokens"] and "drafted_steps" not in off
+        assert on.get("drafted_steps", 0) == on.get("verifications", 0)
+        assert on.get("drafted_steps", 0) + on.get("plain_steps", 0) <= on["tokens"]
     for name in ("b1", "b3"):
         t = kv["throughput"][name]
         assert t["greedy_identical"] and t["off"]["tokens"] == t["spec"]["tokens"] == 3 * int(name[1:])
