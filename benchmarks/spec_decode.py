@@ -3,6 +3,7 @@ each with and without speculation, kvmesh and (optionally) vLLM's CPU build side
 
     python benchmarks/spec_decode.py                        # built-in model, kvmesh, both parts
     python benchmarks/spec_decode.py --systems kvmesh,vllm --batch-sizes 1,8,64
+    python benchmarks/spec_decode.py --systems kvmesh,vllm --parts latency --workloads verbatim
     python benchmarks/spec_decode.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 (a) latency, two workloads, each request alone in the engine (batch 1), greedy, up to
@@ -143,6 +144,7 @@ def _run_batch(engine, name: str, reqs: list[dict]) -> dict:
 class Workload:
     latency: dict[str, list[list[int]]]         # workload name -> prompt token ids
     batches: dict[str, list[dict]]              # batch size -> [{"prompt_ids", "max_tokens"}]
+    warmup: list[int]                           # a short prompt each engine runs first
 
 
 def build_workload(tokenizer, args) -> Workload:
@@ -151,11 +153,12 @@ def build_workload(tokenizer, args) -> Workload:
         if args.chat:
             return list(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         return list(tokenizer.encode(text))
-    latency = {name: [ids(p) for p in prompts] for name, prompts in WORKLOADS.items()}
-    copy = latency["copy"]
+    latency = {name: [ids(p) for p in prompts] for name, prompts in WORKLOADS.items()
+               if name in args.workloads}
+    copy = [ids(p) for p in WORKLOADS["copy"]]
     batches = {str(b): [{"prompt_ids": copy[i % len(copy)], "max_tokens": args.throughput_max_tokens}
                         for i in range(b)] for b in args.batch_sizes}
-    return Workload(latency, batches)
+    return Workload(latency, batches, ids(WORKLOADS["free"][0])[:8])
 
 
 def run_kvmesh(args, model: str | None, work: Workload, spec: dict | None) -> dict:
@@ -165,7 +168,7 @@ def run_kvmesh(args, model: str | None, work: Workload, spec: dict | None) -> di
                                     cpu_threads=args.threads, num_kv_blocks=args.num_kv_blocks,
                                     max_num_seqs=max([*args.batch_sizes, 1]),
                                     enable_prefix_caching=False, speculative_config=spec))
-    _run_one(engine, "warmup", work.latency["free"][0][:8], 8)
+    _run_one(engine, "warmup", work.warmup, 8)
     out: dict = {"latency": {}, "batches": []}
     if "latency" in args.parts:
         for name, prompts in work.latency.items():
@@ -196,7 +199,7 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
         "model": hf_dir, "dtype": args.dtype, "seed": 0,
         "max_num_seqs": max([*args.batch_sizes, 1]), "max_num_batched_tokens": 2048,
         "max_model_len": max(2048, -(-longest // 256) * 256),
-        "warmup": [{"prompt_ids": work.latency["free"][0][:8], "max_tokens": 8}],
+        "warmup": [{"prompt_ids": work.warmup, "max_tokens": 8}],
         "requests": [],
         "spec_decode": {
             "speculative_config": vllm_spec,
@@ -319,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=96, help="(a) latency: most tokens per request")
     p.add_argument("--parts", default="latency,throughput", help="latency, throughput or both")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"(a) latency: which of {', '.join(WORKLOADS)} (comma list)")
     p.add_argument("--batch-sizes", default="1,8,64", help="(b) throughput: comma list")
     p.add_argument("--throughput-max-tokens", type=int, default=64,
                    help="(b) throughput: tokens per request (EOS ignored)")
@@ -348,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch-sizes: a comma list of integers")
     if any(b < 1 for b in args.batch_sizes):
         p.error("--batch-sizes: each at least 1")
+    args.workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: a comma list of {', '.join(WORKLOADS)}")
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     if not systems or set(systems) - {"kvmesh", "vllm"}:
         p.error("--systems: kvmesh, vllm or both")

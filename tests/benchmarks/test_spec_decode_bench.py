@@ -82,6 +82,20 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     assert "side by side" in out
 
 
+def test_one_workload_only(tmp_path, monkeypatch):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("STAND_IN_SEEN", str(seen))
+    assert spec_decode.main(_args(tmp_path, "--systems", "vllm", "--parts", "latency",
+                                  "--workloads", "verbatim",
+                                  "--vllm-command", f"{sys.executable} {script}")) == 0
+    sent = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert [len(s["latency"]) for s in sent] == [2, 2]           # the two verbatim prompts
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["systems"]["vllm"]["latency"]) == {"verbatim"}
+
+
 def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
@@ -97,6 +111,7 @@ def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
     (["--batch-sizes", "x"], "--batch-sizes: a comma list of integers"),
     (["--systems", "sglang"], "--systems: kvmesh, vllm or both"),
     (["--parts", "speed"], "--parts: latency, throughput or both"),
+    (["--workloads", "copy,poems"], "--workloads: a comma list of copy, verbatim, free"),
     (["--speculative-config", "{nope"], "--speculative-config: not JSON"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):
