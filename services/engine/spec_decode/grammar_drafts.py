@@ -12,13 +12,18 @@ through the drafts and rolled back, so it only ever advances by the tokens the r
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import xgrammar as xgr
 
+if TYPE_CHECKING:
+    from kvmesh.engine.structured.request_grammar import RequestGrammar
+
 
 class GrammarDrafts:
-    def __init__(self, grammar, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher = grammar.matcher     # the request's RequestGrammar's matcher
+    def __init__(self, grammar: RequestGrammar, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher = grammar.matcher     # the request's grammar state (walked, then rolled back)
         self.bitmask = bitmask             # [rows, ceil(V / 32)] int32: the step's target masks
         self.row = row                     # the request's first row in it
         self.taken = 0                     # drafts the matcher has accepted (rolled back at the end)
