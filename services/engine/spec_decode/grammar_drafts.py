@@ -26,7 +26,7 @@ class GrammarDrafts:
         self.matcher = grammar.matcher     # the request's grammar state (walked, then rolled back)
         self.bitmask = bitmask             # [rows, ceil(V / 32)] int32: the step's target masks
         self.row = row                     # the request's first row in it
-        self.taken = 0                     # drafts the matcher has accepted (rolled back at the end)
+        self.taken = 0                     # drafts the matcher accepted (rolled back at the end)
         self.ended = False                 # a draft ended the grammar
 
     def mask(self, logits: torch.Tensor, i: int) -> None:
