@@ -21,7 +21,8 @@ STAND_IN = textwrap.dedent('''
         json.dump({"system": "x"}, open(sys.argv[2], "w")); sys.exit(0)
     on = sd["speculative_config"] is not None
     lat = [{"tokens": list(range(1 + i % 3 + 2)), "decode_s": 0.02, "drafts": 2 if on else 0,
-            "draft_tokens": 4 if on else 0, "accepted": 3 if on else 0}
+            "draft_tokens": 4 if on else 0, "accepted": 3 if on else 0,
+            "decode_steps": 2 if on else i % 3 + 2}
            for i, r in enumerate(sd["latency"])]
     batches = [{"name": b["name"], "outputs": [[7] * r["max_tokens"] for r in b["requests"]],
                 "wall_s": 0.5 if on else 1.0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
@@ -59,9 +60,11 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     for name in ("copy", "verbatim", "free"):
         off, on = kv["latency"][name]["off"], kv["latency"][name]["spec"]
         # without drafts one token per step; with them, batch 1: one verification per drafted step
-        assert off["plain_steps"] == off["tokens"] and "drafted_steps" not in off
+        assert off["plain_steps"] == off["decode_steps"] == off["tokens"]
+        assert "drafted_steps" not in off and off["tokens_per_step"] == 1.0
         assert on.get("drafted_steps", 0) == on.get("verifications", 0)
-        assert on.get("drafted_steps", 0) + on.get("plain_steps", 0) <= on["tokens"]
+        assert on.get("drafted_steps", 0) + on.get("plain_steps", 0) == on["decode_steps"]
+        assert on["decode_steps"] <= on["tokens"]
     for name in ("b1", "b3"):
         t = kv["throughput"][name]
         assert t["greedy_identical"] and t["off"]["tokens"] == t["spec"]["tokens"] == 3 * int(name[1:])
@@ -74,6 +77,10 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     # three copy prompts, 2 verifications and 3 accepted tokens each (as the stand-in answers)
     assert (vl["latency"]["copy"]["spec"]["verifications"],
             vl["latency"]["copy"]["spec"]["accepted_tokens"]) == (6, 9)
+    # 2 + 3 + 4 decode tokens in 2 steps each with drafts (0.02 s each), one per step without
+    assert (vl["latency"]["copy"]["spec"]["tokens_per_step"],
+            vl["latency"]["copy"]["off"]["tokens_per_step"]) == (1.5, 1.0)
+    assert round(vl["latency"]["copy"]["spec"]["step_ms"], 6) == 10.0
     assert vl["note"] == "stand-in disable_by_batch_size left out (no such key in vLLM)"
     assert kv["note"] == ""
     out = capsys.readouterr().out
