@@ -3,12 +3,14 @@ each with and without speculation, kvmesh and (optionally) vLLM's CPU build side
 
     python benchmarks/spec_decode.py                        # built-in model, kvmesh, both parts
     python benchmarks/spec_decode.py --systems kvmesh,vllm --batch-sizes 1,8,64
+    python benchmarks/spec_decode.py --systems kvmesh,vllm --parts latency --workloads verbatim
     python benchmarks/spec_decode.py --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 (a) latency, two workloads, each request alone in the engine (batch 1), greedy, up to
 --max-tokens (stopping at EOS):
   copy   the answer copies from the prompt (repeat a code snippet / a paragraph with one edit):
          prompt lookup's territory
+  verbatim  copy a paragraph word for word: the model really copies (most drafts accepted)
   free   open-ended questions: few drafts match, the adaptive back-off should keep the cost small
 For each workload and mode (off, spec) it reports the mean inter-token latency (decode time /
 (tokens - 1): the first token's prefill excluded), decode tok/s, and with speculation the mean
@@ -56,12 +58,23 @@ _TEXT = ("The harbour town wakes before dawn. Fishing boats leave the quay one b
          "to the smell of bread. By seven the market is full: crates of mackerel, baskets of "
          "lemons, old men arguing about the weather.")
 
+_TEXT2 = ("Our library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to "
+          "eight books for three weeks, and renew them twice online. Study rooms on the second "
+          "floor can be booked at the front desk; please keep them quiet and leave them tidy.")
+
 WORKLOADS = {
     "copy": [
         f"Here is a Python function:\n\n{_CODE}\nRewrite it exactly, renaming `out` to `merged`:\n\n",
         f"{_TEXT}\n\nRepeat the paragraph above word for word, but say 'village' instead of "
         "'town':\n\n",
         f"{_CODE}\nCopy the function above unchanged:\n\n",
+    ],
+    # NOTE: SmolLM2-135M rewrites rather than copies on most "copy" prompts (a quarter to two
+    # fifths of the drafts accepted); these two it copies (nearly) word for word, the ceiling
+    # prompt lookup reaches with this model
+    "verbatim": [
+        f"Copy this text exactly, word for word:\n\n{_TEXT}",
+        f"Copy this text exactly, word for word:\n\n{_TEXT2}",
     ],
     "free": [
         "Write a short poem about the sea.",
@@ -71,19 +84,32 @@ WORKLOADS = {
 }
 
 
+# keys of --speculative-config that vLLM's CPU build (0.32) refuses: left out of its config
+KVMESH_ONLY_KEYS = ("disable_by_batch_size",)
+
+
 def _run_one(engine, rid: str, prompt_ids: list[int], max_tokens: int) -> dict:
     from kvmesh.engine.sampling_params import SamplingParams
     engine.add_request(rid, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     t_first = t_end = None
     drafts = draft_tokens = accepted = 0
     tokens: list[int] = []
+    # decode steps after the first token, by kind: [steps, seconds] with drafts / without
+    steps = {"drafted": [0, 0.0], "plain": [0, 0.0]}
+    decode_steps = 0
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
         s = engine.last_stats
         drafts += s.spec_num_drafts
         draft_tokens += s.spec_num_draft_tokens
         accepted += s.spec_num_accepted_tokens
+        decode_steps += t_first is not None
+        if t_first is not None:
+            kind = steps["drafted" if s.spec_num_drafts else "plain"]
+            kind[0] += 1
+            kind[1] += now - t0
         for out in outs:
             if out.outputs[0].delta_token_ids and t_first is None:
                 t_first = now
@@ -91,7 +117,8 @@ def _run_one(engine, rid: str, prompt_ids: list[int], max_tokens: int) -> dict:
                 tokens = out.outputs[0].token_ids
                 t_end = now
     return {"tokens": tokens, "decode_s": t_end - t_first, "drafts": drafts,
-            "draft_tokens": draft_tokens, "accepted": accepted}
+            "draft_tokens": draft_tokens, "accepted": accepted, "steps": steps,
+            "decode_steps": decode_steps}
 
 
 def _run_batch(engine, name: str, reqs: list[dict]) -> dict:
@@ -120,6 +147,7 @@ def _run_batch(engine, name: str, reqs: list[dict]) -> dict:
 class Workload:
     latency: dict[str, list[list[int]]]         # workload name -> prompt token ids
     batches: dict[str, list[dict]]              # batch size -> [{"prompt_ids", "max_tokens"}]
+    warmup: list[int]                           # a short prompt each engine runs first
 
 
 def build_workload(tokenizer, args) -> Workload:
@@ -128,11 +156,12 @@ def build_workload(tokenizer, args) -> Workload:
         if args.chat:
             return list(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
         return list(tokenizer.encode(text))
-    latency = {name: [ids(p) for p in prompts] for name, prompts in WORKLOADS.items()}
-    copy = latency["copy"]
+    latency = {name: [ids(p) for p in prompts] for name, prompts in WORKLOADS.items()
+               if name in args.workloads}
+    copy = [ids(p) for p in WORKLOADS["copy"]]
     batches = {str(b): [{"prompt_ids": copy[i % len(copy)], "max_tokens": args.throughput_max_tokens}
                         for i in range(b)] for b in args.batch_sizes}
-    return Workload(latency, batches)
+    return Workload(latency, batches, ids(WORKLOADS["free"][0])[:8])
 
 
 def run_kvmesh(args, model: str | None, work: Workload, spec: dict | None) -> dict:
@@ -142,7 +171,7 @@ def run_kvmesh(args, model: str | None, work: Workload, spec: dict | None) -> di
                                     cpu_threads=args.threads, num_kv_blocks=args.num_kv_blocks,
                                     max_num_seqs=max([*args.batch_sizes, 1]),
                                     enable_prefix_caching=False, speculative_config=spec))
-    _run_one(engine, "warmup", work.latency["free"][0][:8], 8)
+    _run_one(engine, "warmup", work.warmup, 8)
     out: dict = {"latency": {}, "batches": []}
     if "latency" in args.parts:
         for name, prompts in work.latency.items():
@@ -159,7 +188,12 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
     if not args.vllm_command:
         peer.ensure_venv(venv)
     vllm_spec = None if spec is None else {k: v for k, v in spec.items()
-                                           if k != "disable_by_batch_size"}
+                                           if k not in KVMESH_ONLY_KEYS}
+    dropped = sorted(set(spec or ()) & set(KVMESH_ONLY_KEYS))
+    if dropped:
+        print(f"# vllm: {', '.join(dropped)} left out of vLLM's --speculative-config (vLLM 0.32's "
+              "SpeculativeConfig has no such key): vLLM speculates at every batch size",
+              flush=True)
     reqs = [r for rs in work.batches.values() for r in rs]
     longest = max([len(p) for ps in work.latency.values() for p in ps]
                   + [len(r["prompt_ids"]) for r in reqs]) + max(args.max_tokens,
@@ -168,7 +202,7 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
         "model": hf_dir, "dtype": args.dtype, "seed": 0,
         "max_num_seqs": max([*args.batch_sizes, 1]), "max_num_batched_tokens": 2048,
         "max_model_len": max(2048, -(-longest // 256) * 256),
-        "warmup": [{"prompt_ids": work.latency["free"][0][:8], "max_tokens": 8}],
+        "warmup": [{"prompt_ids": work.warmup, "max_tokens": 8}],
         "requests": [],
         "spec_decode": {
             "speculative_config": vllm_spec,
@@ -189,7 +223,9 @@ def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
     if not isinstance(raw, dict) or not isinstance(raw.get("latency"), list):
         raise peer.PeerError(f"the peer's spec_decode result is malformed: {str(raw)[:300]}")
     lat = iter(raw["latency"])
-    out = {"latency": {}, "batches": raw.get("batches", []), "note": raw.get("note", "")}
+    note = " ".join(x for x in (raw.get("note", ""), dropped and
+                                f"{', '.join(dropped)} left out (no such key in vLLM)") if x)
+    out = {"latency": {}, "batches": raw.get("batches", []), "note": note}
     if "latency" in args.parts:
         out["latency"] = {name: [next(lat) for _ in ps] for name, ps in work.latency.items()}
     return out
@@ -202,6 +238,17 @@ def summarise(runs: list[dict]) -> dict:
     out = {"itl_ms": 1000 * seconds / max(tokens, 1), "decode_tok_s": tokens / max(seconds, 1e-9),
            "tokens": tokens}
     out.update(_acceptance(runs))
+    if runs and all("decode_steps" in r for r in runs):    # both systems: per step, not token
+        steps = sum(r["decode_steps"] for r in runs)
+        out["decode_steps"] = steps
+        out["tokens_per_step"] = tokens / max(steps, 1)
+        out["step_ms"] = 1000 * seconds / max(steps, 1)
+    if all("steps" in r for r in runs):       # kvmesh: the mean step with and without drafts
+        for kind in ("drafted", "plain"):
+            n = sum(r["steps"][kind][0] for r in runs)
+            if n:
+                out[f"{kind}_step_ms"] = 1000 * sum(r["steps"][kind][1] for r in runs) / n
+                out[f"{kind}_steps"] = n
     return out if drafts else {k: v for k, v in out.items() if not k.startswith("accept")}
 
 
@@ -210,7 +257,8 @@ def _acceptance(runs: list[dict]) -> dict:
     if not drafts:
         return {}
     acc = sum(r["accepted"] for r in runs)
-    return {"acceptance_length": 1 + acc / drafts,
+    return {"verifications": drafts, "accepted_tokens": acc,
+            "acceptance_length": 1 + acc / drafts,
             "acceptance_rate": acc / max(sum(r["draft_tokens"] for r in runs), 1)}
 
 
@@ -241,6 +289,16 @@ def report(args, results: dict[str, dict[str, dict]], spec: dict) -> dict:
                   f"{f.get('acceptance_length', 1.0):10.2f} "
                   f"{100 * f.get('acceptance_rate', 0.0):8.1f}% "
                   f"{b['itl_ms'] / f['itl_ms']:7.2f}x {same}")
+            if "step_ms" in f and "step_ms" in b:
+                # NOTE: the ITL gain is tokens per step x (step off / mean step with drafts)
+                print(f"{'':8} {f['tokens_per_step']:.2f} tokens per step; mean step "
+                      f"{f['step_ms']:.2f} ms with speculation, {b['step_ms']:.2f} ms without "
+                      f"({b['step_ms'] / f['step_ms']:.2f}x)")
+            if "drafted_step_ms" in f:
+                # kvmesh: a verify step's cost against a plain one, in the same engine
+                print(f"{'':8} steps: {f['drafted_steps']} drafted at {f['drafted_step_ms']:.2f} "
+                      f"ms, {f.get('plain_steps', 0)} plain at {f.get('plain_step_ms', 0):.2f} "
+                      f"ms")
         if on["batches"]:
             print(f"\n# {system}: offline throughput ({args.throughput_max_tokens} tokens each)")
             print(f"{'batch':>6} {'off tok/s':>10} {'spec tok/s':>10} {'ratio':>7} "
@@ -254,12 +312,13 @@ def report(args, results: dict[str, dict[str, dict]], spec: dict) -> dict:
                   f"{same}")
         rep["systems"][system] = sysrep
     if len(results) > 1 and all(m["spec"]["latency"] for m in results.values()):
-        print("\n# side by side, speculation on: ITL ms (copy / free), tok/s at each batch")
+        print("\n# side by side, speculation on: ITL ms per workload, tok/s at each batch")
         for system, modes in results.items():
-            lat = {n: summarise(r)["itl_ms"] for n, r in modes["spec"]["latency"].items()}
+            lat = " ".join(f"{n} {summarise(r)['itl_ms']:7.2f} "
+                           for n, r in modes["spec"]["latency"].items())
             tput = " ".join(f"b{b['name'][1:]}={summarise_batch(b)['tok_s']:.1f}"
                             for b in modes["spec"]["batches"])
-            print(f"{system:8} copy {lat.get('copy', 0):7.2f}  free {lat.get('free', 0):7.2f}  {tput}")
+            print(f"{system:8} {lat} {tput}")
     return rep
 
 
@@ -273,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=96, help="(a) latency: most tokens per request")
     p.add_argument("--parts", default="latency,throughput", help="latency, throughput or both")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"(a) latency: which of {', '.join(WORKLOADS)} (comma list)")
     p.add_argument("--batch-sizes", default="1,8,64", help="(b) throughput: comma list")
     p.add_argument("--throughput-max-tokens", type=int, default=64,
                    help="(b) throughput: tokens per request (EOS ignored)")
@@ -302,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch-sizes: a comma list of integers")
     if any(b < 1 for b in args.batch_sizes):
         p.error("--batch-sizes: each at least 1")
+    args.workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        p.error(f"--workloads: a comma list of {', '.join(WORKLOADS)}")
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     if not systems or set(systems) - {"kvmesh", "vllm"}:
         p.error("--systems: kvmesh, vllm or both")

@@ -32,7 +32,8 @@ none) runs each "latency" request alone, stepping the engine and timing its toke
                           "latency": [{"prompt_ids": [...], "max_tokens": 96}, ...],
                           "batches": [{"name": "8", "requests": [...]}, ...]}}
 
-and the result has "latency": [{"tokens", "decode_s", "drafts", "draft_tokens", "accepted"}] and
+and the result has "latency": [{"tokens", "decode_s", "decode_steps", "drafts", "draft_tokens",
+"accepted"}] and
 "batches": [{"name", "outputs", "wall_s", "drafts", "draft_tokens", "accepted"}] (the counts from
 vLLM's own spec_decode counters).
 
@@ -180,16 +181,18 @@ def _latency_one(llm, rid: str, req: dict) -> dict:
                        SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"])))
     t_first = t_end = None
     tokens: list[int] = []
+    decode_steps = 0        # steps after the first token's (the ITL's denominator in steps)
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
+        decode_steps += t_first is not None
         for out in outs:
             if out.outputs and out.outputs[0].token_ids and t_first is None:
                 t_first = now
             if out.finished:
                 tokens, t_end = list(out.outputs[0].token_ids), now
     return {"tokens": tokens, "decode_s": (t_end - t_first) if t_first is not None else 0.0,
-            **_since(before, _spec_counts(llm))}
+            "decode_steps": decode_steps, **_since(before, _spec_counts(llm))}
 
 
 def run_spec_decode(spec: dict) -> dict:

@@ -166,7 +166,7 @@ class ModelRunner:
             return PendingOutput([], None, done=ModelRunnerOutput(sampled={}, logprobs={}))
         t0 = time.perf_counter()
         if self.drafter is not None:
-            self.drafter.propose(out.scheduled)     # fills the scheduled drafts in place
+            self.drafter.propose(out.scheduled, out.grammar)    # fills the drafts in place
         batch = self.input_batch
         batch.begin()
         sample_rows: list[int] = []

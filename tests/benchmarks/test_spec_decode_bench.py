@@ -21,7 +21,8 @@ STAND_IN = textwrap.dedent('''
         json.dump({"system": "x"}, open(sys.argv[2], "w")); sys.exit(0)
     on = sd["speculative_config"] is not None
     lat = [{"tokens": list(range(1 + i % 3 + 2)), "decode_s": 0.02, "drafts": 2 if on else 0,
-            "draft_tokens": 4 if on else 0, "accepted": 3 if on else 0}
+            "draft_tokens": 4 if on else 0, "accepted": 3 if on else 0,
+            "decode_steps": 2 if on else i % 3 + 2}
            for i, r in enumerate(sd["latency"])]
     batches = [{"name": b["name"], "outputs": [[7] * r["max_tokens"] for r in b["requests"]],
                 "wall_s": 0.5 if on else 1.0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
@@ -50,12 +51,20 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     # one vLLM start per mode, off first; disable_by_batch_size (kvmesh-only) left out
     assert [s["speculative_config"] for s in sent] == [None, {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}]
-    assert [len(s["latency"]) for s in sent] == [6, 6]          # three copy + three free prompts
+    assert [len(s["latency"]) for s in sent] == [8, 8]          # 3 copy, 2 verbatim, 3 free
     assert [(b["name"], len(b["requests"]), b["requests"][0]["max_tokens"])
             for b in sent[1]["batches"]] == [("b1", 1, 3), ("b3", 3, 3)]
     report = json.loads((tmp_path / "out.json").read_text())
     kv, vl = report["systems"]["kvmesh"], report["systems"]["vllm"]
-    assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "free"}
+    assert set(kv["latency"]) == set(vl["latency"]) == {"copy", "verbatim", "free"}
+    for name in ("copy", "verbatim", "free"):
+        off, on = kv["latency"][name]["off"], kv["latency"][name]["spec"]
+        # without drafts one token per step; with them, batch 1: one verification per drafted step
+        assert off["plain_steps"] == off["decode_steps"] == off["tokens"]
+        assert "drafted_steps" not in off and off["tokens_per_step"] == 1.0
+        assert on.get("drafted_steps", 0) == on.get("verifications", 0)
+        assert on.get("drafted_steps", 0) + on.get("plain_steps", 0) == on["decode_steps"]
+        assert on["decode_steps"] <= on["tokens"]
     for name in ("b1", "b3"):
         t = kv["throughput"][name]
         assert t["greedy_identical"] and t["off"]["tokens"] == t["spec"]["tokens"] == 3 * int(name[1:])
@@ -65,9 +74,33 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     assert vl["latency"]["copy"]["spec"]["acceptance_length"] == 2.5
     assert vl["latency"]["copy"]["spec"]["acceptance_rate"] == 0.75
     assert "acceptance_length" not in vl["latency"]["copy"]["off"]
+    # three copy prompts, 2 verifications and 3 accepted tokens each (as the stand-in answers)
+    assert (vl["latency"]["copy"]["spec"]["verifications"],
+            vl["latency"]["copy"]["spec"]["accepted_tokens"]) == (6, 9)
+    # 2 + 3 + 4 decode tokens in 2 steps each with drafts (0.02 s each), one per step without
+    assert (vl["latency"]["copy"]["spec"]["tokens_per_step"],
+            vl["latency"]["copy"]["off"]["tokens_per_step"]) == (1.5, 1.0)
+    assert round(vl["latency"]["copy"]["spec"]["step_ms"], 6) == 10.0
+    assert vl["note"] == "stand-in disable_by_batch_size left out (no such key in vLLM)"
+    assert kv["note"] == ""
     out = capsys.readouterr().out
+    assert "# vllm: disable_by_batch_size left out of vLLM's --speculative-config" in out
     assert "# kvmesh: offline throughput" in out and "# vllm: batch-1 latency" in out
     assert "side by side" in out
+
+
+def test_one_workload_only(tmp_path, monkeypatch):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("STAND_IN_SEEN", str(seen))
+    assert spec_decode.main(_args(tmp_path, "--systems", "vllm", "--parts", "latency",
+                                  "--workloads", "verbatim",
+                                  "--vllm-command", f"{sys.executable} {script}")) == 0
+    sent = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert [len(s["latency"]) for s in sent] == [2, 2]           # the two verbatim prompts
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["systems"]["vllm"]["latency"]) == {"verbatim"}
 
 
 def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
@@ -85,6 +118,7 @@ def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
     (["--batch-sizes", "x"], "--batch-sizes: a comma list of integers"),
     (["--systems", "sglang"], "--systems: kvmesh, vllm or both"),
     (["--parts", "speed"], "--parts: latency, throughput or both"),
+    (["--workloads", "copy,poems"], "--workloads: a comma list of copy, verbatim, free"),
     (["--speculative-config", "{nope"], "--speculative-config: not JSON"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags, message, capsys):

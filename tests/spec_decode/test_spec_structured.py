@@ -18,6 +18,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.spec_decode.speculator import Speculator
+from kvmesh.engine.spec_decode.tokens import PendingDrafts
 from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.engine.structured.spec import StructuredOutputSpec as Spec
 
@@ -91,8 +92,9 @@ def test_drafts_end_before_the_first_token_the_grammar_refuses(tiny_json):
     assert spec.propose(req, budget=8) == [d, c]
     req.all_token_ids[:] = json_ids("cdgcdc")                   # lookup now proposes d, g, c
     assert spec.propose(req, budget=8) == [d]
-    # a draft model's proposals come too late to cut: no drafts for a constrained request
-    assert Speculator(SpeculativeConfig("draft_model", 3, model="/d")).propose(req, 8) == []
+    # a draft model proposes after scheduling: placeholders, chosen under the grammar later
+    pending = Speculator(SpeculativeConfig("draft_model", 3, model="/d")).propose(req, 8)
+    assert isinstance(pending, PendingDrafts) and pending == [0, 0, 0]
 
 
 def test_each_drafted_position_gets_the_mask_after_the_drafts_before_it(tiny_json):

@@ -16,4 +16,5 @@
     speculator.py  who speculates this step, how many drafts; acceptance bookkeeping
     rejection.py   verification: target distribution kept exactly, greedy token-identical
     tokens.py      a request's tokens followed by its drafts, as the input batch reads them
+    draft_model.py the draft-model proposer; grammar_drafts.py: its drafts under a grammar
 """

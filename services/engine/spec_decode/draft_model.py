@@ -15,13 +15,19 @@ recomputed rather than tracked; KV loaded from another pod carries no draft KV.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvmesh.engine.input_batch import InputBatch
 from kvmesh.engine.loader import LoadedModel
 from kvmesh.engine.sched_output import ScheduledRequest
+from kvmesh.engine.spec_decode.grammar_drafts import GrammarDrafts
 from kvmesh.engine.spec_decode.tokens import WithDrafts
 from kvmesh.kernels.cpu_ops import argmax
+
+if TYPE_CHECKING:
+    from kvmesh.engine.structured.bitmask import GrammarBitmask
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -65,13 +71,31 @@ class DraftModel:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def propose(self, scheduled: list[ScheduledRequest]) -> None:
+    def propose(self, scheduled: list[ScheduledRequest],
+                grammar: GrammarBitmask | None = None) -> None:
         """Fill each speculating request's drafts (`spec_token_ids`, placeholders the scheduler
-        sized) in place, before the target's batch reads them."""
+        sized) in place, before the target's batch reads them; a structured-output request's
+        drafts are chosen under its grammar, whose masks fill the step's `grammar` rows of its
+        drafted positions (grammar_drafts.py)."""
         todo = [sr for sr in scheduled if sr.spec_token_ids]
         if not todo:
             self._seen.clear()
             return
+        walks: dict[int, GrammarDrafts] = {}          # todo index -> its grammar walk
+        if grammar is not None and grammar.pending:
+            for j, sr in enumerate(todo):
+                row = grammar.pending.get(sr.request.request_id)
+                if row is not None:
+                    walks[j] = GrammarDrafts(sr.request.grammar, grammar.bitmask, row)
+        try:
+            self._propose(todo, walks)
+        finally:
+            for walk in walks.values():
+                walk.finish()
+        self._seen = {sr.request.request_id: (sr.block_ids, len(sr.request.all_token_ids)
+                                              + len(sr.spec_token_ids) - 1) for sr in todo}
+
+    def _propose(self, todo: list[ScheduledRequest], walks: dict[int, GrammarDrafts]) -> None:
         batch = self.batch
         batch.begin()
         rows = []
@@ -83,23 +107,30 @@ class DraftModel:
             n = len(req.all_token_ids) - done
             first = batch.add(req.request_id, req.all_token_ids, done, n, sr.block_ids)
             rows.append(first + n - 1)
-        for sr, token in zip(todo, self._forward(rows)):
-            sr.spec_token_ids[0] = token
-        for i in range(1, max(len(sr.spec_token_ids) for sr in todo)):
-            live = [sr for sr in todo if len(sr.spec_token_ids) > i]
-            batch.begin()
-            rows = []
-            for sr in live:
-                tokens = sr.request.all_token_ids
-                rows.append(batch.add(sr.request.request_id, WithDrafts(tokens, sr.spec_token_ids),
-                                      len(tokens) + i - 1, 1, sr.block_ids))
-            for sr, token in zip(live, self._forward(rows)):
-                sr.spec_token_ids[i] = token
-        self._seen = {sr.request.request_id: (sr.block_ids, len(sr.request.all_token_ids)
-                                              + len(sr.spec_token_ids) - 1) for sr in todo}
+        live = list(range(len(todo)))                   # todo indices still drafting
+        for i in range(max(len(sr.spec_token_ids) for sr in todo)):
+            if i:
+                live = [j for j in live if len(todo[j].spec_token_ids) > i]
+                batch.begin()
+                rows = []
+                for j in live:
+                    sr = todo[j]
+                    tokens = sr.request.all_token_ids
+                    rows.append(batch.add(sr.request.request_id,
+                                          WithDrafts(tokens, sr.spec_token_ids),
+                                          len(tokens) + i - 1, 1, sr.block_ids))
+            for j, token in zip(live, self._forward(rows, [walks.get(j) for j in live], i)):
+                todo[j].spec_token_ids[i] = token
+                if j in walks:
+                    walks[j].take(token)
 
-    def _forward(self, rows: list[int]) -> list[int]:
+    def _forward(self, rows: list[int], walks: list[GrammarDrafts | None], i: int) -> list[int]:
+        """The draft's greedy token after each row (under its grammar walk's mask, if any)."""
         step = self.batch.finish(rows)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
-        return argmax(logits.float().contiguous()).tolist()
+        logits = logits.float().contiguous()
+        for j, walk in enumerate(walks):
+            if walk is not None:
+                walk.mask(logits[j:j + 1], i)
+        return argmax(logits).tolist()

@@ -7,10 +7,11 @@ drafts of each decode it schedules. Speculation is off:
   - for a request whose acceptance stays low: after `WINDOW` verifications accepting less than
     `LOW_ACCEPTANCE` of their drafts it pauses for `PAUSE_MIN` decodes, doubling up to
     `PAUSE_MAX` while it keeps failing (a request that starts copying again is retried);
-  - with a draft model, for requests with a grammar (structured outputs): the draft model's
-    proposals are made after scheduling, too late to cut them at the grammar.
 A prompt-lookup draft for a request with a grammar ends before its first token the grammar
-refuses (RequestGrammar.valid_prefix); the verification then masks every drafted position.
+refuses (RequestGrammar.valid_prefix); the verification then masks every drafted position. A
+draft model proposes after scheduling, so its drafts are placeholders here (`PendingDrafts`):
+the draft model masks its own logits at each position with the grammar, which fills the
+target's mask for that position as it goes (draft_model.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvmesh.common.speculative_config import SpeculativeConfig
 from kvmesh.engine.request import Request
 from kvmesh.engine.sched_output import SchedulerStats
 from kvmesh.engine.spec_decode.ngram import propose_ngram
+from kvmesh.engine.spec_decode.tokens import PendingDrafts
 
 WINDOW = 8              # verifications per acceptance check
 LOW_ACCEPTANCE = 0.2    # accepted / drafted below this over a window: pause the request
@@ -53,7 +55,7 @@ class Speculator:
     def propose(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decode of `req` (none when speculation is off for it), at most `budget`
         and never more than its max_tokens leave room for after the token they follow."""
-        if not self.active or (req.grammar is not None and self.config.method == "draft_model"):
+        if not self.active:
             return _NO_DRAFTS
         state = self._requests.get(req.request_id)
         if state is not None and state.paused:
@@ -67,7 +69,7 @@ class Speculator:
         c = self.config
         if c.method == "draft_model":
             # NOTE: placeholders: the runner's draft model fills them in before the forward
-            return [0] * k
+            return PendingDrafts([0] * k)
         drafts = propose_ngram(req.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
         if drafts and req.grammar is not None:
             del drafts[req.grammar.valid_prefix(drafts):]

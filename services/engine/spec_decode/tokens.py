@@ -26,3 +26,9 @@ class WithDrafts:
         if i < 0:
             i += len(self)
         return self.token_ids[i] if i < n else self.drafts[i - n]
+
+
+class PendingDrafts(list):
+    """Placeholders for drafts the runner's draft model proposes after scheduling: the step's
+    grammar bitmask leaves their rows for the draft model to fill as it proposes."""
+    __slots__ = ()
