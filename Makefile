@@ -54,7 +54,7 @@ run: install
 	$(BIN)/kvmesh serve --host $(HOST) --port $(PORT)
 
 test: install-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=40 $(PYTEST_ARGS)
 
 bench: install-test
 	$(BIN)/python benchmarks/offline_throughput.py
