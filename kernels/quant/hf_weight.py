@@ -157,6 +157,25 @@ def concat(weights: list[HFWeight]) -> HFWeight | None:
     return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.weight_scale for w in weights]))
 
 
+def to_device(w: HFWeight, device: torch.device) -> HFWeight:
+    """`w` with every tensor on `device` (the loader reads checkpoints on the CPU)."""
+    if isinstance(w, Int4GroupWeight):
+        perm = None if w.perm is None else w.perm.to(device)
+        return Int4GroupWeight(w.qweight.to(device), w.scales.to(device), w.zeros.to(device), w.group_size, perm)
+    if isinstance(w, Int8ChannelWeight):
+        return Int8ChannelWeight(w.weight.to(device), w.weight_scale.to(device), w.w_sum.to(device))
+    return Fp8Weight(w.weight.to(device), w.weight_scale.to(device))
+
+
+def rows(w: HFWeight, lo: int, hi: int) -> HFWeight:
+    """Rows lo..hi of `w` (views: a fused weight's share of one projection)."""
+    if isinstance(w, Int4GroupWeight):
+        return Int4GroupWeight(w.qweight[lo:hi], w.scales[lo:hi], w.zeros[lo:hi], w.group_size, w.perm)
+    if isinstance(w, Int8ChannelWeight):
+        return Int8ChannelWeight(w.weight[lo:hi], w.weight_scale[lo:hi], w.w_sum[lo:hi])
+    return Fp8Weight(w.weight[lo:hi], w.weight_scale[lo:hi] if w.weight_scale.numel() > 1 else w.weight_scale)
+
+
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
