@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "hf_gemm.cpp",)
-HEADERS: tuple[Path, ...] = ()
+HEADERS = (_CSRC / "simd.h",)
 NAME = "kvmesh_hfquant_kernels"
 SUBDIR = "hfquant-kernels"
 

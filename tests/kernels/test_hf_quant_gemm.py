@@ -49,7 +49,7 @@ def test_int4_dequantize_reads_low_nibble_first():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("m, k, group", [(1, 256, 128), (5, 256, 64), (9, 384, 32)])
+@pytest.mark.parametrize("m, k, group", [(1, 256, 128), (5, 256, 64), (13, 384, 32), (20, 256, 128)])
 def test_int4_gemm_equals_dequantized_matmul(path, m, k, group):
     ext = ext_for(path)
     gen = torch.Generator().manual_seed(m * k + group)

@@ -9,10 +9,12 @@
 //           AVX2: pmaddubsw + pmaddwd with the sign moved onto the activations (|w| <= 128 keeps the
 //           int16 pair sums in range); otherwise portable scalar code.
 //   w4a16:  W as 4-bit codes [N, K / 2] (element k in byte k / 2, low nibble for even k) with a
-//           float32 scale and a 0..15 zero per `group_size` elements: w = (q - zero) * scale. The
-//           codes are widened and the zero taken off in integer registers, converted to float32
-//           and multiplied with float32 activations (FMA, float32 accumulation per group, one
-//           scale multiply per group); AVX-512, AVX2 or portable code.
+//           float32 scale and a 0..15 zero per `group_size` elements: w = (q - zero) * scale, with
+//           float32 activations. Few rows (decode): the codes are widened and the zero taken off
+//           in integer registers, converted and multiplied (FMA) with MT rows at a time, float32
+//           accumulation per group, one scale FMA per group. From ROWS_MIN rows on: each weight
+//           row is rebuilt in float32 once (K floats, in L1) and dotted with every row. AVX-512,
+//           AVX2 or portable code; the matrix is never dequantized whole.
 //
 // Which instruction set is used is fixed at compile time by what -march=native (or a narrower
 // cpu_kernels.PATHS build) enables, as in gemm.cpp. AMX-INT8 is not written: no CPU it could be
@@ -28,10 +30,16 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
+
 namespace kvmesh_hfquant {
 namespace {
 
 constexpr int MT = 4;   // activation rows per inner tile: one weight load feeds MT dot products
+// NOTE: from this many activation rows on, the int4 GEMM rebuilds each weight row in float32
+// once and reuses it for every row (plain FMA dot products) instead of widening the codes again
+// for every MT rows; picked from benchmarks/hf_quant_gemm.py on the machine this was written on.
+constexpr int64_t ROWS_MIN = 12;
 
 // ------------------------------------------------------------------------------------- w8a8
 
@@ -187,61 +195,153 @@ inline __m128i nibbles16(const uint8_t* p) {
 }
 #endif
 
-// acc[r] = sum over one group (`G` elements from element k0) of (q - z) * x[r], float32.
-template <int R>
-inline void group_dot(const uint8_t* codes, int64_t k0, int64_t G, int32_t z, const float* const* x,
-                      float* acc) {
-  int64_t k = 0;
+// One weight row rebuilt in float32 into `out` (K floats): w = (q - zero) * scale, a group at a time.
+inline void dequant_row(const uint8_t* codes, const float* sc, const uint8_t* zr, int64_t K, int64_t G,
+                        float* out) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    const int32_t z = zr[g];
+    const float s = sc[g];
+    int64_t k = g * G;
+    const int64_t end = k + G;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  const __m512i zv = _mm512_set1_epi32(z);
-  for (; k + 16 <= G; k += 16) {
-    const __m512 wv = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles16(codes + (k0 + k) / 2)), zv));
-    for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + k0 + k), a[r]);
-  }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(a[r]);
+    const __m512i zv = _mm512_set1_epi32(z);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; k + 16 <= end; k += 16)
+      _mm512_storeu_ps(out + k, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(
+                                    _mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles16(codes + k / 2)), zv))));
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
-  const __m256i zv = _mm256_set1_epi32(z);
-  for (; k + 16 <= G; k += 16) {
-    const __m128i q = nibbles16(codes + (k0 + k) / 2);
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), zv));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), zv));
-    for (int r = 0; r < R; ++r) {
-      a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + k0 + k), a[r]);
-      a[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + k0 + k + 8), a[r]);
+    const __m256i zv = _mm256_set1_epi32(z);
+    const __m256 sv = _mm256_set1_ps(s);
+    for (; k + 16 <= end; k += 16) {
+      const __m128i q = nibbles16(codes + k / 2);
+      _mm256_storeu_ps(out + k, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), zv))));
+      _mm256_storeu_ps(out + k + 8, _mm256_mul_ps(sv, _mm256_cvtepi32_ps(
+                                        _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), zv))));
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    acc[r] = _mm_cvtss_f32(s);
-  }
-#else
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #endif
-  for (; k < G; ++k) {
-    const int64_t e = k0 + k;
-    const float wv = static_cast<float>(((codes[e / 2] >> (4 * (e & 1))) & 0x0F) - z);
-    for (int r = 0; r < R; ++r) acc[r] += wv * x[r][e];
+    for (; k < end; ++k) out[k] = static_cast<float>(((codes[k / 2] >> (4 * (k & 1))) & 0x0F) - z) * s;
   }
 }
 
-// y[m, n] for R rows from m: per group a float32 dot of (q - z) with x, times the group's scale.
+// y[m..m+R, n..n+NR] with weight rows n.. already rebuilt in float32 (`w`, NR rows of K): a
+// register tile of NR x R float32 dot products, each load of w or x feeding R or NR FMAs (one
+// x row per weight row would read every x row from L2 again for every weight row).
+template <int NR, int R>
+inline void fdot_tile(const float* w, int64_t K, const float* xp, int64_t m, float* yp, int64_t N, int64_t n) {
+  const float* x[R];
+  for (int r = 0; r < R; ++r) x[r] = xp + (m + r) * K;
+  float acc[NR][R];
+  int64_t k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 a[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) a[i][r] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = _mm512_loadu_ps(w + i * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x[r] + k);
+      for (int i = 0; i < NR; ++i) a[i][r] = _mm512_fmadd_ps(wv[i], xv, a[i][r]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_reduce_add_ps(a[i][r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[NR][R];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) a[i][r] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int i = 0; i < NR; ++i) wv[i] = _mm256_loadu_ps(w + i * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x[r] + k);
+      for (int i = 0; i < NR; ++i) a[i][r] = _mm256_fmadd_ps(wv[i], xv, a[i][r]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = kvmesh_quant::hsum8(a[i][r]);
+#else
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] += w[i * K + k] * x[r][k];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) yp[(m + r) * N + n + i] = acc[i][r];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int TR = 6;   // activation rows of a 4 x TR register tile (24 of 32 zmm accumulate)
+#else
+constexpr int TR = 2;   // 4 x 2 of 16 ymm registers
+#endif
+
+// Weight rows n..n+NR rebuilt in `scratch` [NR, K], then every activation row against them.
+template <int NR>
+inline void w4_tile(const uint8_t* qp, const float* sp, const uint8_t* zp, int64_t K, int64_t G, int64_t NG,
+                    const float* xp, int64_t M, float* yp, int64_t N, int64_t n, float* scratch) {
+  for (int i = 0; i < NR; ++i)
+    dequant_row(qp + (n + i) * (K / 2), sp + (n + i) * NG, zp + (n + i) * NG, K, G, scratch + i * K);
+  int64_t m = 0;
+  for (; m + TR <= M; m += TR) fdot_tile<NR, TR>(scratch, K, xp, m, yp, N, n);
+  for (; m < M; ++m) fdot_tile<NR, 1>(scratch, K, xp, m, yp, N, n);
+}
+
+// Few rows (decode): y[m, n] for R rows from m, the codes widened in registers for every R rows;
+// per group a float32 vector dot of (q - z) with x, times the group's scale, one reduction a row.
 template <int R>
 inline void w4_rows(const uint8_t* codes, const float* sc, const uint8_t* zr, int64_t K, int64_t G,
                     const float* xp, int64_t m, float* yp, int64_t N, int64_t n) {
   const float* x[R];
-  float tot[R], acc[R];
-  for (int r = 0; r < R; ++r) { x[r] = xp + (m + r) * K; tot[r] = 0.f; }
+  for (int r = 0; r < R; ++r) x[r] = xp + (m + r) * K;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 tot[R];
+  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / G; ++g) {
-    group_dot<R>(codes, g * G, G, zr[g], x, acc);
-    for (int r = 0; r < R; ++r) tot[r] += acc[r] * sc[g];
+    const __m512i zv = _mm512_set1_epi32(zr[g]);
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(nibbles16(codes + k / 2)), zv));
+      for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + k), a[r]);
+    }
+    const __m512 sv = _mm512_set1_ps(sc[g]);
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(a[r], sv, tot[r]);
   }
-  for (int r = 0; r < R; ++r) yp[(m + r) * N + n] = tot[r];
+  for (int r = 0; r < R; ++r) yp[(m + r) * N + n] = _mm512_reduce_add_ps(tot[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 tot[R];
+  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m256i zv = _mm256_set1_epi32(zr[g]);
+    __m256 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      const __m128i q = nibbles16(codes + k / 2);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), zv));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)), zv));
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + k), a[r]);
+        a[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + k + 8), a[r]);
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(sc[g]);
+    for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(a[r], sv, tot[r]);
+  }
+  for (int r = 0; r < R; ++r) yp[(m + r) * N + n] = kvmesh_quant::hsum8(tot[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float t = 0.f;
+    for (int64_t g = 0; g < K / G; ++g) {
+      float a = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k)
+        a += static_cast<float>(((codes[k / 2] >> (4 * (k & 1))) & 0x0F) - zr[g]) * x[r][k];
+      t += a * sc[g];
+    }
+    yp[(m + r) * N + n] = t;
+  }
+#endif
 }
 
 }  // namespace
@@ -268,11 +368,21 @@ torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, c
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
+    if (M >= ROWS_MIN) {
+      // NOTE: many rows: rebuild 4 weight rows at a time once (4 K floats, in L1/L2) and reuse them
+      std::vector<float> scratch(4 * K);
+      int64_t n = nb;
+      for (; n + 4 <= ne; n += 4) w4_tile<4>(qp, sp, zp, K, G, NG, xp, M, yp, N, n, scratch.data());
+      for (; n < ne; ++n) w4_tile<1>(qp, sp, zp, K, G, NG, xp, M, yp, N, n, scratch.data());
+      return;
+    }
     for (int64_t n = nb; n < ne; ++n) {
       const uint8_t* codes = qp + n * (K / 2);
+      const float* sc = sp + n * NG;
+      const uint8_t* zr = zp + n * NG;
       int64_t m = 0;
-      for (; m + MT <= M; m += MT) w4_rows<MT>(codes, sp + n * NG, zp + n * NG, K, G, xp, m, yp, N, n);
-      for (; m < M; ++m) w4_rows<1>(codes, sp + n * NG, zp + n * NG, K, G, xp, m, yp, N, n);
+      for (; m + MT <= M; m += MT) w4_rows<MT>(codes, sc, zr, K, G, xp, m, yp, N, n);
+      for (; m < M; ++m) w4_rows<1>(codes, sc, zr, K, G, xp, m, yp, N, n);
     }
   });
   return y;
