@@ -234,6 +234,22 @@ def awq_dir(float_dir, tmp_path_factory):
     return make_checkpoint(float_dir, tmp_path_factory.mktemp("awq") / "ckpt", "awq")[0]
 
 
+def test_startup_log_and_memory_accounting_count_the_quantized_bytes(awq_dir, caplog):
+    from kvmesh.engine.gpu_memory import weight_bytes
+    with caplog.at_level(logging.INFO):
+        loaded = load_model(str(awq_dir), "float32", device="cpu", load_tokenizer=False, quantization="awq")
+    held = hf_quantized_bytes(loaded.model)
+    # per projection: K/2 bytes of codes a row, a float32 scale and a uint8 zero per group of 128
+    sizes = [m.out_features * m.in_features for m in loaded.model.modules() if isinstance(m, HFQuantizedLinear)]
+    assert len(sizes) == 14 and held == sum(s // 2 + s // 128 * 5 for s in sizes)
+    assert f"ckpt: served quantized as awq int4, group 128: {held / 1e6:.1f} MB of quantized weights" in caplog.text
+    # the KV-cache budget (gpu_memory.weight_bytes) takes the quantized buffers, not float copies
+    floats = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    rope = sum(b.numel() * b.element_size() for n, b in loaded.model.named_buffers()
+               if n.startswith("cos_sin_cache"))
+    assert rope > 0 and weight_bytes(loaded.model) == held + floats + rope
+
+
 def test_requested_method_must_match_and_auto_follows_the_checkpoint(awq_dir):
     with pytest.raises(ValueError, match="--quantization gptq does not match ckpt, a awq checkpoint"):
         load_model(str(awq_dir), device="cpu", load_tokenizer=False, quantization="gptq")
