@@ -226,7 +226,8 @@ def test_quantization_flag_reaches_the_engine(monkeypatch):
     engine = LLMEngine(config)
     assert engine.loaded.quantization == "gguf"
     assert isinstance(engine.loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
-    with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, got 'awq'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, "
+                                         "compressed-tensors, awq, gptq, fp8, got 'int3'"):
+        EngineConfig(quantization="int3")
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "awq"])
+        parser.parse_args(["--quantization", "int3"])

@@ -259,6 +259,30 @@ def test_requested_method_must_match_and_auto_follows_the_checkpoint(awq_dir):
         serve_quantized("awq", cfg, "ckpt", torch.device("cpu"), True, torch.float32)
 
 
+def test_quantization_flag_serves_the_checkpoint_through_the_engine(awq_dir):
+    """`kvmesh serve --model DIR --quantization awq` (EngineConfig.quantization) to the engine."""
+    import argparse
+
+    from kvmesh.common.config import add_engine_args, engine_config_from_args
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(
+        ["--model", str(awq_dir), "--quantization", "awq", "--dtype", "float32", "--num-kv-blocks", "16",
+         "--max-model-len", "64"]))
+    engine = LLMEngine(config)
+    assert engine.loaded.quantization == "awq"
+    assert isinstance(engine.loaded.model.model.layers[1].mlp.up_proj, HFQuantizedLinear)
+    engine.add_request("r", [5, 9, 17, 200], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+    assert len(tokens) == 4
+
+
 def _rewrite(src, dst, edit_tensors=None, edit_config=None):
     dst.mkdir()
     for f in src.iterdir():
