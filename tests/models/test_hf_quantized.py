@@ -259,28 +259,24 @@ def test_requested_method_must_match_and_auto_follows_the_checkpoint(awq_dir):
         serve_quantized("awq", cfg, "ckpt", torch.device("cpu"), True, torch.float32)
 
 
-def test_quantization_flag_serves_the_checkpoint_through_the_engine(awq_dir):
-    """`kvmesh serve --model DIR --quantization awq` (EngineConfig.quantization) to the engine."""
-    import argparse
+def test_server_serves_the_checkpoint_quantized_to_the_openai_client(awq_dir, tmp_path):
+    """A real `kvmesh serve --quantization awq` process (the flag through EngineConfig to the
+    engine) and the official client: /v1/models says how the weights are held; a greedy
+    completion runs on the quantized kernels."""
+    from openai import OpenAI
+    from servers import start_server
 
-    from kvmesh.common.config import add_engine_args, engine_config_from_args
-    from kvmesh.engine.engine import LLMEngine
-    from kvmesh.engine.sampling_params import SamplingParams
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    config = engine_config_from_args(parser.parse_args(
-        ["--model", str(awq_dir), "--quantization", "awq", "--dtype", "float32", "--num-kv-blocks", "16",
-         "--max-model-len", "64"]))
-    engine = LLMEngine(config)
-    assert engine.loaded.quantization == "awq"
-    assert isinstance(engine.loaded.model.model.layers[1].mlp.up_proj, HFQuantizedLinear)
-    engine.add_request("r", [5, 9, 17, 200], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    tokens = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = list(out.outputs[0].token_ids)
-    assert len(tokens) == 4
+    srv = start_server(tmp_path, "--model", str(awq_dir), "--quantization", "awq", "--num-kv-blocks", "32",
+                       "--max-model-len", "128")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        card = client.models.list().data[0]
+        assert card.id == "ckpt" and card.model_extra["quantization"] == "awq"
+        res = client.completions.create(model="ckpt", prompt="w5 w9 w17", max_tokens=5, temperature=0)
+        assert res.usage.completion_tokens == 5
+        assert "ckpt: served quantized as awq int4, group 128" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
 
 
 def _rewrite(src, dst, edit_tensors=None, edit_config=None):
