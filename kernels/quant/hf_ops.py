@@ -4,7 +4,8 @@
     quantize_rows_int8(x)           the W8A8 activation quantization (codes, per-row scales)
     reference_linear(x, w, bias)    the same product from the dequantized float32 weight (tests)
 
-On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run; on CUDA the Triton GEMMs
+On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run (float32 activations,
+or bf16 ones for the int4 GEMM's bf16 tiles); on CUDA the Triton GEMMs
 of `kvmesh.kernels.quant.triton_gemm`, imported only there, so a CPU process never loads Triton.
 FP8 weights run on CUDA only.
 """
@@ -42,11 +43,14 @@ def hf_linear(x: torch.Tensor, w: HFWeight, bias: torch.Tensor | None = None) ->
 
 
 def _cpu_linear(x: torch.Tensor, w: HFWeight) -> torch.Tensor:
-    xf = x.float().contiguous()
     if isinstance(w, Int4GroupWeight):
+        # NOTE: bf16 activations go in as they are: from 12 rows on, on a CPU with AVX512-BF16,
+        # the kernel multiplies bf16 weight tiles by them (vdpbf16ps); float32 otherwise
+        xq = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         if w.perm is not None:
-            xf = xf.index_select(1, w.perm)     # act-order: K was permuted at load
-        return _ext().w4a16_gemm(xf, w.qweight, w.scales, w.zeros, w.group_size)
+            xq = xq.index_select(1, w.perm)     # act-order: K was permuted at load
+        return _ext().w4a16_gemm(xq.contiguous(), w.qweight, w.scales, w.zeros, w.group_size)
+    xf = x.float().contiguous()
     if isinstance(w, Int8ChannelWeight):
         return _ext().w8a8_gemm(xf, w.weight, w.weight_scale, w.w_sum)
     raise ValueError(f"{w.format} weights are served on GPU only")

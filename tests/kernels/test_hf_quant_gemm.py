@@ -61,6 +61,25 @@ def test_int4_gemm_equals_dequantized_matmul(path, m, k, group):
     assert ((y.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m, n", [(3, 8), (14, 19)])
+def test_int4_gemm_with_bf16_activations(path, m, n):
+    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16, the product of the
+    bf16-rounded weight and activations to float32 rounding; elsewhere the float32 product of the
+    bf16 activations."""
+    ext = ext_for(path)
+    gen = torch.Generator().manual_seed(m + n)
+    w = int4_weight(n, 256, 64, gen)
+    x = torch.randn(m, 256, generator=gen).bfloat16()
+    y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, 64)
+    assert y.dtype == torch.float32
+    wd = w.dequantize()
+    bf16_tiles = m >= 12 and ext.w4a16_isa() == "avx512_bf16"
+    want = x.double() @ (wd.bfloat16() if bf16_tiles else wd).double().T
+    bound = 2e-6 * (x.double().abs() @ wd.double().abs().T) + 1e-7
+    assert ((y.double() - want).abs() <= bound).all()
+
+
 def test_act_order_permutation_is_applied_to_the_activations():
     ext_for(None)
     gen = torch.Generator().manual_seed(7)

@@ -288,6 +288,41 @@ inline void w4_tile(const uint8_t* qp, const float* sp, const uint8_t* zp, int64
   for (; m < M; ++m) fdot_tile<NR, 1>(scratch, K, xp, m, yp, N, n);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 activations (a bf16 model), many rows: weight rows n..n+NR rebuilt in float32 and rounded
+// to bf16 (round to nearest even, as torch's .bfloat16()) into `wb` [NR, K], then vdpbf16ps (two
+// products a float32 lane, float32 accumulation) over an NR x 6 register tile.
+template <int NR>
+inline void w4_tile_bf16(const uint8_t* qp, const float* sp, const uint8_t* zp, int64_t K, int64_t G,
+                         int64_t NG, const uint16_t* xb, int64_t M, float* yp, int64_t N, int64_t n,
+                         float* scratch, uint16_t* wb) {
+  constexpr int R = 6;
+  for (int i = 0; i < NR; ++i) {
+    dequant_row(qp + (n + i) * (K / 2), sp + (n + i) * NG, zp + (n + i) * NG, K, G, scratch);
+    for (int64_t k = 0; k < K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + i * K + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scratch + k)));
+  }
+  int64_t m = 0;
+  for (; m < M; m += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, M - m));
+    __m512 a[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) a[i][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i wv[NR];
+      for (int i = 0; i < NR; ++i) wv[i] = _mm512_loadu_si512(wb + i * K + k);
+      for (int r = 0; r < rows; ++r) {
+        const __m512i xv = _mm512_loadu_si512(xb + (m + r) * K + k);
+        for (int i = 0; i < NR; ++i) a[i][r] = _mm512_dpbf16_ps(a[i][r], (__m512bh)wv[i], (__m512bh)xv);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < rows; ++r) yp[(m + r) * N + n + i] = _mm512_reduce_add_ps(a[i][r]);
+  }
+}
+#endif
+
 // Few rows (decode): y[m, n] for R rows from m, the codes widened in registers for every R rows;
 // per group a float32 vector dot of (q - z) with x, times the group's scale, one reduction a row.
 template <int R>
@@ -348,11 +383,12 @@ inline void w4_rows(const uint8_t* codes, const float* sc, const uint8_t* zr, in
 
 torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
                          const torch::Tensor& zeros, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+              (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0,
-              "group_size must be a multiple of 16 dividing K");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
+              "group_size must be a multiple of 32 dividing K");
   const int64_t G = group_size, NG = K / G;
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous() &&
               qweight.size(1) == K / 2, "qweight must be contiguous uint8 [N, K / 2]");
@@ -361,12 +397,26 @@ torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, c
               scales.size(1) == NG, "scales must be contiguous float32 [N, K / group_size]");
   TORCH_CHECK(zeros.scalar_type() == torch::kUInt8 && zeros.is_contiguous() && zeros.size(0) == N &&
               zeros.size(1) == NG, "zeros must be contiguous uint8 [N, K / group_size]");
-  const float* xp = x.data_ptr<float>();
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == torch::kBFloat16 && M >= ROWS_MIN) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
+      std::vector<float> scratch(K);
+      std::vector<uint16_t> wb(4 * K);
+      int64_t n = nb;
+      for (; n + 4 <= ne; n += 4) w4_tile_bf16<4>(qp, sp, zp, K, G, NG, xb, M, yp, N, n, scratch.data(), wb.data());
+      for (; n < ne; ++n) w4_tile_bf16<1>(qp, sp, zp, K, G, NG, xb, M, yp, N, n, scratch.data(), wb.data());
+    });
+    return y;
+  }
+#endif
+  const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+  const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
     if (M >= ROWS_MIN) {
       // NOTE: many rows: rebuild 4 weight rows at a time once (4 K floats, in L1/L2) and reuse them
@@ -389,7 +439,9 @@ torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, c
 }
 
 std::string w4a16_isa() {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";
