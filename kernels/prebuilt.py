@@ -128,9 +128,11 @@ def extensions() -> list[tuple[str, str, tuple[Path, ...], tuple[Path, ...]]]:
     """(name, cache subdir, sources, headers) of every C++ extension kvmesh builds."""
     from kvmesh.kernels import cpu_kernels
     from kvmesh.kernels.quant import build as quant
+    from kvmesh.kernels.quant import hf_build
 
     return [(cpu_kernels.NAME, "cpu-kernels", cpu_kernels.SOURCES, cpu_kernels.HEADERS),
-            (quant.NAME, quant.SUBDIR, quant.SOURCES, quant.HEADERS)]
+            (quant.NAME, quant.SUBDIR, quant.SOURCES, quant.HEADERS),
+            (hf_build.NAME, hf_build.SUBDIR, hf_build.SOURCES, hf_build.HEADERS)]
 
 
 def main(argv: list[str] | None = None) -> int:

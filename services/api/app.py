@@ -256,7 +256,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             {"id": ctx.model_name, "object": "model", "created": state.created,
              "owned_by": "kvmesh", "max_model_len": ctx.max_model_len,
              # NOTE: not in OpenAI's or vLLM's model card: what `--dtype auto` chose, for clients
-             "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch.")},
+             "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch."),
+             # and how the weights are held: "gguf", an HF method (awq, gptq, ...) or null (float)
+             "quantization": ctx.engine.engine.loaded.quantization},
             *state.loras.model_cards(state.created, ctx.max_model_len)]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))

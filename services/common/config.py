@@ -12,7 +12,8 @@ from kvmesh.common.speculative_config import SpeculativeConfig, parse_speculativ
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "none", "gguf", "auto")   # EngineConfig.quantization; None: none
+QUANTIZATIONS = (None, "none", "gguf", "auto",   # EngineConfig.quantization; None: none
+                 "compressed-tensors", "awq", "gptq", "fp8")   # Hugging Face quantized checkpoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,8 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"        # auto | triton | cpu | reference
     # GGUF weights: None / "none" dequantized to dtype at load; "gguf" served as their blocks
-    # (kernels/quant: ~1/5 of the memory, slower than bf16 here); "auto": blocks where it can
+    # (kernels/quant: ~1/5 of the memory, slower than bf16 here); "auto": blocks where it can.
+    # HF quantized checkpoints: "none" dequantized; their method (awq, ...) or "auto": quantized
     quantization: str | None = None
     max_model_len: int | None = None       # default: the model's context length
     block_size: int = 16
@@ -226,7 +228,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--quantization", choices=tuple(q for q in QUANTIZATIONS if q),
          help="GGUF weights: none (default) dequantizes them to --dtype at load; gguf serves them as "
               "their quantized blocks (about 1/5 of the memory; 0.75-1.0x the speed of bf16 GEMMs at "
-              "8-64 rows on the CPU measured, docs/KERNELS.md); auto: blocks where the quantized kernels can run")
+              "8-64 rows on the CPU measured, docs/KERNELS.md); auto: blocks where the quantized kernels can run. "
+              "Hugging Face quantized checkpoints (config.json's quantization_config): compressed-tensors, "
+              "awq, gptq or fp8 serves them quantized (the name must be the checkpoint's; fp8 on GPU only), "
+              "auto does where it can, none dequantizes them at load")
     flag("--device")
     flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
     flag("--max-model-len", type=int)

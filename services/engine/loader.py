@@ -39,11 +39,16 @@ from kvmesh.engine.model_config import ModelConfig
 from kvmesh.engine.models import get_model_class
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.engine.parallel.plan import TPPlan, local_config, make_plan
+from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear, hf_quantized_bytes
 from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantized_bytes
+from kvmesh.engine.quantization.hf_config import METHODS, HFQuantConfig, parse_quantization_config
+from kvmesh.engine.quantization.hf_load import hf_quantized_weights
+from kvmesh.engine.quantization.serving import serve_quantized
 from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
+from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, to_device
 
 if TYPE_CHECKING:
     from kvmesh.prompt.tokenizer import Tokenizer
@@ -68,7 +73,8 @@ class LoadedModel:
     device: torch.device
     attention_backend: str = "reference"  # the resolved kernels backend ("reference" / "cpu" / "triton")
     plan: TPPlan | None = None  # tensor-parallel: this rank's share (config stays the full model's)
-    quantization: str | None = None  # "gguf": block-format tensors served as blocks; None: all float
+    quantization: str | None = None  # "gguf": block-format tensors served as blocks; an HF method
+    # name (awq, gptq, compressed-tensors, fp8): that checkpoint served quantized; None: all float
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -202,8 +208,15 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
         with torch.device("meta"):
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
-    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt)
-    if p.is_dir():
+    hf_quant = _hf_quantization(p) if p.is_dir() else None
+    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt, hf_quant)
+    if hf_quant is not None:
+        # NOTE: a module's quantized pieces are converted whole, then (dequantized, tensor
+        # parallelism) cut by the shard rules: serving them quantized with TP is refused above.
+        weights = hf_quantized_weights(_safetensors_weights(files), hf_quant, dev, dequantize=quant is None)
+        if rules:
+            weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
+    elif p.is_dir():
         weights = _safetensors_weights(files, rules)
     else:
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
@@ -214,34 +227,41 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
-    if quant is not None:
+    if quant == "gguf":
         log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights as blocks",
                  p.name, quant_activations, quantized_bytes(model) / 1e6)
+    elif quant is not None:
+        log.info("%s: served quantized as %s: %.1f MB of quantized weights", p.name,
+                 hf_quant.describe, hf_quantized_bytes(model) / 1e6)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
                        dtype=dt, device=dev, attention_backend=backend, plan=plan,
                        quantization=quant)
 
 
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "none", *METHODS)
 
 
 def resolve_quantization(quantization: str | None, activations: str, path: Path,
                          device: torch.device, plan: TPPlan | None,
-                         dtype: torch.dtype = torch.float32) -> str | None:
-    """"gguf" when `path`'s block tensors are to be served as blocks, else None (dequantized)."""
+                         dtype: torch.dtype = torch.float32, hf: HFQuantConfig | None = None) -> str | None:
+    """"gguf" when `path`'s block tensors are to be served as blocks; for a Hugging Face
+    directory whose quantization_config is `hf`, its method when served quantized
+    (engine/quantization/serving.py); else None (dequantized, or a float checkpoint)."""
     choice = "none" if quantization is None else str(quantization).lower()
     if choice not in QUANTIZATIONS:
-        raise ValueError(f"unsupported quantization {quantization!r}; use auto, gguf or none "
-                         "(none, the default, dequantizes a GGUF file)")
+        raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} "
+                         "(none, the default, dequantizes a GGUF file or a quantized checkpoint)")
     if activations not in ACTIVATIONS:
         raise ValueError(f"unsupported quantized activations {activations!r}; use "
                          f"{' or '.join(ACTIVATIONS)}")
+    if path.is_dir() and choice != "gguf":
+        return serve_quantized(choice, hf, path.name, device, plan is not None, dtype)
+    if choice in METHODS:
+        raise ValueError(f"quantization {choice!r} needs a Hugging Face checkpoint directory, got {path.name}")
     if choice == "none":
         return None
     if path.is_dir():
-        if choice == "gguf":
-            raise ValueError(f"quantization 'gguf' needs a .gguf file, got the directory {path}")
-        return None
+        raise ValueError(f"quantization 'gguf' needs a .gguf file, got the directory {path}")
     why = None
     if device.type != "cpu":
         why = f"the quantized kernels run on CPU only (device {device})"
@@ -296,7 +316,9 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
             raise ValueError(f"shape mismatch for tensor {name} in {source}: checkpoint has "
                              f"{tuple(tensor.shape)}, the config implies {want}")
         module_name, _, leaf = name.rpartition(".")
-        if isinstance(tensor, QuantizedWeight):
+        if isinstance(tensor, (QuantizedWeight, *HF_WEIGHTS)):
+            if not isinstance(tensor, QuantizedWeight):
+                tensor = to_device(tensor, device)
             _assign_quantized(model, module_name, leaf, tensor, dtype, source)
             seen.add(name)
             continue
@@ -316,14 +338,22 @@ def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: Qua
     module = model.get_submodule(module_name)
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    if leaf == "weight" and isinstance(module, nn.Linear):
-        replacement: nn.Module = QuantizedLinear(weight, module.bias)
+    if leaf == "weight" and isinstance(module, nn.Linear) and not isinstance(weight, QuantizedWeight):
+        replacement: nn.Module = HFQuantizedLinear(weight, module.bias)
+    elif leaf == "weight" and isinstance(module, nn.Linear):
+        replacement = QuantizedLinear(weight, module.bias)
     elif leaf == "weight" and isinstance(module, nn.Embedding):
         replacement = QuantizedEmbedding(weight, dtype)
     else:
         raise ValueError(f"tensor {module_name}.{leaf} in {source} is {weight.format} blocks, "
                          f"but {type(module).__name__} cannot hold a quantized weight")
     setattr(parent, child, replacement)
+
+
+def _hf_quantization(path: Path) -> HFQuantConfig | None:
+    """The directory's quantization_config, parsed (None: a float checkpoint)."""
+    config_file = path / "config.json"
+    return parse_quantization_config(_read_json(config_file)) if config_file.is_file() else None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -31,6 +31,7 @@ def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["dtype"] == "float32"       # the suite's servers ask for it
+    assert models.data[0].model_extra["quantization"] is None     # the built-in GGUF, dequantized
 
 
 def test_greedy_completion_is_identical_to_the_offline_llm(client, smollm):

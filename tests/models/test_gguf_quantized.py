@@ -127,7 +127,11 @@ def test_unsupported_format_is_served_dequantized_with_a_log_line(tmp_path, capl
 def test_quantization_option(tmp_path, monkeypatch, caplog):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, T.Q4_1, hidden=64, tied=True)
-    with pytest.raises(ValueError, match="unsupported quantization 'awq'; use auto, gguf or none"):
+    with pytest.raises(ValueError, match="unsupported quantization 'int3'; use auto, gguf, none, "
+                                         "compressed-tensors, awq, gptq, fp8"):
+        load_model(str(path), device="cpu", load_tokenizer=False, quantization="int3")
+    with pytest.raises(ValueError, match="quantization 'awq' needs a Hugging Face checkpoint directory, "
+                                         "got tiny.gguf"):
         load_model(str(path), device="cpu", load_tokenizer=False, quantization="awq")
     with pytest.raises(ValueError, match="unsupported quantized activations 'fp8'"):
         load_model(str(path), device="cpu", load_tokenizer=False, quant_activations="fp8")
@@ -222,7 +226,8 @@ def test_quantization_flag_reaches_the_engine(monkeypatch):
     engine = LLMEngine(config)
     assert engine.loaded.quantization == "gguf"
     assert isinstance(engine.loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
-    with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, got 'awq'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, "
+                                         "compressed-tensors, awq, gptq, fp8, got 'int3'"):
+        EngineConfig(quantization="int3")
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "awq"])
+        parser.parse_args(["--quantization", "int3"])

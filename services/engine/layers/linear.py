@@ -5,16 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear
 from kvmesh.engine.layers.quantized import QuantizedLinear
 from kvmesh.kernels import linear as dense
 from kvmesh.kernels.quant import QuantizedWeight, concat, quant_linear
+from kvmesh.kernels.quant import hf_weight
+from kvmesh.kernels.quant.hf_ops import hf_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ b): the quantized GEMM for GGUF blocks, `kvmesh.kernels.linear` otherwise."""
+    """y = x @ W^T (+ b): the quantized GEMM for GGUF blocks or a Hugging Face quantized
+    checkpoint's weight, `kvmesh.kernels.linear` otherwise."""
     if isinstance(weight, QuantizedWeight):
         return quant_linear(x, weight, bias)
+    if isinstance(weight, hf_weight.HF_WEIGHTS):
+        return hf_linear(x, weight, bias)
     return dense.linear(x, weight, bias)
 
 
@@ -32,6 +38,8 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
     """
     if any(isinstance(lin, QuantizedLinear) for lin in linears):
         return _fused_quantized(module, linears, attr)
+    if any(isinstance(lin, HFQuantizedLinear) for lin in linears):
+        return _fused_hf(module, linears, attr)
     ws = [lin.weight for lin in linears]
     cached = getattr(module, attr, None)
     if cached is not None:
@@ -88,3 +96,39 @@ def _fused_quantized(module: nn.Module, linears: tuple[nn.Module, ...],
         lo = hi
     setattr(module, attr, (weight, bias, tuple(lin.qweight.data_ptr() for lin in linears)))
     return weight, bias
+
+
+def _fused_hf(module: nn.Module, linears: tuple[nn.Module, ...],
+              attr: str) -> tuple[hf_weight.HFWeight | None, torch.Tensor | None]:
+    """fused_weights for Hugging Face quantized weights: every projection's codes, scales and
+    zeros concatenated along N, each module rebound to its rows (one copy in memory). (None,
+    None) when they cannot share one GEMM: a float one among them, or `hf_weight.concat` says
+    no (GPTQ act-order permutations that differ between q, k and v; per-tensor fp8 scales)."""
+    if not all(isinstance(lin, HFQuantizedLinear) for lin in linears):
+        return None, None
+    weights = [lin.weight for lin in linears]
+    ptrs = tuple(_first_ptr(w) for w in weights)
+    cached = getattr(module, attr, None)
+    if cached is not None and cached[2] == ptrs:
+        return cached[0], cached[1]
+    fused = hf_weight.concat(weights)
+    if fused is None:
+        return None, None
+    bias = None
+    ref = next((lin.bias for lin in linears if lin.bias is not None), None)
+    if ref is not None:
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                          else ref.new_zeros(lin.out_features) for lin in linears])
+    lo = 0
+    for lin in linears:
+        hi = lo + lin.out_features
+        lin.set_weight(hf_weight.rows(fused, lo, hi))
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(bias[lo:hi], requires_grad=False)
+        lo = hi
+    setattr(module, attr, (fused, bias, tuple(_first_ptr(lin.weight) for lin in linears)))
+    return fused, bias
+
+
+def _first_ptr(w: hf_weight.HFWeight) -> int:
+    return (w.qweight if isinstance(w, hf_weight.Int4GroupWeight) else w.weight).data_ptr()

@@ -1,0 +1,146 @@
+"""The Hugging Face quantized GEMMs (kernels/quant/csrc/hf_gemm.cpp) on every code path this CPU
+can build (its native one, and the narrower avx2 / portable builds of the same sources).
+
+int4 groups, float activations: equal to the dequantized float32 matmul to float32 rounding.
+W8A8: the activation codes equal the per-row int8 rounding exactly; the product equals the int32
+dot products of those codes times both scales (to float32 rounding); and it differs from the
+float matmul by no more than that rounding allows: sum_k |x_k - q_k * s| |w_k| <= s / 2 * sum_k |w_k|.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.kernels.quant import hf_build
+from kvmesh.kernels.quant.hf_ops import hf_linear, reference_linear
+from kvmesh.kernels.quant.hf_weight import Int4GroupWeight, Int8ChannelWeight
+
+PATHS = [None, "avx2", "portable"]
+
+
+def ext_for(path):
+    ext = hf_build.load(path)
+    if ext is None:
+        pytest.skip(f"no {path or 'native'} build here: {hf_build.unavailable_reason(path)}")
+    return ext
+
+
+def int4_weight(n: int, k: int, group: int, gen: torch.Generator) -> Int4GroupWeight:
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    w = Int4GroupWeight(packed, scales, zeros, group)
+    w.validate()
+    return w
+
+
+def int8_weight(n: int, k: int, gen: torch.Generator) -> Int8ChannelWeight:
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    w = Int8ChannelWeight(codes, torch.rand(n, generator=gen) * 0.01 + 1e-3, codes.sum(1, dtype=torch.int32))
+    w.validate()
+    return w
+
+
+def test_int4_dequantize_reads_low_nibble_first():
+    w = Int4GroupWeight(torch.tensor([[0x21, 0x43]], dtype=torch.uint8), torch.tensor([[0.5]]),
+                        torch.tensor([[1]], dtype=torch.uint8), 4)
+    assert w.dequantize().tolist() == [[0.0, 0.5, 1.0, 1.5]]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m, k, group", [(1, 256, 128), (5, 256, 64), (13, 384, 32), (20, 256, 128)])
+def test_int4_gemm_equals_dequantized_matmul(path, m, k, group):
+    ext = ext_for(path)
+    gen = torch.Generator().manual_seed(m * k + group)
+    w = int4_weight(19, k, group, gen)
+    x = torch.randn(m, k, generator=gen)
+    y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group)
+    want = x.double() @ w.dequantize().double().T
+    bound = 2e-6 * (x.double().abs() @ w.dequantize().double().abs().T) + 1e-7
+    assert ((y.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m, n", [(3, 8), (14, 19)])
+def test_int4_gemm_with_bf16_activations(path, m, n):
+    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16, the product of the
+    bf16-rounded weight and activations to float32 rounding; elsewhere the float32 product of the
+    bf16 activations."""
+    ext = ext_for(path)
+    gen = torch.Generator().manual_seed(m + n)
+    w = int4_weight(n, 256, 64, gen)
+    x = torch.randn(m, 256, generator=gen).bfloat16()
+    y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, 64)
+    assert y.dtype == torch.float32
+    wd = w.dequantize()
+    bf16_tiles = m >= 12 and ext.w4a16_isa() == "avx512_bf16"
+    want = x.double() @ (wd.bfloat16() if bf16_tiles else wd).double().T
+    bound = 2e-6 * (x.double().abs() @ wd.double().abs().T) + 1e-7
+    assert ((y.double() - want).abs() <= bound).all()
+
+
+def test_act_order_permutation_is_applied_to_the_activations():
+    ext_for(None)
+    gen = torch.Generator().manual_seed(7)
+    w = int4_weight(8, 128, 32, gen)
+    w.perm = torch.randperm(128, generator=gen)
+    x = torch.randn(3, 128, generator=gen)
+    want = x.double() @ w.dequantize_original().double().T
+    assert torch.allclose(hf_linear(x, w).double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(hf_linear(x, w), reference_linear(x, w), rtol=1e-5, atol=1e-6)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x.abs().amax(1) / 127
+    q = torch.where(s[:, None] > 0, torch.round(x / s[:, None]), torch.zeros_like(x))
+    return q.to(torch.int8), s
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_activation_codes_are_the_exact_per_row_rounding(path):
+    ext = ext_for(path)
+    x = torch.randn(6, 200, generator=torch.Generator().manual_seed(3))
+    x[2] = 0.0                                          # a zero row: scale 0, codes 0
+    x[4, :4] = torch.tensor([0.5, -0.5, 1.5, 2.5]) * (x[4].abs().max() / 127)   # exact halves
+    q, s = ext.quantize_rows_int8(x)
+    want_q, want_s = _quantize_rows(x)
+    assert torch.equal(s, want_s) and torch.equal(q, want_q)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m, k", [(1, 256), (4, 200), (7, 72)])
+def test_w8a8_gemm_is_the_int32_product_of_the_codes(path, m, k):
+    ext = ext_for(path)
+    gen = torch.Generator().manual_seed(m + k)
+    w = int8_weight(21, k, gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    y = ext.w8a8_gemm(x, w.weight, w.weight_scale, w.w_sum)
+    q, s = _quantize_rows(x)
+    exact = (q.double() @ w.weight.double().T) * s.double()[:, None] * w.weight_scale.double()[None]
+    assert ((y.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-9).all()
+    # within the int8 rounding's own bound of the float product
+    wf = w.dequantize().double()
+    bound = (s.double()[:, None] / 2) * wf.abs().sum(1)[None] * (1 + 1e-5) + 1e-6
+    assert ((y.double() - x.double() @ wf.T).abs() <= bound).all()
+
+
+def test_hf_linear_keeps_the_leading_shape_dtype_and_adds_the_bias():
+    ext_for(None)
+    gen = torch.Generator().manual_seed(11)
+    w, b = int8_weight(16, 64, gen), torch.randn(16, generator=gen)
+    x = torch.randn(2, 3, 64, generator=gen)
+    y = hf_linear(x.bfloat16(), w, b.bfloat16())
+    assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
+    want = hf_linear(x.bfloat16().float(), w) + b.bfloat16().float()
+    assert torch.allclose(y.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_isa_names_the_widest_int8_path_this_cpu_built():
+    from kvmesh.kernels.cpu_features import cpu_flags
+    ext = ext_for(None)
+    flags = cpu_flags()
+    want = "avx512vnni" if "avx512_vnni" in flags else "avxvnni" if "avx_vnni" in flags else \
+        "avx2" if "avx2" in flags else "portable"
+    assert ext.w8a8_isa() == want
+    assert ext_for("portable").w8a8_isa() == "portable" and ext_for("avx2").w4a16_isa() == "avx2"
