@@ -9,7 +9,6 @@ reason where it cannot be served.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -49,9 +48,7 @@ def _why_not(cfg: HFQuantConfig, device: torch.device, tensor_parallel: bool,
     if dtype == torch.float64:
         return "the quantized kernels compute in float32, the model is float64"
     if device.type == "cuda":
-        if importlib.util.find_spec("kvmesh.kernels.quant.triton_gemm") is None:
-            return "the Triton quantized GEMMs (kvmesh.kernels.quant.triton_gemm) are not in this build"
-        return None
+        return None     # the Triton GEMMs (kernels/quant/triton_gemm.py)
     if device.type != "cpu":
         return f"no quantized kernels for device {device}"
     if cfg.scheme == "fp8":
