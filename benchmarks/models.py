@@ -12,6 +12,7 @@
                      experts of width 256, top-4 renormalised, tied 49,152-token vocabulary:
                      ~81 M parameters, ~31 M active per token), random weights, seed 0
     random-moe-tiny  the same architecture at toy size
+    random-glue      SmolLM2-135M's 30 layers and heads at width 72: a step costs its Python
 
 A random model is written once as an HF directory (config.json, model.safetensors, and the
 built-in model's tokenizer files, so prompts tokenize as usual) under the cache directory and
@@ -42,6 +43,10 @@ RANDOM_MODELS: dict[str, dict] = {
     "random-moe": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                        num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
+    # NOTE: SmolLM2-135M's depth and heads (30 layers, 9 / 3 heads of 64) at a width (72) where
+    # the GEMMs cost next to nothing: its step's CPU time is the per-layer Python (stream_cost.py)
+    "random-glue": dict(hidden_size=72, intermediate_size=64, num_hidden_layers=30,
+                        num_attention_heads=9, num_key_value_heads=3, head_dim=64),
     "random-moe-tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),

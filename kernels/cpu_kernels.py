@@ -47,6 +47,7 @@ NAME = "kvmesh_cpu_kernels"
 TORCH_LOCK = "lock"      # torch.utils.cpp_extension's FileBaton in the build directory
 _lock = threading.Lock()
 _state: dict[str | None, dict[str, object]] = {}
+_default: tuple[dict, object] | None = None    # (the _state it came from, load()'s extension)
 
 # path -> (flags added to CFLAGS, CPU flags the path needs). None: the native build, the widest.
 PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -128,7 +129,26 @@ class NoCompiler(RuntimeError):
 def load(path: str | None = None):
     """The built extension (`path`: one of PATHS, None: native or what KVMESH_CPU_KERNELS names),
     or None (disabled, no compiler, a CPU without the path's flags, build error: logged once)."""
-    path = _resolve(path)
+    if path is None:
+        # NOTE: every kernel call of a forward asks (~6 per layer): the engine's answer is
+        # remembered, so KVMESH_CPU_KERNELS is read once per process (per `_state`: tests that
+        # change the variable start a fresh one), not twice per call under the lock.
+        fast = _default
+        if fast is not None and fast[0] is _state:
+            return fast[1]
+        return _load_default()
+    return _load(path)
+
+
+def _load_default():
+    global _default
+    state = _state
+    ext = _load(_resolve(None))
+    _default = (state, ext)
+    return ext
+
+
+def _load(path: str | None):
     with _lock:
         state = _state.setdefault(path, {})
         if "ext" in state:

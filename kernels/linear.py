@@ -127,10 +127,11 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _dense_2d(x: torch.Tensor, weight: torch.Tensor, gemm_dtype: torch.dtype) -> bool:
-    return (_ONEDNN and x.device.type == "cpu" and weight.device.type == "cpu"
-            and gemm_dtype in _ONEDNN_DTYPES and weight.dtype == x.dtype and x.dim() == 2
-            and x.shape[0] > 0 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and weight.is_contiguous()
+    # NOTE: asked on every projection (121 a step for SmolLM2): `is_cpu` and `ndim` are
+    # attributes where `device.type` builds a device object and `dim()` is a call (1.6 -> 0.9 µs)
+    return (_ONEDNN and x.is_cpu and weight.is_cpu and gemm_dtype in _ONEDNN_DTYPES
+            and weight.dtype == x.dtype and x.ndim == 2 and weight.ndim == 2
+            and x.shape[0] > 0 and x.shape[1] == weight.shape[1] and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 

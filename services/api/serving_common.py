@@ -310,6 +310,15 @@ def sse_usage_chunk(request_id: str, obj: str, created: int, model: str,
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async iterators as items arrive: yields (stream index, item)."""
+    if len(streams) == 1:
+        # NOTE: one stream (a chat request, a completion of one prompt): read it directly; a
+        # pump task and a queue would cost a task switch and two queue hops per token.
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _aclose(streams[0])
+        return
     # NOTE: bounded, so that a consumer that stops (a slow client) stops the pumps too, and the
     # outputs wait in each request's own bounded queue, which aborts a reader too far behind.
     queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, len(streams)))
@@ -339,12 +348,16 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         for t in tasks:
             t.cancel()
         for s in streams:
-            aclose = getattr(s, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except RuntimeError:
-                    pass
+            await _aclose(s)
+
+
+async def _aclose(stream: AsyncIterator) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except RuntimeError:
+            pass
 
 
 async def final_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -81,3 +81,38 @@ async def test_a_final_only_reader_gets_the_whole_result_however_late_it_reads(s
         assert llm.kv_manager.num_free_blocks == 32 and engine.num_in_flight == 0
     finally:
         engine.shutdown()
+
+
+async def test_a_steps_outputs_reach_the_event_loop_in_one_wake_up(smollm):
+    """Three requests decoding together: each step that produced outputs wakes the event loop
+    once (one call_soon_threadsafe), not once per request, and every reader gets every token."""
+    llm = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=256), loaded=smollm)
+    engine = AsyncLLMEngine(llm)
+    loop = asyncio.get_running_loop()
+    wakeups, steps_with_outputs = [], []
+    call_soon_threadsafe, step = loop.call_soon_threadsafe, llm.step
+
+    def counting_call(callback, *args):
+        wakeups.append(getattr(callback, "__name__", ""))
+        return call_soon_threadsafe(callback, *args)
+
+    def counting_step():
+        outputs = step()
+        if outputs:
+            steps_with_outputs.append(len(outputs))
+        return outputs
+
+    loop.call_soon_threadsafe = counting_call
+    llm.step = counting_step
+    try:
+        params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0)
+        engine.start()
+        async with asyncio.timeout(120):
+            streams = [await engine.add_request(f"r{i}", [1, 2, 3 + i], params) for i in range(3)]
+            outs = [[o async for o in s] for s in streams]
+    finally:
+        del loop.call_soon_threadsafe
+        engine.shutdown()
+    assert [sum(len(o.outputs[0].delta_token_ids) for o in r) for r in outs] == [16, 16, 16]
+    assert wakeups.count("_offer_batch") == len(steps_with_outputs)
+    assert sum(steps_with_outputs) > len(steps_with_outputs)   # steps with several outputs

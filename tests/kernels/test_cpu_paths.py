@@ -211,3 +211,15 @@ def test_lora_sgmv_add(path_ext, monkeypatch, dtype):
     want, bound = definition_and_bound(*args[:4], token_slots, dtype)
     assert bool(((got.double() - want).abs() <= bound).all())
     assert torch.equal(got[[1, 5]], args[3][[1, 5]])          # base-model rows untouched
+
+
+def test_plain_load_reads_kvmesh_cpu_kernels_once(monkeypatch):
+    """Every kernel call asks load(): the engine's answer is remembered (no environment read
+    per call); a fresh `_state` (what the tests above use) reads the variable again."""
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    first = cpu_kernels.load()
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "sse4")        # an error, were it read again
+    assert cpu_kernels.load() is first
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    with pytest.raises(ValueError, match="KVMESH_CPU_KERNELS='sse4'"):
+        cpu_kernels.load()

@@ -36,16 +36,17 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
     `.to(dtype)`) is noticed by its data pointer and the buffer is rebuilt. Meta weights are
     not fused (returns None, None).
     """
+    cached = module.__dict__.get(attr)
+    if cached is not None and cached[2] == _data_ptrs(linears):
+        # NOTE: the path of every forward (twice per layer): a tensor's data pointer per
+        # projection, read from the modules' parameter / buffer dicts without nn.Module's
+        # __getattr__, and nothing built
+        return cached[0], cached[1]
     if any(isinstance(lin, QuantizedLinear) for lin in linears):
         return _fused_quantized(module, linears, attr)
     if any(isinstance(lin, HFQuantizedLinear) for lin in linears):
         return _fused_hf(module, linears, attr)
     ws = [lin.weight for lin in linears]
-    cached = getattr(module, attr, None)
-    if cached is not None:
-        weight, bias, ptrs = cached
-        if ptrs == tuple(w.data_ptr() for w in ws):
-            return weight, bias
     if any(w.is_meta for w in ws):
         return None, None
     has_bias = [lin.bias is not None for lin in linears]
@@ -68,6 +69,12 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
     return weight, bias
 
 
+def _data_ptrs(linears: tuple[nn.Module, ...]) -> tuple[int, ...]:
+    """Where each projection's weight (dense) or block bytes (GGUF: `qweight`) lie now."""
+    return tuple([lin._parameters["weight"].data_ptr() if "weight" in lin._parameters
+                  else lin._buffers["qweight"].data_ptr() for lin in linears])
+
+
 def _fused_quantized(module: nn.Module, linears: tuple[nn.Module, ...],
                      attr: str) -> tuple[QuantizedWeight | None, torch.Tensor | None]:
     """fused_weights for GGUF blocks: the rows of every projection in one buffer, each module's
@@ -75,10 +82,6 @@ def _fused_quantized(module: nn.Module, linears: tuple[nn.Module, ...],
     a dense one among them, or different formats (a Q4_K_M file keeps attn_v in Q6_K)."""
     if not all(isinstance(lin, QuantizedLinear) for lin in linears):
         return None, None
-    ptrs = tuple(lin.qweight.data_ptr() for lin in linears)
-    cached = getattr(module, attr, None)
-    if cached is not None and cached[2] == ptrs:
-        return cached[0], cached[1]
     weight = concat([lin.weight for lin in linears])
     if weight is None:
         return None, None
