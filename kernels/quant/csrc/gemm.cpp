@@ -317,57 +317,63 @@ inline __m256i sum_lanes8(const __m256i* p) {
 // The one-scale-per-32 formats eight blocks at a time, R activation rows per loaded group: the
 // 8 weight scales (and Q4_1 mins) come in by one gather and become one vector, each row's 8
 // integer block sums are gathered into one vector by a lane-sum tree, and the float work is 2
-// vector FMAs per row per 8 blocks instead of 2 scalar ones per block: the per-block scalar
-// work of dot_rows_direct was what held one row below memory speed. The blocks left over
-// (K / 32 not a multiple of 8) go through dot_rows_direct.
+// vector FMAs per row per 8 blocks where dot_rows_direct spends 2 scalar ones per block.
+template <int F>
+constexpr int kBytes = F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20;
+
+// acc[r] += blocks b .. b+7 of the weight row (`blk`: block b) against activation row r.
 template <int F, int R>
-inline void dot_rows_grouped(const uint8_t* row, int64_t nblk, const QRow* xr, float* out) {
-  constexpr int BYTES = F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20;
+inline void dot_group8(const uint8_t* blk, int64_t b, const QRow* xr, __m256* acc) {
+  constexpr int BYTES = kBytes<F>;
   const __m256i offsets = _mm256_setr_epi32(0, BYTES, 2 * BYTES, 3 * BYTES, 4 * BYTES, 5 * BYTES,
                                             6 * BYTES, 7 * BYTES);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   alignas(32) uint8_t wq[8 * 32];   // the group's weights as bytes (L1; stored once, read R times)
+  // each block's first 4 bytes: d (fp16), then Q4_1's m (fp16)
+  const __m256i head = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), offsets, 1);
+  const __m256 d = halves_to_float<false>(head);
+  __m256 c = _mm256_setzero_ps();   // per block: the weight of the block's sum of x (Q4_1 m, Q4_0 -8d)
+  if constexpr (F == Q4_1) c = halves_to_float<true>(head);
+  if constexpr (F == Q4_0) c = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t* bi = blk + i * BYTES;
+    __m256i wv;
+    if constexpr (F == Q8_0) {
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bi + 2));
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bi + (F == Q4_0 ? 2 : 4)));
+      wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 32 * i), wv);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xq = xr[r].q + b * 32;
+    __m256i p[8];
+    for (int i = 0; i < 8; ++i)
+      p[i] = dot32<F == Q8_0>(_mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32 * i)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
+    const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xr[r].d + b));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(p)), scale, acc[r]);
+    if constexpr (F != Q8_0) acc[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xr[r].t + b), acc[r]);
+  }
+}
+
+// One weight row against R activation rows. NOTE: the blocks left over (K / 32 not a multiple of
+// 8) run as one more group from a zero-padded copy: zero scales and weights add exact zeros, and
+// the activations they meet past K are finite (the next row's, or gemm_int8's zero padding), so
+// every row is computed by the same operations whatever R is.
+template <int F, int R>
+inline void dot_rows_grouped(const uint8_t* row, int64_t nblk, const QRow* xr, float* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 8 <= nblk; b += 8) {
-    const uint8_t* blk = row + b * BYTES;
-    // each block's first 4 bytes: d (fp16), then Q4_1's m (fp16)
-    const __m256i head = _mm256_i32gather_epi32(reinterpret_cast<const int*>(blk), offsets, 1);
-    const __m256 d = halves_to_float<false>(head);
-    __m256 c = _mm256_setzero_ps();   // per block: the weight of the block's sum of x (Q4_1 m, Q4_0 -8d)
-    if constexpr (F == Q4_1) c = halves_to_float<true>(head);
-    if constexpr (F == Q4_0) c = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-    for (int i = 0; i < 8; ++i) {
-      const uint8_t* bi = blk + i * BYTES;
-      __m256i wv;
-      if constexpr (F == Q8_0) {
-        wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bi + 2));
-      } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bi + (F == Q4_0 ? 2 : 4)));
-        wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
-      }
-      _mm256_store_si256(reinterpret_cast<__m256i*>(wq + 32 * i), wv);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = xr[r].q + b * 32;
-      __m256i p[8];
-      for (int i = 0; i < 8; ++i)
-        p[i] = dot32<F == Q8_0>(_mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32 * i)),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(xr[r].d + b));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(p)), scale, acc[r]);
-      if constexpr (F != Q8_0) acc[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xr[r].t + b), acc[r]);
-    }
-  }
-  float tail[R] = {};
+  for (; b + 8 <= nblk; b += 8) dot_group8<F, R>(row + b * kBytes<F>, b, xr, acc);
   if (b < nblk) {
-    QRow rest[R];
-    for (int r = 0; r < R; ++r)
-      rest[r] = {xr[r].q + b * 32, xr[r].d + b, xr[r].s + 2 * b, xr[r].t + b};
-    dot_rows_direct<F, R>(row + b * BYTES, nblk - b, rest, tail);
+    alignas(32) uint8_t pad[8 * kBytes<F> + 16] = {};   // + 16: the gather's and loads' reach
+    std::memcpy(pad, row + b * kBytes<F>, (nblk - b) * kBytes<F>);
+    dot_group8<F, R>(pad, b, xr, acc);
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + tail[r];
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 #else
 template <int F, int R>
@@ -380,10 +386,11 @@ template <int F>
 void gemm_int8(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
                int64_t row_bytes) {
   const int64_t nblk = K / 32;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nblk);
+  // NOTE: 8 blocks of zeros past the last row: dot_rows_grouped's leftover group reads there
+  std::vector<int8_t> xq(M * K + 8 * 32);
+  std::vector<float> xd(M * nblk + 8);
   std::vector<float> xs(M * nblk * 2);
-  std::vector<float> xt(M * nblk);
+  std::vector<float> xt(M * nblk + 8);
   quantize_rows(x, M, K, xq.data(), xd.data(), xs.data(), xt.data());
   std::vector<QRow> rows(M);
   for (int64_t m = 0; m < M; ++m)
