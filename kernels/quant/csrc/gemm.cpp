@@ -411,11 +411,15 @@ void gemm_int8(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N,
             dot_rows_grouped<F, MT>(wc + j * row_bytes, nblk, rows.data() + m, out);
             for (int r = 0; r < MT; ++r) y[(m + r) * N + n0 + j] = out[r];
           }
-        for (; m < M; ++m)
-          for (int64_t j = 0; j < nb; ++j) {
-            dot_rows_grouped<F, 1>(wc + j * row_bytes, nblk, rows.data() + m, out);
-            y[m * N + n0 + j] = out[0];
-          }
+        // the 1-3 rows left share each loaded group too (2 rows cost ~1.2x one, not 2x)
+        const int64_t left = M - m;
+        for (int64_t j = 0; left > 0 && j < nb; ++j) {
+          const uint8_t* wr = wc + j * row_bytes;
+          if (left == 3) dot_rows_grouped<F, 3>(wr, nblk, rows.data() + m, out);
+          else if (left == 2) dot_rows_grouped<F, 2>(wr, nblk, rows.data() + m, out);
+          else dot_rows_grouped<F, 1>(wr, nblk, rows.data() + m, out);
+          for (int64_t r = 0; r < left; ++r) y[(m + r) * N + n0 + j] = out[r];
+        }
         continue;
       }
       for (int64_t j = 0; j < nb; ++j) {
