@@ -45,7 +45,7 @@ if __package__ in (None, ""):
 from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
-from kvmesh.kernels.quant.ops import TILED_MIN_ROWS, gemm_path, tiled_isa  # noqa: E402
+from kvmesh.kernels.quant.ops import INT8_TILED_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tiled_isa  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 49152, 64, 9, 3
 SHAPES = {   # name -> (N, K) as the engine multiplies them
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
+    print(f"# int8 activations take the tiled path from {INT8_TILED_MIN_ROWS} rows (None: never)")
     print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
           + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items()))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
