@@ -9,6 +9,8 @@ of random weights, M activation rows. Per call, in microseconds (the 20th percen
 passes: robust to other processes on the cores):
 
     rows        quant_linear(path="rows"), float32 activations: the per-row kernel
+    rows i8     quant_linear(path="rows", activations="int8"): the per-row kernel, activations
+                quantized to int8 per 32-block (integer dot products)
     tiled       quant_linear(path="tiled"), float32 activations: float32 tiles
     tiled bf16  quant_linear(path="tiled"), bfloat16 activations: bf16 tiles (AVX512-BF16) or
                 float32 tiles on the widened activations (other CPUs)
@@ -16,6 +18,10 @@ passes: robust to other processes on the cores):
     dense bf16  the same on the weight rounded to bfloat16 (--dtype bfloat16)
     auto/bf16   dense bf16 time over what quant_linear picks for bf16 activations (gemm_path):
                 above 1, the blocks are faster than the dense bf16 model
+    i8/bf16     dense bf16 time over the per-row int8 kernel's
+    GB/s i8     the int8 kernel's weight bytes read a second (the blocks, once a call): against
+                the machine's memory bandwidth, how far the kernel is from streaming speed
+    GB/s bf16   the same for dense bf16 (2 bytes a weight)
 
 Each weight is cycled through enough copies (--working-set MB of float32) that the weights come
 from memory as in a whole model rather than from cache; every column runs in the same process,
@@ -39,7 +45,7 @@ if __package__ in (None, ""):
 from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
-from kvmesh.kernels.quant.ops import TILED_MIN_ROWS, gemm_path, tiled_isa  # noqa: E402
+from kvmesh.kernels.quant.ops import INT8_TILED_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tiled_isa  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 49152, 64, 9, 3
 SHAPES = {   # name -> (N, K) as the engine multiplies them
@@ -49,7 +55,7 @@ SHAPES = {   # name -> (N, K) as the engine multiplies them
     "down": (HIDDEN, INTER),
     "lm_head": (VOCAB, HIDDEN),
 }
-COLUMNS = ("rows", "tiled", "tiled bf16", "dense f32", "dense bf16")
+COLUMNS = ("rows", "rows i8", "tiled", "tiled bf16", "dense f32", "dense bf16")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -101,6 +107,8 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
     dense16 = [f32.to(torch.bfloat16) for _ in range(copies)]
     fns = {
         "rows": (lambda x, w: quant_linear(x, w, path="rows"), quant, torch.float32),
+        "rows i8": (lambda x, w: quant_linear(x, w, path="rows", activations="int8"), quant,
+                    torch.float32),
         "tiled": (lambda x, w: quant_linear(x, w, path="tiled"), quant, torch.float32),
         "tiled bf16": (lambda x, w: quant_linear(x, w, path="tiled"), quant, torch.bfloat16),
         "dense f32": (linear, dense32, torch.float32),
@@ -117,7 +125,9 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
         err = ((got - want).abs() / scale.clamp_min(1e-30)).max().item()
         print(f"{fmt:5} {name:8} {n:6} {k:5} {m:5} "
               + " ".join(f"{us[c]:11.1f}" for c in COLUMNS)
-              + f" {us['dense bf16'] / us[picked]:9.2f} {err:9.1e}", flush=True)
+              + f" {us['dense bf16'] / us[picked]:9.2f} {us['dense bf16'] / us['rows i8']:7.2f}"
+              + f" {qw.data.numel() / us['rows i8'] / 1e3:7.1f} {n * k * 2 / us['dense bf16'] / 1e3:9.1f}"
+              + f" {err:9.1e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,10 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}")
     print(f"# load average at start: {os.getloadavg()}")
+    print(f"# int8 activations take the tiled path from {INT8_TILED_MIN_ROWS} rows (None: never)")
     print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
           + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items()))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
-          + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'bf16 err':>9}   (us per call)")
+          + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'i8/bf16':>7} {'GB/s i8':>7} {'GB/s bf16':>9} {'bf16 err':>9}"
+          + "   (us per call)")
     for fmt in args.formats.split(","):
         for name in args.shapes.split(","):
             bench_shape(fmt, name, rows, args.reps, args.working_set)

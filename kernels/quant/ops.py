@@ -14,7 +14,8 @@ Two kernels take float activations (docs/KERNELS.md): "rows" rebuilds each weigh
 activation rows (the fastest at a few rows: nothing is written but the result); "tiled"
 dequantizes 16 weight rows at a time into a scratch tile and multiplies every activation row by
 it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AVX512-BF16, float32
-FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled".
+FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled";
+int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ PATHS = ("rows", "tiled")
 # model's shapes (benchmarks/quant_gemm.py, docs/KERNELS.md): bf16 tiles (vdpbf16ps, 32 products
 # an instruction) pay for the tile from 8 rows, float32 tiles only from 32.
 TILED_MIN_ROWS = {"bf16": 8, "float32": 32}
+# NOTE: int8 activations (the per-row int8 kernel) take the tiled kernel, on float activations, from
+# this many rows: at 8 bf16 rows the bf16 tiles overtook the int8 kernel on the built-in model's
+# shapes (benchmarks/quant_gemm.py, docs/KERNELS.md), while float32 tiles stayed behind it up to
+# 64 rows (None: never). The tiled result is the more exact one (no activation rounding).
+INT8_TILED_MIN_ROWS: dict[str, int | None] = {"bf16": 8, "float32": None}
 
 
 def tile_kind(dtype: torch.dtype) -> str:
@@ -40,9 +46,8 @@ def tile_kind(dtype: torch.dtype) -> str:
 
 def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = "float") -> str:
     """"tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
-    if activations != "float":
-        return "rows"
-    return "tiled" if rows >= TILED_MIN_ROWS[tile_kind(dtype)] else "rows"
+    at = (TILED_MIN_ROWS if activations == "float" else INT8_TILED_MIN_ROWS)[tile_kind(dtype)]
+    return "tiled" if at is not None and rows >= at else "rows"
 
 
 def kernels_available() -> bool:
@@ -67,9 +72,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    path = path or gemm_path(x2.shape[0], x2.dtype, activations)
-    if path not in PATHS or (path == "tiled" and activations != "float"):
+    if path is not None and (path not in PATHS or (path == "tiled" and activations != "float")):
         raise ValueError(f"path must be one of {PATHS} ('tiled' takes float activations), got {path!r}")
+    path = path or gemm_path(x2.shape[0], x2.dtype, activations)
     if path == "tiled":
         # NOTE: bf16 activations go in as they are: the bf16 tile path reads them directly
         xt = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()

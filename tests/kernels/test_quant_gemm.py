@@ -19,6 +19,7 @@ from gguf.quants import dequantize as gguf_dequantize, quantize
 
 from kvmesh.kernels.quant import (QuantizedWeight, concat, dequantize, embedding_rows,
                                   kernels_available, quant_linear)
+from kvmesh.kernels import cpu_kernels
 from kvmesh.kernels.quant import build
 from kvmesh.kernels.quant.ops import int8_isa
 
@@ -85,13 +86,9 @@ def test_float_activations_equal_the_dequantized_matmul(qtype, shape):
     assert ((y - dense).abs().double() <= 2 * bound).all()
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_int8_activations_within_the_int8_rounding_error(qtype, shape):
-    m, n, k = shape
-    w, ref = _weight(qtype, n, k, seed=m)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    y = quant_linear(x, w, activations="int8").double()
+def _assert_int8_bounds(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> None:
+    k = x.shape[1]
+    y = y.double()
     x_hat = int8_rounded(x)
     rounding = (k + 4) * U * (x_hat.abs().double() @ ref.abs().double().T)
     assert ((y - x_hat.double() @ ref.double().T).abs() <= rounding).all()
@@ -99,6 +96,53 @@ def test_int8_activations_within_the_int8_rounding_error(qtype, shape):
     exact = x.double() @ ref.double().T
     assert ((y - exact).abs() <= int8_error + rounding).all()
     assert (int8_error > 0).any()       # the bound is not vacuous: x was really rounded
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_int8_activations_within_the_int8_rounding_error(qtype, shape):
+    m, n, k = shape
+    w, ref = _weight(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    _assert_int8_bounds(quant_linear(x, w, activations="int8"), x, ref)
+
+
+# (M, N, K) for the one-scale-per-32 formats: K / 32 = 1 (no whole group of 8 blocks), 9 (a group
+# and one block left over), 23 (two groups and 7 left); M = 16 and 11: four 4-row tiles, and two
+# tiles with 3 rows left.
+GROUP_SHAPES = [(2, 3, 32), (16, 5, 288), (11, 9, 736)]
+
+
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_int8_groups_of_eight_blocks_and_the_blocks_left_over(qtype, shape):
+    m, n, k = shape
+    w, ref = _weight(qtype, n, k, seed=k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    _assert_int8_bounds(quant_linear(x, w, activations="int8"), x, ref)
+    # the row results do not depend on which rows share a call (the 4-row tiles, the leftovers)
+    one = torch.cat([quant_linear(x[i:i + 1], w, activations="int8") for i in range(m)])
+    torch.testing.assert_close(quant_linear(x, w, activations="int8"), one, rtol=0, atol=0)
+
+
+def test_the_avx2_build_of_the_per_row_paths():
+    """The per-row kernels an AVX2-only CPU runs (the same sources built with -mno-avx512f):
+    maddubs + madd for the int8 dot product; every format, both activations, leftover blocks."""
+    missing = cpu_kernels.missing_flags("avx2")
+    if missing:
+        pytest.skip(f"the avx2 path needs CPU flags {', '.join(missing)}, which this CPU lacks")
+    ext = build.load("avx2")
+    assert ext is not None, build.unavailable_reason("avx2")
+    assert ext.int8_isa() == "avx2"
+    for qtype in FORMATS:
+        k = 768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 288
+        w, ref = _weight(qtype, 7, k, seed=4)
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(6))
+        _assert_int8_bounds(ext.quant_gemm(x, w.data, w.qtype, k, True), x, ref)
+        y = ext.quant_gemm(x, w.data, w.qtype, k, False).double()
+        exact = x.double() @ ref.double().T
+        bound = (k + 2) * U * (x.abs().double() @ ref.abs().double().T)
+        assert ((y - exact).abs() <= bound).all(), qtype.name
 
 
 def test_bias_leading_dims_and_zero_rows():

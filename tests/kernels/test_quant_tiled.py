@@ -14,7 +14,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from kvmesh.kernels import cpu_kernels
 from kvmesh.kernels.quant import build, kernels_available, quant_linear
-from kvmesh.kernels.quant.ops import TILED_MIN_ROWS, gemm_path, tile_kind, tiled_isa
+from kvmesh.kernels.quant.ops import INT8_TILED_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tile_kind, tiled_isa
 from tests.kernels.test_quant_gemm import FORMATS, U, _weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(),
@@ -71,7 +71,16 @@ def test_quant_linear_switches_kernels_at_the_threshold():
     for dtype in (torch.float32, torch.bfloat16):
         at = TILED_MIN_ROWS[tile_kind(dtype)]
         assert (gemm_path(at - 1, dtype), gemm_path(at, dtype)) == ("rows", "tiled")
-        assert gemm_path(at, dtype, activations="int8") == "rows"
+        int8_at = INT8_TILED_MIN_ROWS[tile_kind(dtype)]
+        if int8_at is None:
+            assert gemm_path(4096, dtype, activations="int8") == "rows"
+        else:
+            assert (gemm_path(int8_at - 1, dtype, activations="int8"),
+                    gemm_path(int8_at, dtype, activations="int8")) == ("rows", "tiled")
+            xi = torch.randn(int8_at, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+            assert torch.equal(quant_linear(xi, w, activations="int8"), quant_linear(xi, w, path="tiled"))
+            assert torch.equal(quant_linear(xi[:-1], w, activations="int8"),
+                               quant_linear(xi[:-1], w, activations="int8", path="rows"))
         x = torch.randn(at, 256, generator=torch.Generator().manual_seed(at)).to(dtype)
         # the paths round differently, so equal bits say which one ran
         assert torch.equal(quant_linear(x, w), quant_linear(x, w, path="tiled"))
