@@ -347,8 +347,8 @@ def build_requests(tokenizer, args) -> tuple[list[BenchRequest], dict]:
     else:
         work = generate_requests(args.workload, seed=args.seed, scale=args.scale,
                                  max_total_len=args.max_total_len, prompt_fraction=args.prompt_fraction)
-        if args.num_requests:
-            work = work[:args.num_requests]
+    if args.num_requests:
+        work = work[:args.num_requests]
     rng = np.random.default_rng(args.seed)
     reqs = [BenchRequest(make_prompt_ids(tokenizer, w.prompt_len, rng), w.output_len) for w in work]
     return reqs, summarize(work)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=float, default=10.0, help="divide the class length means by this")
     p.add_argument("--max-total-len", type=int, default=1024, help="cap of prompt + output tokens")
     p.add_argument("--prompt-fraction", type=float, default=0.5)
-    p.add_argument("--num-requests", type=int, default=64, help="first N requests by arrival (0: all)")
+    p.add_argument("--num-requests", type=int, default=64, help="the first N requests (by arrival for a scenario; 0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="kvmesh,vllm,hf-cb", help=f"any of {','.join(SYSTEMS)}")
     p.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of hf-static")
