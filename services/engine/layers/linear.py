@@ -70,9 +70,16 @@ def fused_weights(module: nn.Module, linears: tuple[nn.Linear, ...],
 
 
 def _data_ptrs(linears: tuple[nn.Module, ...]) -> tuple[int, ...]:
-    """Where each projection's weight (dense) or block bytes (GGUF: `qweight`) lie now."""
-    return tuple([lin._parameters["weight"].data_ptr() if "weight" in lin._parameters
-                  else lin._buffers["qweight"].data_ptr() for lin in linears])
+    """Where each projection's weight lies now: the dense parameter, or the quantized bytes
+    (GGUF blocks and int4 groups: the `qweight` buffer; int8 / fp8: `weight_q`)."""
+    ptrs = []
+    for lin in linears:
+        t = lin._parameters.get("weight")
+        if t is None:
+            buffers = lin._buffers
+            t = buffers["qweight"] if "qweight" in buffers else buffers["weight_q"]
+        ptrs.append(t.data_ptr())
+    return tuple(ptrs)
 
 
 def _fused_quantized(module: nn.Module, linears: tuple[nn.Module, ...],
