@@ -65,16 +65,11 @@ class Int4GroupWeight:
         return out
 
 
-@dataclass(slots=True)
-class Int8ChannelWeight:
-    """int8 weights with one float32 scale per output row (compressed-tensors W8A8); the
-    activations are quantized per token to int8 on the fly."""
+class _PerChannelScaled:
+    """A [N, K] `weight` of one byte an element with a float32 `weight_scale`: its shape and
+    bytes (the fields are the subclasses')."""
 
-    weight: torch.Tensor        # int8 [N, K]
-    weight_scale: torch.Tensor  # float32 [N]
-    # NOTE: int32 [N], the sum of each row's codes: the CPU's VNNI path feeds activations as
-    # u8 = q + 128 and takes 128 * w_sum off (csrc/hf_gemm.cpp); computed once at load.
-    w_sum: torch.Tensor
+    __slots__ = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,6 +78,18 @@ class Int8ChannelWeight:
     @property
     def nbytes(self) -> int:
         return self.weight.numel() + self.weight_scale.numel() * 4
+
+
+@dataclass(slots=True)
+class Int8ChannelWeight(_PerChannelScaled):
+    """int8 weights with one float32 scale per output row (compressed-tensors W8A8); the
+    activations are quantized per token to int8 on the fly."""
+
+    weight: torch.Tensor        # int8 [N, K]
+    weight_scale: torch.Tensor  # float32 [N]
+    # NOTE: int32 [N], the sum of each row's codes: the CPU's VNNI path feeds activations as
+    # u8 = q + 128 and takes 128 * w_sum off (csrc/hf_gemm.cpp); computed once at load.
+    w_sum: torch.Tensor
 
     @property
     def format(self) -> str:
@@ -101,19 +108,11 @@ class Int8ChannelWeight:
 
 
 @dataclass(slots=True)
-class Fp8Weight:
+class Fp8Weight(_PerChannelScaled):
     """float8 e4m3 weights with a per-tensor ([1]) or per-row ([N]) float32 scale (GPU only)."""
 
     weight: torch.Tensor        # torch.float8_e4m3fn [N, K]
     weight_scale: torch.Tensor  # float32 [1] or [N]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() + self.weight_scale.numel() * 4
 
     @property
     def format(self) -> str:
