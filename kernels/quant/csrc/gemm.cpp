@@ -253,36 +253,42 @@ inline void dot_rows(const uint8_t* q, const Sub* sub, const float* a8, const QR
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
+// One Q8_0 / Q4_0 / Q4_1 block: its scale d, its constant term c (Q4_0: -8 d; Q4_1: the min;
+// Q8_0: 0) and its 32 codes as bytes (the nibbles unpacked, low halves first).
+template <int F>
+inline __m256i load_block(const uint8_t* blk, float& d, float& c) {
+  uint16_t dh;
+  std::memcpy(&dh, blk, 2);
+  d = _cvtsh_ss(dh);
+  c = 0.f;
+  if constexpr (F == Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  } else {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
+    if constexpr (F == Q4_0) {
+      c = -8.f * d;
+    } else {
+      uint16_t mh;
+      std::memcpy(&mh, blk + 2, 2);
+      c = _cvtsh_ss(mh);
+    }
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
+  }
+}
+
 // Q8_0 / Q4_0 / Q4_1 straight from the blocks, dequantized in registers (no unpacked row): the
 // formats whose every 32 elements share one scale, so each block is one integer dot product
 // and one FMA per activation row.
 template <int F, int R>
 inline void dot_rows_direct(const uint8_t* row, int64_t nblk, const QRow* xr, float* out) {
   constexpr int BYTES = F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 acc[R];
   float cacc[R] = {};
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblk; ++b) {
-    const uint8_t* blk = row + b * BYTES;
-    uint16_t dh;
-    std::memcpy(&dh, blk, 2);
-    const float d = _cvtsh_ss(dh);
-    float c = 0.f;
-    __m256i wv;
-    if constexpr (F == Q8_0) {
-      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
-      wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
-      if constexpr (F == Q4_0) {
-        c = -8.f * d;
-      } else {
-        uint16_t mh;
-        std::memcpy(&mh, blk + 2, 2);
-        c = _cvtsh_ss(mh);
-      }
-    }
+    float d, c;
+    const __m256i wv = load_block<F>(row + b * BYTES, d, c);
     for (int r = 0; r < R; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * 32));
       const float dx = xr[r].d[b];
@@ -363,21 +369,8 @@ inline void dot_group8(const uint8_t* blk, int64_t b, const QRow* xr, __m256* ac
 // that a row's result does not depend on R (the compiler contracts no scalar expression here).
 template <int F, int R>
 inline void dot_block1(const uint8_t* blk, int64_t b, const QRow* xr, __m256* acc) {
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  uint16_t dh;
-  std::memcpy(&dh, blk, 2);
-  const float d = _cvtsh_ss(dh);
-  float c = 0.f;
-  __m256i wv;
-  if constexpr (F == Q8_0) {
-    wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
-    wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
-    uint16_t mh;
-    std::memcpy(&mh, blk + 2, 2);
-    c = F == Q4_0 ? -8.f * d : _cvtsh_ss(mh);
-  }
+  float d, c;
+  const __m256i wv = load_block<F>(blk, d, c);
   for (int r = 0; r < R; ++r) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + b * 32));
     const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_set1_ps(xr[r].d[b]));
