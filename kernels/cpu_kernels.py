@@ -241,3 +241,37 @@ def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: 
         return cpp_extension.load(name=name, sources=[str(s) for s in sources],
                                   extra_cflags=list(_flags(path)), extra_ldflags=["-fopenmp"],
                                   build_directory=str(build_dir), verbose=False)
+
+
+class PathExtensions:
+    """Another C++ extension built per machine as these kernels are (`build_extension`), one
+    build per `PATHS` name (None: native), each loaded once and remembered with the reason it is
+    missing (logged once). The quantized GEMMs' extensions are two of these."""
+
+    def __init__(self, name: str, subdir: str, sources: tuple[Path, ...],
+                 headers: tuple[Path, ...], what: str) -> None:
+        self.name, self.subdir, self.sources, self.headers, self.what = name, subdir, sources, headers, what
+        self.state: dict[str | None, tuple[object | None, str | None]] = {}   # path -> (ext, why)
+        self._lock = threading.Lock()
+
+    def load(self, path: str | None = None):
+        """The built extension (`path`: a `PATHS` name, None: native), or None (disabled, no
+        compiler, a CPU without the path's flags, build error)."""
+        with self._lock:
+            if path not in self.state:
+                missing = missing_flags(path) if path is not None else ()
+                if missing:
+                    ext, why = None, f"the {path} path needs {', '.join(missing)}"
+                else:
+                    # NOTE: one module name per path: two extensions of one name cannot share a process
+                    name = self.name if path is None else f"{self.name}_{path}"
+                    ext, why = build_or_reason(
+                        lambda: build_extension(name, self.subdir, self.sources, self.headers, path))
+                if ext is None:
+                    log.warning("%s unavailable (%s)", self.what, why)
+                self.state[path] = (ext, why)
+            return self.state[path][0]
+
+    def unavailable_reason(self, path: str | None = None) -> str | None:
+        self.load(path)
+        return self.state[path][1]

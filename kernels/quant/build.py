@@ -10,13 +10,9 @@ under its own module name and cache entry, so the tests run every path this CPU 
 """
 from __future__ import annotations
 
-import logging
-import threading
 from pathlib import Path
 
 from kvmesh.kernels import cpu_kernels
-
-log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp")
@@ -24,34 +20,11 @@ HEADERS = (_CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h")
 NAME = "kvmesh_quant_kernels"
 SUBDIR = "quant-kernels"
 
-_lock = threading.Lock()
-_state: dict[str | None, dict[str, object]] = {}
-
-
-def load(path: str | None = None):
-    """The built extension (`path`: a `cpu_kernels.PATHS` name, None: native), or None
-    (disabled, no compiler, a CPU without the path's flags, build error: logged once)."""
-    with _lock:
-        state = _state.setdefault(path, {})
-        if "ext" in state:
-            return state["ext"]
-        if path is not None and cpu_kernels.missing_flags(path):
-            ext, why = None, f"the {path} path needs {', '.join(cpu_kernels.missing_flags(path))}"
-        else:
-            # NOTE: a failed build means the GGUF tensors are served dequantized
-            # NOTE: one module name per path: two extensions of one name cannot share a process.
-            name = NAME if path is None else f"{NAME}_{path}"
-            ext, why = cpu_kernels.build_or_reason(
-                lambda: cpu_kernels.build_extension(name, SUBDIR, SOURCES, HEADERS, path))
-        if ext is None:
-            log.warning("quantized GEMM kernels unavailable (%s)", why)
-        state["ext"], state["why"] = ext, why
-        return ext
-
-
-def unavailable_reason(path: str | None = None) -> str | None:
-    load(path)
-    return _state[path].get("why")  # type: ignore[return-value]
+# NOTE: a failed build means the GGUF tensors are served dequantized
+_kernels = cpu_kernels.PathExtensions(NAME, SUBDIR, SOURCES, HEADERS, "quantized GEMM kernels")
+_state = _kernels.state
+load = _kernels.load
+unavailable_reason = _kernels.unavailable_reason
 
 
 def build_key(path: str | None = None) -> str:

@@ -7,13 +7,9 @@ one, so neither rebuilds when the other changes.
 """
 from __future__ import annotations
 
-import logging
-import threading
 from pathlib import Path
 
 from kvmesh.kernels import cpu_kernels
-
-log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "hf_gemm.cpp",)
@@ -21,29 +17,7 @@ HEADERS = (_CSRC / "simd.h",)
 NAME = "kvmesh_hfquant_kernels"
 SUBDIR = "hfquant-kernels"
 
-_lock = threading.Lock()
-_state: dict[str | None, tuple[object | None, str | None]] = {}
-
-
-def load(path: str | None = None):
-    """The built extension (`path`: a `cpu_kernels.PATHS` name, None: native), or None
-    (disabled, no compiler, a CPU without the path's flags, build error: logged once)."""
-    with _lock:
-        if path not in _state:
-            missing = cpu_kernels.missing_flags(path) if path is not None else ()
-            if missing:
-                ext, why = None, f"the {path} path needs {', '.join(missing)}"
-            else:
-                # NOTE: one module name per path: two extensions of one name cannot share a process
-                name = NAME if path is None else f"{NAME}_{path}"
-                ext, why = cpu_kernels.build_or_reason(
-                    lambda: cpu_kernels.build_extension(name, SUBDIR, SOURCES, HEADERS, path))
-            if ext is None:
-                log.warning("Hugging Face quantized GEMM kernels unavailable (%s)", why)
-            _state[path] = (ext, why)
-        return _state[path][0]
-
-
-def unavailable_reason(path: str | None = None) -> str | None:
-    load(path)
-    return _state[path][1]
+_kernels = cpu_kernels.PathExtensions(NAME, SUBDIR, SOURCES, HEADERS, "Hugging Face quantized GEMM kernels")
+_state = _kernels.state
+load = _kernels.load
+unavailable_reason = _kernels.unavailable_reason

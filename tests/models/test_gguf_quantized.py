@@ -146,7 +146,7 @@ def test_quantization_option(tmp_path, monkeypatch, caplog):
     assert f64.quantization is None
     assert "the quantized kernels compute in float32, the model is float64" in caplog.text
     # fault injection: the kernels could not be built on this machine
-    monkeypatch.setitem(build._state, None, {"ext": None, "why": "build failed: injected"})
+    monkeypatch.setitem(build._state, None, (None, "build failed: injected"))
     with pytest.raises(ValueError, match="cannot serve tiny.gguf quantized: the quantized kernels "
                                          "are unavailable here: build failed: injected"):
         load_model(str(path), device="cpu", load_tokenizer=False, quantization="gguf")
