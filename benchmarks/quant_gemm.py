@@ -14,6 +14,9 @@ passes: robust to other processes on the cores):
     tiled       quant_linear(path="tiled"), float32 activations: float32 tiles
     tiled bf16  quant_linear(path="tiled"), bfloat16 activations: bf16 tiles (AVX512-BF16) or
                 float32 tiles on the widened activations (other CPUs)
+    slabs       quant_linear(path="slabs"), float32 activations: the weight dequantized a slab
+                at a time into a reused buffer, each slab through oneDNN's dense GEMM
+    slabs bf16  the same with bfloat16 activations (bf16 slabs on AVX512-BF16)
     dense f32   kvmesh.kernels.linear on the dequantized float32 weight (--quantization none)
     dense bf16  the same on the weight rounded to bfloat16 (--dtype bfloat16)
     auto/bf16   dense bf16 time over what quant_linear picks for bf16 activations (gemm_path):
@@ -45,7 +48,8 @@ if __package__ in (None, ""):
 from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
-from kvmesh.kernels.quant.ops import INT8_TILED_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tiled_isa  # noqa: E402
+from kvmesh.kernels.quant.ops import (INT8_TILED_MIN_ROWS, SLAB_MIN_ROWS, TILED_MIN_ROWS,  # noqa: E402
+                                      gemm_path, tiled_isa)  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 49152, 64, 9, 3
 SHAPES = {   # name -> (N, K) as the engine multiplies them
@@ -55,7 +59,7 @@ SHAPES = {   # name -> (N, K) as the engine multiplies them
     "down": (HIDDEN, INTER),
     "lm_head": (VOCAB, HIDDEN),
 }
-COLUMNS = ("rows", "rows i8", "tiled", "tiled bf16", "dense f32", "dense bf16")
+COLUMNS = ("rows", "rows i8", "tiled", "tiled bf16", "slabs", "slabs bf16", "dense f32", "dense bf16")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -111,13 +115,15 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
                     torch.float32),
         "tiled": (lambda x, w: quant_linear(x, w, path="tiled"), quant, torch.float32),
         "tiled bf16": (lambda x, w: quant_linear(x, w, path="tiled"), quant, torch.bfloat16),
+        "slabs": (lambda x, w: quant_linear(x, w, path="slabs"), quant, torch.float32),
+        "slabs bf16": (lambda x, w: quant_linear(x, w, path="slabs"), quant, torch.bfloat16),
         "dense f32": (linear, dense32, torch.float32),
         "dense bf16": (linear, dense16, torch.bfloat16),
     }
     for m in rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         us = {col: low_us(fn, x.to(dt), ws, reps) for col, (fn, ws, dt) in fns.items()}
-        picked = "rows" if gemm_path(m, torch.bfloat16) == "rows" else "tiled bf16"
+        picked = {"rows": "rows", "tiled": "tiled bf16", "slabs": "slabs bf16"}[gemm_path(m, torch.bfloat16)]
         xb = x.to(torch.bfloat16)
         got = quant_linear(xb, qw).double()
         want = linear(xb, dense16[0]).double()
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# load average at start: {os.getloadavg()}")
     print(f"# int8 activations take the tiled path from {INT8_TILED_MIN_ROWS} rows (None: never)")
     print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
-          + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items()))
+          + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items())
+          + "; the slabs from " + ", ".join(f"{n} rows ({kind})" for kind, n in SLAB_MIN_ROWS.items()))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
           + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'i8/bf16':>7} {'GB/s i8':>7} {'GB/s bf16':>9} {'bf16 err':>9}"
           + "   (us per call)")

@@ -16,18 +16,28 @@ dequantizes 16 weight rows at a time into a scratch tile and multiplies every ac
 it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AVX512-BF16, float32
 FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled";
 int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
+
+"slabs", from SLAB_MIN_ROWS rows on (a prefill's hundreds of rows): the weight is dequantized a
+slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
+never the matrix) by the tiles' own arithmetic, and each slab multiplied by oneDNN's dense GEMM,
+whose register blocking the tile micro-kernel does not match at that many rows (docs/KERNELS.md,
+"Many rows"). The dequantization is read once per call and its cost spread over the rows, so the
+result is the tiled path's (bf16 slabs for bf16 activations on AVX512-BF16, float32 otherwise) at
+the dense GEMM's speed; the weight stays in blocks.
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+import torch.nn.functional as F
 
+from kvmesh.kernels import linear as dense
 from kvmesh.kernels.quant.build import load
 from kvmesh.kernels.quant.weight import QuantizedWeight
 
 ACTIVATIONS = ("float", "int8")
-PATHS = ("rows", "tiled")
+PATHS = ("rows", "tiled", "slabs")
 # NOTE: the fewest activation rows at which the tiled kernel beat the per-row one on the built-in
 # model's shapes (benchmarks/quant_gemm.py, docs/KERNELS.md): bf16 tiles (vdpbf16ps, 32 products
 # an instruction) pay for the tile from 8 rows, float32 tiles only from 32.
@@ -37,6 +47,11 @@ TILED_MIN_ROWS = {"bf16": 8, "float32": 32}
 # shapes (benchmarks/quant_gemm.py, docs/KERNELS.md), while float32 tiles stayed behind it up to
 # 64 rows (None: never). The tiled result is the more exact one (no activation rounding).
 INT8_TILED_MIN_ROWS: dict[str, int | None] = {"bf16": 8, "float32": None}
+# NOTE: the fewest rows at which dequantizing slabs for oneDNN beat the tiles on the built-in
+# model's shapes (benchmarks/quant_gemm.py's "slabs" column, docs/KERNELS.md); any activations.
+SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
+# the scratch slab's budget: rows of W dequantized at once (the LM head takes several slabs)
+SLAB_BYTES = 4 << 20
 
 
 def tile_kind(dtype: torch.dtype) -> str:
@@ -45,7 +60,9 @@ def tile_kind(dtype: torch.dtype) -> str:
 
 
 def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = "float") -> str:
-    """"tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
+    """"slabs", "tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
+    if rows >= SLAB_MIN_ROWS[tile_kind(dtype)]:
+        return "slabs"
     at = (TILED_MIN_ROWS if activations == "float" else INT8_TILED_MIN_ROWS)[tile_kind(dtype)]
     return "tiled" if at is not None and rows >= at else "rows"
 
@@ -75,7 +92,9 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     if path is not None and (path not in PATHS or (path == "tiled" and activations != "float")):
         raise ValueError(f"path must be one of {PATHS} ('tiled' takes float activations), got {path!r}")
     path = path or gemm_path(x2.shape[0], x2.dtype, activations)
-    if path == "tiled":
+    if path == "slabs":
+        y = _slab_gemm(x2, w)
+    elif path == "tiled":
         # NOTE: bf16 activations go in as they are: the bf16 tile path reads them directly
         xt = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
         y = _ext().quant_gemm_tiled(xt, w.data, w.qtype, w.shape[1])
@@ -86,6 +105,36 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
         y.add_(bias)
     y = y if x.dtype == torch.float32 else y.to(x.dtype)
     return y.view(*lead, w.shape[0])
+
+
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _slab_gemm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """[M, N] in x's dtype (float32 for float32 slabs): x @ W^T, W dequantized slab by slab."""
+    n, k = w.shape
+    slab_dtype = torch.bfloat16 if tile_kind(x.dtype) == "bf16" else torch.float32
+    xs = x.contiguous() if x.dtype == slab_dtype else x.to(slab_dtype).contiguous()
+    per_slab = max(1, min(n, SLAB_BYTES // (k * (2 if slab_dtype == torch.bfloat16 else 4))))
+    buf = _scratch.get(slab_dtype)
+    if buf is None or buf.numel() < per_slab * k:
+        # NOTE: kept between calls: a fresh multi-MB tensor each call is an mmap, page faults and
+        # a munmap (glibc), about as long as the dequantization itself
+        buf = _scratch[slab_dtype] = torch.empty(per_slab * k, dtype=slab_dtype)
+    y = torch.empty(x.shape[0], n, dtype=slab_dtype) if per_slab < n else None
+    ext = _ext()
+    for n0 in range(0, n, per_slab):
+        rows = min(per_slab, n - n0)
+        slab = buf[:rows * k].view(rows, k)
+        ext.dequantize_into(w.data, n0, slab, w.qtype, k)
+        # NOTE: not kernels.linear.linear: it caches a reordered copy on the weight tensor, and this
+        # scratch is rewritten in place by C++ (no version bump): the unpacked oneDNN primitive
+        part = (torch.ops.mkldnn._linear_pointwise(xs, slab, None, "none", [None], "")
+                if dense.uses_onednn(xs, slab) else F.linear(xs, slab))
+        if y is None:
+            return part
+        y[:, n0:n0 + rows] = part
+    return y
 
 
 def embedding_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:

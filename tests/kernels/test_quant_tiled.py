@@ -14,7 +14,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from kvmesh.kernels import cpu_kernels
 from kvmesh.kernels.quant import build, kernels_available, quant_linear
-from kvmesh.kernels.quant.ops import INT8_TILED_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tile_kind, tiled_isa
+from kvmesh.kernels.quant.ops import (INT8_TILED_MIN_ROWS, SLAB_MIN_ROWS, TILED_MIN_ROWS, gemm_path, tile_kind,
+                                      tiled_isa)
 from tests.kernels.test_quant_gemm import FORMATS, U, _weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(),
@@ -73,7 +74,7 @@ def test_quant_linear_switches_kernels_at_the_threshold():
         assert (gemm_path(at - 1, dtype), gemm_path(at, dtype)) == ("rows", "tiled")
         int8_at = INT8_TILED_MIN_ROWS[tile_kind(dtype)]
         if int8_at is None:
-            assert gemm_path(4096, dtype, activations="int8") == "rows"
+            assert gemm_path(SLAB_MIN_ROWS[tile_kind(dtype)] - 1, dtype, activations="int8") == "rows"
         else:
             assert (gemm_path(int8_at - 1, dtype, activations="int8"),
                     gemm_path(int8_at, dtype, activations="int8")) == ("rows", "tiled")

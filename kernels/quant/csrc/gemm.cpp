@@ -561,5 +561,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_isa", &kvmesh_quant::int8_isa, "the instruction set of the int8 dot product");
   m.def("quant_gemm_tiled", &kvmesh_quant::quant_gemm_tiled,
         "y = x @ W^T for many rows: W dequantized a tile at a time (float32 or bfloat16 x)");
+  m.def("dequantize_into", &kvmesh_quant::dequantize_into,
+        "rows [n0, n0 + out.size(0)) of a GGUF-block weight dequantized into out (float32 or bf16)");
   m.def("tiled_isa", &kvmesh_quant::tiled_isa, "the instruction set of the tiled path's kernels");
 }

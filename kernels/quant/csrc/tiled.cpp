@@ -343,6 +343,26 @@ void dispatch_tiled(int64_t fmt, const T* x, const uint8_t* w, float* y, int64_t
   }
 }
 
+template <typename T>
+void dequantize_range(int64_t fmt, const uint8_t* w, int64_t n0, int64_t rows, int64_t K, int64_t row_bytes,
+                      T* out) {
+  auto run = [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) dequantize_slab<F, T>(w + (n0 + r) * row_bytes, 0, K, out + r * K);
+    });
+  };
+  switch (fmt) {
+    case Q4_0: run(std::integral_constant<int, Q4_0>{}); break;
+    case Q4_1: run(std::integral_constant<int, Q4_1>{}); break;
+    case Q8_0: run(std::integral_constant<int, Q8_0>{}); break;
+    case Q4_K: run(std::integral_constant<int, Q4_K>{}); break;
+    case Q5_K: run(std::integral_constant<int, Q5_K>{}); break;
+    case Q6_K: run(std::integral_constant<int, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", fmt);
+  }
+}
+
 }  // namespace
 
 torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K) {
@@ -369,6 +389,25 @@ torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, i
                           row_bytes);
   }
   return y;
+}
+
+void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& out, int64_t fmt, int64_t K) {
+  const int64_t row_bytes = check_weight(w, fmt, K);
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == K && out.is_contiguous() && out.device().is_cpu(),
+              "dequantize_into: out must be a contiguous CPU [rows, K] tensor");
+  const int64_t rows = out.size(0);
+  TORCH_CHECK(n0 >= 0 && n0 + rows <= w.size(0), "dequantize_into: rows [", n0, ", ", n0 + rows,
+              ") out of range [0, ", w.size(0), ")");
+#if KQ_BF16
+  if (out.dtype() == torch::kBFloat16) {
+    dequantize_range<bf16_t>(fmt, w.data_ptr<uint8_t>(), n0, rows, K, row_bytes,
+                             reinterpret_cast<bf16_t*>(out.data_ptr<at::BFloat16>()));
+    return;
+  }
+#endif
+  TORCH_CHECK(out.dtype() == torch::kFloat32, "dequantize_into: out must be float32",
+              KQ_BF16 ? " or bfloat16" : " (this build has no bf16 tiles)");
+  dequantize_range<float>(fmt, w.data_ptr<uint8_t>(), n0, rows, K, row_bytes, out.data_ptr<float>());
 }
 
 std::string tiled_isa() {
