@@ -20,6 +20,9 @@ def test_the_env_sets_the_floor(monkeypatch):
     assert gemm_rows.min_rows_from_env() == 3
     monkeypatch.delenv("KVMESH_GEMM_MIN_ROWS")
     assert gemm_rows.min_rows_from_env() == gemm_rows.default_min_rows(gemm_rows.cpu_vendor())
+    monkeypatch.setenv("KVMESH_GEMM_MIN_ROWS", "0")
+    with pytest.raises(ValueError, match="KVMESH_GEMM_MIN_ROWS='0'"):
+        gemm_rows.min_rows_from_env()
 
 
 @pytest.mark.parametrize("value", ["0", "65", "four", "", "2.5"])
