@@ -14,9 +14,10 @@ another order than its path for 2 or more rows where K is large (SmolLM2's down_
 up to 9e-5 apart), while rows of a 2..16-row product are bitwise those of any other; so a
 speculative verify row and a plain decode row of the same token now agree to the bit.
 
-The floor is a measured property of one CPU: the default is 4 on AMD CPUs (measured) and 1 (no
-padding) elsewhere (an Intel Xeon's 1-row GEMM measured cheaper than its 3-row one);
-`KVMESH_GEMM_MIN_ROWS=N` sets it (1 turns the padding off).
+The floor is a measured property of one kind of CPU: the default is 4 on AMD CPUs with AVX-512
+(measured on a Zen 5) and 1 (no padding) elsewhere (an Intel Xeon's 1-row GEMM measured cheaper
+than its 3-row one; AMD's AVX2-only parts are not measured); `KVMESH_GEMM_MIN_ROWS=N` sets it
+(1 turns the padding off).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.kernels.cpu_features import cpu_flags
+
 ENV = "KVMESH_GEMM_MIN_ROWS"
-AMD_MIN_ROWS = 4        # AMD EPYC Zen 5: 3..5 rows are the cheapest, 1 and 2 the dearest
+AMD_MIN_ROWS = 4        # AMD EPYC Zen 5 (AVX-512): 3..5 rows the cheapest, 1 and 2 the dearest
 
 
 def cpu_vendor() -> str:
@@ -42,9 +45,9 @@ def cpu_vendor() -> str:
     return ""
 
 
-def default_min_rows(vendor: str) -> int:
-    """The measured floor for a CPU vendor (1: no padding)."""
-    return AMD_MIN_ROWS if vendor == "AuthenticAMD" else 1
+def default_min_rows(vendor: str, flags: frozenset[str]) -> int:
+    """The measured floor for a CPU (its vendor and feature flags; 1: no padding)."""
+    return AMD_MIN_ROWS if vendor == "AuthenticAMD" and "avx512f" in flags else 1
 
 
 def parse_min_rows(value: str) -> int:
@@ -61,7 +64,7 @@ def parse_min_rows(value: str) -> int:
 
 def min_rows_from_env() -> int:
     value = os.environ.get(ENV)
-    return default_min_rows(cpu_vendor()) if value is None else parse_min_rows(value)
+    return default_min_rows(cpu_vendor(), cpu_flags()) if value is None else parse_min_rows(value)
 
 
 MIN_ROWS = min_rows_from_env()

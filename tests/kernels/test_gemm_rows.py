@@ -9,17 +9,20 @@ from kvmesh.kernels import gemm_rows
 from kvmesh.kernels import linear as lin
 
 
-def test_the_default_floor_is_measured_per_vendor():
-    assert gemm_rows.default_min_rows("AuthenticAMD") == 4
-    assert gemm_rows.default_min_rows("GenuineIntel") == 1
-    assert gemm_rows.default_min_rows("") == 1
+def test_the_default_floor_is_where_it_was_measured():
+    wide = frozenset({"avx2", "fma", "avx512f"})
+    assert gemm_rows.default_min_rows("AuthenticAMD", wide) == 4
+    assert gemm_rows.default_min_rows("AuthenticAMD", frozenset({"avx2", "fma"})) == 1
+    assert gemm_rows.default_min_rows("GenuineIntel", wide) == 1
+    assert gemm_rows.default_min_rows("", frozenset()) == 1
 
 
 def test_the_env_sets_the_floor(monkeypatch):
     monkeypatch.setenv("KVMESH_GEMM_MIN_ROWS", "3")
     assert gemm_rows.min_rows_from_env() == 3
     monkeypatch.delenv("KVMESH_GEMM_MIN_ROWS")
-    assert gemm_rows.min_rows_from_env() == gemm_rows.default_min_rows(gemm_rows.cpu_vendor())
+    assert gemm_rows.min_rows_from_env() == gemm_rows.default_min_rows(gemm_rows.cpu_vendor(),
+                                                                       gemm_rows.cpu_flags())
     monkeypatch.setenv("KVMESH_GEMM_MIN_ROWS", "0")
     with pytest.raises(ValueError, match="KVMESH_GEMM_MIN_ROWS='0'"):
         gemm_rows.min_rows_from_env()
