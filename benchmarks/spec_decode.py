@@ -270,8 +270,16 @@ def summarise_batch(b: dict) -> dict:
 
 def report(args, results: dict[str, dict[str, dict]], spec: dict) -> dict:
     """Print the tables; the JSON report (per system, per mode)."""
+    from kvmesh.kernels import gemm_rows
     rep: dict = {"config": spec, "max_tokens": args.max_tokens,
-                 "throughput_max_tokens": args.throughput_max_tokens, "systems": {}}
+                 "throughput_max_tokens": args.throughput_max_tokens, "systems": {},
+                 "gemm_min_rows": gemm_rows.MIN_ROWS}
+    if "kvmesh" in results:
+        # NOTE: the row floor moves kvmesh's plain (1-row) steps against its drafted ones: say
+        # which one ran (KVMESH_GEMM_MIN_ROWS=1 for the unpadded GEMMs)
+        print(f"# kvmesh: oneDNN GEMMs of fewer than {gemm_rows.MIN_ROWS} rows run as "
+              f"{gemm_rows.MIN_ROWS} rows ({gemm_rows.ENV}={gemm_rows.MIN_ROWS}"
+              f"{'' if gemm_rows.MIN_ROWS > 1 else ': no padding'})")
     for system, modes in results.items():
         off, on = modes["off"], modes["spec"]
         sysrep: dict = {"latency": {}, "throughput": {}, "note": on.get("note", "")}

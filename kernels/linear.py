@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels.cpu_features import native_bf16_flags
+from kvmesh.kernels.gemm_rows import onednn_linear
 
 # The batch size oneDNN tunes the blocked layout for; the layout it picks for 16..256 measured the
 # same here at 1..512 rows.
@@ -141,8 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # F.linear keeps autograd working (the engine itself runs under inference_mode).
     if bf16_via_float32(x, weight):
         wide_bias = None if bias is None else bias.float()
-        y = torch.ops.mkldnn._linear_pointwise(x.float(), packed_weight(weight, torch.float32),
-                                               wide_bias, "none", [None], "")
+        y = onednn_linear(x.float(), packed_weight(weight, torch.float32), wide_bias)
         return y.to(torch.bfloat16)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
@@ -150,4 +150,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if weight.dtype in _PACK_DTYPES:
         weight = packed_weight(weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [None], "")
+    # NOTE: 1- and 2-row products padded to gemm_rows.MIN_ROWS rows (cheaper on AMD, see there)
+    return onednn_linear(x, weight, bias)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peer, spec_decode
+from kvmesh.kernels import gemm_rows
 
 STAND_IN = textwrap.dedent('''
     import json, os, sys
@@ -43,6 +44,7 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     script.write_text(STAND_IN)
     seen = tmp_path / "seen.jsonl"
     monkeypatch.setenv("STAND_IN_SEEN", str(seen))
+    monkeypatch.setattr(gemm_rows, "MIN_ROWS", 4)
     config = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
               '"prompt_lookup_max": 3, "disable_by_batch_size": 2}')
     assert spec_decode.main(_args(tmp_path, "--systems", "kvmesh,vllm", "--speculative-config", config,
@@ -87,13 +89,17 @@ def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
     assert "# vllm: disable_by_batch_size left out of vLLM's --speculative-config" in out
     assert "# kvmesh: offline throughput" in out and "# vllm: batch-1 latency" in out
     assert "side by side" in out
+    # which GEMM row floor kvmesh ran with (it moves the plain steps against the drafted ones)
+    assert report["gemm_min_rows"] == 4
+    assert "# kvmesh: oneDNN GEMMs of fewer than 4 rows run as 4 rows (KVMESH_GEMM_MIN_ROWS=4)" in out
 
 
-def test_one_workload_only(tmp_path, monkeypatch):
+def test_one_workload_only(tmp_path, monkeypatch, capsys):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
     seen = tmp_path / "seen.jsonl"
     monkeypatch.setenv("STAND_IN_SEEN", str(seen))
+    monkeypatch.setattr(gemm_rows, "MIN_ROWS", 1)
     assert spec_decode.main(_args(tmp_path, "--systems", "vllm", "--parts", "latency",
                                   "--workloads", "verbatim",
                                   "--vllm-command", f"{sys.executable} {script}")) == 0
@@ -101,6 +107,8 @@ def test_one_workload_only(tmp_path, monkeypatch):
     assert [len(s["latency"]) for s in sent] == [2, 2]           # the two verbatim prompts
     report = json.loads((tmp_path / "out.json").read_text())
     assert set(report["systems"]["vllm"]["latency"]) == {"verbatim"}
+    assert report["gemm_min_rows"] == 1
+    assert "# kvmesh: oneDNN GEMMs" not in capsys.readouterr().out     # no kvmesh in this run
 
 
 def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
