@@ -143,23 +143,12 @@ def _restart_with_allocator_early(argv: list[str]) -> None:
         return
 
 
-def _serving_openmp_environment() -> None:
-    """OpenMP's spin count for `kvmesh serve`, set before torch loads libgomp (which reads it
-    once); see kvmesh.common.openmp. A restart with the allocator inherits it."""
-    import os
-
-    from kvmesh.common.openmp import serving_environment
-
-    os.environ.update(serving_environment(dict(os.environ)))
-
-
 def main(argv: list[str] | None = None) -> int:
     entry = argv is None          # the process's own command line (not a caller's list)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         import importlib
         if argv[0] == "serve" and entry:
-            _serving_openmp_environment()
             _restart_with_allocator_early(argv)
         module = importlib.import_module(_DELEGATED[argv[0]])
         if argv[0] == "serve":

@@ -2,21 +2,29 @@
 
 GNU OpenMP (torch's libgomp) lets the workers of a team spin for a while between two parallel
 regions (GOMP_SPINCOUNT, 300,000 rounds by default: ~3 ms) before they sleep on a futex. Once it
-manages more threads than the process has CPUs, it spins 100 rounds only, so every parallel
-region (~240 in a step of the built-in model) starts by waking a sleeping worker.
+manages more threads than the process has CPUs, it spins 100 rounds only (1,000 with
+OMP_WAIT_POLICY=ACTIVE), whatever GOMP_SPINCOUNT says, so every parallel region (~240 in a step
+of the built-in model) starts by waking a sleeping worker.
 
-`kvmesh serve` had one team too many: the main thread (the event loop) runs oneDNN's probes at
-import (kernels/linear.py), so its worker stays parked for good, while the engine thread runs the
-forward with a team of its own: 3 managed threads on 2 CPUs. Measured (2 CPUs, load ~3, the
-same engine stepping one sequence on a second thread): 33-38 ms a step with the main thread's
-team parked, 22-24 ms once it is released and GOMP_SPINCOUNT is 10,000; with the default
-300,000 released was 4-7x slower there (workers spinning ~3 ms on cores other processes want).
+`kvmesh serve` always has one team too many: the main thread (the event loop) runs oneDNN's
+probes at import (kernels/linear.py), so its worker stays parked for good, while the engine
+thread runs the forward with a team of its own: 3 managed threads on 2 CPUs. An offline engine
+stepping on its main thread has 2, and spins. Which one is faster depends on the machine:
 
-    serving_environment(env)  GOMP_SPINCOUNT=10000 unless OMP_WAIT_POLICY / GOMP_SPINCOUNT are
-                              set: set before torch loads libgomp (`kvmesh serve` does it first)
-    release_thread_team()     on a thread that will run no more forwards (the event loop, once
-                              the engine is up): its parked workers exit, and it takes one
-                              thread for any later parallel region, so it never parks one again
+- 2 CPUs, load ~2-3 (one engine stepping one sequence on a second thread, interleaved runs):
+  33-46 ms a step throttled, 22-29 ms with the main thread's team released (GOMP_SPINCOUNT
+  10,000, or libgomp's default in the main-thread run);
+- the same at load ~4-5: 38-46 ms throttled, 100-140 ms released (workers spinning on cores
+  other processes want; 10,000 or 300,000 rounds alike).
+
+So the server keeps libgomp's own choice unless the operator asks for spinning with the standard
+variables (GOMP_SPINCOUNT > 0 or OMP_WAIT_POLICY=ACTIVE, for dedicated cores): then the event
+loop's team is released once the engine is up, and the spin count they set holds.
+
+    spin_requested(env)       whether the environment asks for spinning workers
+    release_thread_team()     on a thread that will run no more forwards (the event loop): its
+                              parked workers exit, and it takes one thread for any later
+                              parallel region, so it never parks one again
 """
 from __future__ import annotations
 
@@ -26,18 +34,24 @@ from pathlib import Path
 
 logger = logging.getLogger("kvmesh.openmp")
 
-# ~0.1 ms of spinning: longer than the gaps between two parallel regions of a forward (the
-# Python between two ops, 10-50 us), short enough that a worker parked between steps gives its
-# core back at once on a machine it shares
-SERVE_SPINCOUNT = "10000"
 _OMP_PAUSE_SOFT = 1        # omp_pause_resource_t: omp_pause_soft
 
 
-def serving_environment(env: dict[str, str]) -> dict[str, str]:
-    """The variables to add to `env` for a server's OpenMP (none when the user chose a policy)."""
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return {}
-    return {"GOMP_SPINCOUNT": SERVE_SPINCOUNT}
+def spin_requested(env: dict[str, str]) -> bool:
+    """GOMP_SPINCOUNT above 0 (a number, or libgomp's "infinite"), or OMP_WAIT_POLICY=ACTIVE,
+    unless OMP_WAIT_POLICY=PASSIVE (which libgomp lets win)."""
+    policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
+    if policy == "passive":
+        return False
+    if policy == "active":
+        return True
+    count = env.get("GOMP_SPINCOUNT", "").strip().lower()
+    if count in ("infinite", "infinity"):
+        return True
+    try:
+        return float(count.rstrip("kmgt") or 0) > 0
+    except ValueError:
+        return False
 
 
 def loaded_libgomp(maps: str | None = None) -> str | None:

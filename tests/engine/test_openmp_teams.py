@@ -1,4 +1,4 @@
-"""kvmesh.common.openmp: the server's OpenMP spin count, and the event loop's team released so
+"""kvmesh.common.openmp: when the server is asked to spin, and the event loop's team released so
 that libgomp does not throttle the engine thread's (a fresh interpreter for the thread counts)."""
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import subprocess
 import sys
 import textwrap
 
-from kvmesh.common.openmp import SERVE_SPINCOUNT, loaded_libgomp, serving_environment
+from kvmesh.common.openmp import loaded_libgomp, spin_requested
 
 
-def test_serving_environment_sets_the_spin_count_unless_the_user_chose():
-    assert SERVE_SPINCOUNT == "10000"
-    assert serving_environment({}) == {"GOMP_SPINCOUNT": "10000"}
-    assert serving_environment({"PATH": "/bin"}) == {"GOMP_SPINCOUNT": "10000"}
-    assert serving_environment({"GOMP_SPINCOUNT": "5"}) == {}
-    assert serving_environment({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
+def test_spinning_is_asked_for_only_by_the_standard_variables():
+    assert spin_requested({}) is False
+    assert spin_requested({"GOMP_SPINCOUNT": "10000"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "10k"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "infinite"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "0"}) is False
+    assert spin_requested({"GOMP_SPINCOUNT": "lots"}) is False
+    assert spin_requested({"OMP_WAIT_POLICY": "ACTIVE"}) is True
+    assert spin_requested({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"}) is False
 
 
 def test_loaded_libgomp_reads_the_path_from_the_maps():
