@@ -15,13 +15,16 @@ include_usage, and no temperature: the server's default 1.0 sampling unless `--t
 The systems take turns point by point (A, B, then B, A in the next round).
 
 Per system and concurrency it prints the client's ITL (p50, p90, mean: the gaps between
-streamed chunks that carry text, as vLLM's benchmark counts them), the engine's own step timers
-read from /metrics (`kvmesh:engine_step_seconds_total` and `kvmesh:engine_forward_seconds_total`
-over `kvmesh:engine_steps_total`), `gap` = ITL mean - step mean (what the serving path adds
-between two steps: hand-off, event loop, SSE, the client), and the server's CPU time per token by
-thread (loop, engine, other: as `stream_cost.py`). Each running request gets one token a step,
-so on a steady machine a request's mean ITL is the mean step period it saw; the gap is the
-number to drive down. CPU times hold on a shared machine; wall times only within one run.
+streamed chunks that carry text, as vLLM's benchmark counts them); the engine's own timers read
+from /metrics: `step` and `forward`, means per step (`kvmesh:engine_step_seconds_total`,
+`kvmesh:engine_forward_seconds_total` over `kvmesh:engine_steps_total`; prefill steps included,
+so at C > 1 a mean step is not a token's interval), and `eng ITL`, the engine's own mean
+inter-token interval (`vllm:inter_token_latency_seconds`, taken as each step ends: step plus the
+engine thread's time between steps, token-weighted as the client's); `gap` = client ITL mean -
+eng ITL (what the hand-off, event loop, SSE and client add); and the server's CPU time per token
+by thread (loop, engine, other: as `stream_cost.py`). Against an offline step at the same batch
+(`profile_engine.py`), `eng ITL` shows what serving costs inside the engine thread, `gap` what it
+costs after. CPU times hold on a shared machine; wall times only within one run.
 """
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ from benchmarks.servers import ServerProcess, free_port  # noqa: E402
 from benchmarks.stream_cost import split, thread_cpu_s  # noqa: E402
 
 TIMERS = ("kvmesh:engine_steps_total", "kvmesh:engine_step_seconds_total",
-          "kvmesh:engine_forward_seconds_total")
+          "kvmesh:engine_forward_seconds_total", "vllm:inter_token_latency_seconds_sum",
+          "vllm:inter_token_latency_seconds_count")
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class Point:
     steps: float = 0.0
     step_s: float = 0.0
     forward_s: float = 0.0
+    engine_itl_s: float = 0.0      # the engine's own inter-token intervals (its ITL histogram)
+    engine_itls: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("loop", "engine",
                                                                             "other"), 0.0))
 
@@ -162,13 +168,16 @@ def measure(system: System, concurrency: int, prompts: list[list[int]],
     p.steps += after_t[TIMERS[0]] - before_t[TIMERS[0]]
     p.step_s += after_t[TIMERS[1]] - before_t[TIMERS[1]]
     p.forward_s += after_t[TIMERS[2]] - before_t[TIMERS[2]]
+    p.engine_itl_s += after_t[TIMERS[3]] - before_t[TIMERS[3]]
+    p.engine_itls += after_t[TIMERS[4]] - before_t[TIMERS[4]]
     for k, v in split(pid, before_cpu, after_cpu).items():
         p.cpu_s[k] += v
 
 
 def report(systems: list[System]) -> list[str]:
     lines = [f"{'system':<10} {'C':>3} {'tokens':>6} {'ITL p50':>8} {'p90':>7} {'mean':>7} "
-             f"{'step':>7} {'forward':>8} {'gap':>7} {'CPU ms/tok: loop':>17} {'engine':>7} "
+             f"{'step':>7} {'forward':>8} {'eng ITL':>8} {'gap':>7} {'CPU ms/tok: loop':>17} "
+             f"{'engine':>7} "
              f"{'other':>6}"]
     for s in systems:
         for c, p in sorted(s.points.items()):
@@ -178,10 +187,14 @@ def report(systems: list[System]) -> list[str]:
             q = statistics.quantiles(p.itls_ms, n=10)
             mean = statistics.fmean(p.itls_ms)
             if p.steps and p.step_s:
-                step = 1e3 * p.step_s / p.steps
-                timers = f"{step:>7.2f} {1e3 * p.forward_s / p.steps:>8.2f} {mean - step:>7.2f}"
+                timers = f"{1e3 * p.step_s / p.steps:>7.2f} {1e3 * p.forward_s / p.steps:>8.2f}"
             else:       # NOTE: a checkout from before the timers (an A/B's baseline)
-                timers = f"{'n/a':>7} {'n/a':>8} {'n/a':>7}"
+                timers = f"{'n/a':>7} {'n/a':>8}"
+            if p.engine_itls:
+                eng = 1e3 * p.engine_itl_s / p.engine_itls
+                timers += f" {eng:>8.2f} {mean - eng:>7.2f}"
+            else:
+                timers += f" {'n/a':>8} {'n/a':>7}"
             per = {k: 1e3 * v / max(1, p.tokens) for k, v in p.cpu_s.items()}
             lines.append(f"{s.name:<10} {c:>3} {p.tokens:>6} {statistics.median(p.itls_ms):>8.2f} "
                          f"{q[8]:>7.2f} {mean:>7.2f} {timers} "
@@ -247,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             if s.server is not None:
                 s.server.stop()
     print("\n".join(report(systems)))
-    print("(ms; gap = ITL mean - step mean; step and forward: the engine's timers from /metrics)")
+    print("(ms; step, forward: means per engine step; eng ITL: the engine's own inter-token "
+          "mean (vllm:inter_token_latency_seconds); gap = client ITL mean - eng ITL)")
     return 0
 
 
