@@ -113,7 +113,12 @@ class EngineMetrics(EngineObserver):
                       "kvmesh:kv_share_prefetch_waits": 0.0,
                       "kvmesh:kv_share_prefetch_timeouts": 0.0,
                       # prompt tokens run through the model (not cache hits, not transferred KV)
-                      "kvmesh:prompt_tokens_computed": 0.0}
+                      "kvmesh:prompt_tokens_computed": 0.0,
+                      # the engine's own step timers, schedule to outputs built, and the
+                      # forward (with the sampler) within it: a client's inter-token time
+                      # minus the mean step is what the serving path adds (serve_gap.py)
+                      "kvmesh:engine_step_seconds": 0.0,
+                      "kvmesh:engine_forward_seconds": 0.0}
         # --kv-transfer-config: each read's duration (the connector calls on its thread)
         self.kv_transfer = getattr(engine, "kv_transfer", None)
         self.transfer_seconds = _Histogram(KV_TRANSFER_SECONDS_BUCKETS)
@@ -147,6 +152,8 @@ class EngineMetrics(EngineObserver):
             self.extra["kvmesh:kv_share_prefetch_waits"] += s.remote_kv_waits
             self.extra["kvmesh:kv_share_prefetch_timeouts"] += s.remote_kv_timeouts
             self.extra["kvmesh:prompt_tokens_computed"] += s.num_prompt_tokens_computed
+            self.extra["kvmesh:engine_step_seconds"] += report.t_end - report.t_start
+            self.extra["kvmesh:engine_forward_seconds"] += report.t_executed - report.t_scheduled
             if s.spec_num_drafts:
                 self._on_spec(s)
             for out in outputs:

@@ -236,3 +236,43 @@ def test_to_host_packs_one_transfer_exactly_on_cuda():
     out = to_host([ids, lps])
     assert out[0] == [262143, 0, 7] and all(type(v) is int for v in out[0])
     assert out[1] == lps.cpu().tolist()
+
+
+# the draw: inverse CDF, one uniform per sample ------------------------------------------------
+
+def test_inverse_cdf_picks_the_first_token_whose_running_sum_exceeds_the_target():
+    from kvmesh.engine.sampler import inverse_cdf
+    probs = torch.tensor([[0.1, 0.0, 0.2, 0.7], [0.0, 0.5, 0.0, 0.5]], dtype=torch.float64)
+    cdf = probs.cumsum(dim=-1)                      # [.1, .1, .3, 1], [0, .5, .5, 1]
+    rows = [0, 0, 0, 0, 1, 1, 1]
+    u = torch.tensor([0.0, 0.05, 0.15, 0.9999, 0.0, 0.49, 0.51])
+    got = inverse_cdf(cdf[rows], u).tolist()
+    # a token of probability 0 (1 in row 0; 0 and 2 in row 1) is never drawn, even at u = 0
+    assert got == [0, 0, 2, 3, 1, 1, 3]
+
+
+def test_inverse_cdf_scales_by_the_rows_total():
+    from kvmesh.engine.sampler import inverse_cdf
+    cdf = torch.tensor([[2.0, 2.0, 6.0, 8.0]], dtype=torch.float64)   # unnormalised: total 8
+    u = torch.tensor([0.2, 0.26, 0.74, 0.76])      # targets 1.6, 2.08, 5.92, 6.08
+    assert inverse_cdf(cdf[[0, 0, 0, 0]], u).tolist() == [0, 2, 2, 3]
+
+
+def test_each_seeded_sample_consumes_exactly_one_uniform_of_its_generator():
+    logits = _logits(5)
+    gens = [_gen(21), _gen(22)]
+    Sampler()(logits, [_row(SamplingParams(temperature=1.0, n=2, seed=21), gens=gens, n=2)])
+    for seed, g in zip((21, 22), gens):
+        expected = _gen(seed)
+        torch.rand(1, generator=expected)
+        assert torch.equal(g.get_state(), expected.get_state())
+
+
+def test_unseeded_samples_take_one_uniform_each_from_the_shared_generator():
+    shared = _gen(31)
+    rows = [_row(SamplingParams(temperature=1.0)), _row(SamplingParams(temperature=0.0)),
+            _row(SamplingParams(temperature=0.7, n=3), n=3)]
+    Sampler(shared)(_logits(6, rows=3), rows)
+    expected = _gen(31)
+    torch.rand(4, generator=expected)              # 1 + 3 sampled draws; the greedy row none
+    assert torch.equal(shared.get_state(), expected.get_state())
