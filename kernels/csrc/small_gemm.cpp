@@ -237,10 +237,9 @@ bool small_gemm_supports(const std::string& dtype) {
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_gemm: CPU tensors only");
-  TORCH_CHECK((dt == torch::kFloat && small_gemm_supports("float32")) ||
-                  (dt == torch::kBFloat16 && small_gemm_supports("bfloat16")),
-              "small_gemm: this build takes ", small_gemm_supports("bfloat16") ? "float32 and bfloat16" : "float32",
-              small_gemm_supports("float32") ? "" : " (none: no vector path)", ", not ", dt);
+  const bool f32 = small_gemm_supports("float32"), b16 = small_gemm_supports("bfloat16");
+  TORCH_CHECK((dt == torch::kFloat && f32) || (dt == torch::kBFloat16 && b16), "small_gemm: this build takes ",
+              b16 ? "float32 and bfloat16" : (f32 ? "float32" : "no dtype (no vector path)"), ", not ", dt);
   TORCH_CHECK(w.scalar_type() == dt, "small_gemm: x and w must share one dtype");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "small_gemm: x [M, K] and w [N, K] expected");
