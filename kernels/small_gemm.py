@@ -1,8 +1,8 @@
 """y = x @ W^T (+ b) for a decode step's few rows on CPU, each weight byte read once: `kernels/csrc/small_gemm.cpp`.
 
-    small_gemm.max_rows(x.dtype)            # 0: not here (off, not built, no vector path for it)
-    if small_gemm.takes(x.shape[0], weight):  # rows <= max_rows, weight <= MAX_WEIGHT_BYTES
-        y = small_gemm.run(x, weight, bias)  # x [M, K], weight [N, K] dense, bias [N] or None
+    small_gemm.max_rows(torch.bfloat16)       # 2 here; 0: off, not built, no vector path for it
+    if small_gemm.takes(x.shape[0], weight):  # rows <= max_rows(dtype), weight <= MAX_WEIGHT_BYTES
+        y = small_gemm.run(x, weight, bias)   # x [M, K], weight [N, K] dense, bias [N] or None
 
 At 1-16 rows a projection reads its weight and does little else, yet oneDNN's linear costs ~20-40
 µs of fixed work a call (121 calls a step on SmolLM2-135M). The C++ kernel reads the dense
