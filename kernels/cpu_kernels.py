@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (`kernels/csrc/`: attention, elementwise, sampling, LoRA), built once per machine and cached.
+"""The C++ CPU kernels (`kernels/csrc/`: attention, elementwise, sampling, LoRA, small-row GEMM), built once per machine and cached.
 
     from kvmesh.kernels.cpu_kernels import load
     ext = load()          # the extension module, or None when it cannot be built here
@@ -39,7 +39,7 @@ from kvmesh.kernels.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "bindings.cpp"))
+SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "small_gemm.cpp", "bindings.cpp"))
 HEADERS = tuple(_CSRC / name for name in ("kernels.h", "vec.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"

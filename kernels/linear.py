@@ -19,6 +19,15 @@ AVX2 CPU"). There each bf16 weight gets a float32 copy instead (reordered as abo
 runs in float32 on the activations widened exactly, its result rounded to bf16 once: the same
 arithmetic as a bf16 GEMM with float32 accumulation, at float32's speed. The copy is twice the
 bf16 weight's bytes, which `packed_copy_bytes` counts.
+
+A GEMM of a few rows (a decode step: 1-16 tokens, a speculative verification's k + 1) is a read
+of the weight, and oneDNN's fixed cost of ~20-40 µs a call dominates the small ones. Where the
+C++ kernels have a path for the dtype (float32: AVX-512 / AVX2 FMA; bf16: AVX512-BF16), the
+rows are at most its crossover (`small_gemm.MAX_ROWS`) and the weight is not an LM head's
+(`small_gemm.MAX_WEIGHT_BYTES`), such a GEMM runs on `kernels/small_gemm.py` instead, on the
+dense weight itself (it builds no copy; the packed one is still built by the first larger
+GEMM, and counted as before). Its rows are batch-invariant (each row's result bitwise the same
+alone or in any batch). `KVMESH_SMALL_GEMM=0` keeps every GEMM on oneDNN.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.kernels import small_gemm
 from kvmesh.kernels.cpu_features import native_bf16_flags
 from kvmesh.kernels.gemm_rows import onednn_linear
 
@@ -127,6 +137,14 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _dense_2d(x, weight, x.dtype)
 
 
+def uses_small_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` (with no bias, or a contiguous one of x's dtype) runs on the
+    small-row kernel (`small_gemm`): a oneDNN GEMM of at most the dtype's crossover rows on a
+    weight under `small_gemm.MAX_WEIGHT_BYTES`."""
+    return (uses_onednn(x, weight) and not bf16_via_float32(x, weight)
+            and small_gemm.takes(x.shape[0], weight))
+
+
 def _dense_2d(x: torch.Tensor, weight: torch.Tensor, gemm_dtype: torch.dtype) -> bool:
     # NOTE: asked on every projection (121 a step for SmolLM2): `is_cpu` and `ndim` are
     # attributes where `device.type` builds a device object and `dim()` is a call (1.6 -> 0.9 µs)
@@ -148,6 +166,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return F.linear(x, weight, bias)
+    if small_gemm.takes(x.shape[0], weight):
+        return small_gemm.run(x, weight, bias)
     if weight.dtype in _PACK_DTYPES:
         weight = packed_weight(weight)
     # NOTE: 1- and 2-row products padded to gemm_rows.MIN_ROWS rows (cheaper on AMD, see there)

@@ -11,5 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Index of each row's first maximum (float32, CPU; NaN first)");
   m.def("lora_sgmv_add", &lora_sgmv_add,
         "LoRA shrink + expand of one site over tokens grouped by slot, in place (float32 / bfloat16, CPU)");
+  m.def("small_gemm", &small_gemm, "x [M, K] @ w [N, K]^T (+ bias) for a few rows, w read once (float32 / bfloat16, CPU)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("small_gemm_supports", &small_gemm_supports, "Whether small_gemm runs this dtype (\"float32\", \"bfloat16\") here");
   m.def("isa", &isa, "The instruction-set path this build runs: avx512_bf16, avx512, avx2 or portable");
 }

@@ -26,3 +26,6 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, torch::Tensor& out,
                    const torch::Tensor& rows, const torch::Tensor& seg_starts, const torch::Tensor& seg_slots,
                    const torch::Tensor& part_cols, const torch::Tensor& slot_ranks);
+// small_gemm.cpp
+torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
+bool small_gemm_supports(const std::string& dtype);

@@ -227,3 +227,37 @@ def test_plain_load_reads_kvmesh_cpu_kernels_once(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     with pytest.raises(ValueError, match="KVMESH_CPU_KERNELS='sse4'"):
         cpu_kernels.load()
+
+
+# the dtypes each path's small-row GEMM runs (the rest stay on oneDNN)
+SMALL_GEMM_DTYPES = {"avx512_bf16": DTYPES, "avx512": (torch.float32,), "avx2": (torch.float32,),
+                     "portable": ()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_gemm(path_ext, dtype):
+    """The small-row GEMM on this path: 1-9 rows (every activation tile height of AVX-512's 4 and
+    AVX2's 2), odd K and N, within the float64 product's bound gamma(K + 1) * (|x| @ |w|^T + |b|)
+    (+ half a bf16 ulp), each row bitwise the same alone; a dtype without a path is refused."""
+    path, ext = path_ext
+    name = str(dtype).removeprefix("torch.")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(37, 77, generator=g).to(dtype)
+    b = torch.randn(37, generator=g).to(dtype)
+    if dtype not in SMALL_GEMM_DTYPES[path]:
+        assert not ext.small_gemm_supports(name)
+        with pytest.raises(RuntimeError, match="small_gemm: this build takes"):
+            ext.small_gemm(torch.randn(2, 77).to(dtype), w, b)
+        return
+    assert ext.small_gemm_supports(name)
+    u, n = 2.0 ** -24, 78
+    for m in range(1, 10):
+        x = torch.randn(m, 77, generator=g).to(dtype)
+        y = ext.small_gemm(x, w, b)
+        exact = x.double() @ w.double().T + b.double()
+        bound = n * u / (1 - n * u) * (x.double().abs() @ w.double().abs().T + b.double().abs())
+        if dtype == torch.bfloat16:
+            bound = bound + 2.0 ** -8 * (exact.abs() + bound)
+        assert bool(((y.double() - exact).abs() <= bound).all())
+        for r in range(m):
+            assert torch.equal(ext.small_gemm(x[r:r + 1], w, b)[0], y[r])
