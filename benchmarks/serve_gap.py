@@ -45,8 +45,8 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.servers import ServerProcess, free_port  # noqa: E402
-from benchmarks.stream_cost import split, thread_cpu_s  # noqa: E402
+from benchmarks.servers import ServerProcess  # noqa: E402
+from benchmarks.stream_cost import split, start_server, thread_cpu_s  # noqa: E402
 
 TIMERS = ("kvmesh:engine_steps_total", "kvmesh:engine_step_seconds_total",
           "kvmesh:engine_forward_seconds_total", "vllm:inter_token_latency_seconds_sum",
@@ -77,14 +77,8 @@ class System:
 
 
 def start(system: System, args: argparse.Namespace, log_dir: Path) -> None:
-    port = free_port()
-    argv = [system.python, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "kvmesh", "--dtype", args.dtype, "--max-num-seqs", "16",
-            "--max-model-len", "1024", "--max-num-batched-tokens", "1024",
-            "--enable-prefix-caching", "--log-level", "warning", *args.serve_arg]
-    system.server = ServerProcess(system.name, argv, f"http://127.0.0.1:{port}",
-                                  log_dir / f"{system.name}.log",
-                                  env={**os.environ, **system.env}).start()
+    system.server = start_server(system.name, system.python, args, log_dir,
+                                 env={**os.environ, **system.env})
 
 
 def parse_envs(specs: list[str], names: list[str]) -> dict[str, dict[str, str]]:

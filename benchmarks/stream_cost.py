@@ -79,14 +79,21 @@ def one_request(client, prompt: list[int], output_tokens: int) -> tuple[list[flo
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])], len(stamps)
 
 
-def start(system: System, args: argparse.Namespace, log_dir: Path) -> None:
+def start_server(name: str, python: str, args: argparse.Namespace, log_dir: Path,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """`kvmesh serve` (the built-in model) as both cost benchmarks start it; `env`: its whole
+    environment (None: this process's)."""
     port = free_port()
-    argv = [system.python, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [python, "-m", "kvmesh.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "kvmesh", "--dtype", args.dtype, "--max-num-seqs", "16",
             "--max-model-len", "1024", "--max-num-batched-tokens", "1024",
             "--enable-prefix-caching", "--log-level", "warning", *args.serve_arg]
-    system.server = ServerProcess(system.name, argv, f"http://127.0.0.1:{port}",
-                                  log_dir / f"{system.name}.log").start()
+    return ServerProcess(name, argv, f"http://127.0.0.1:{port}", log_dir / f"{name}.log",
+                         env=env).start()
+
+
+def start(system: System, args: argparse.Namespace, log_dir: Path) -> None:
+    system.server = start_server(system.name, system.python, args, log_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
