@@ -33,7 +33,7 @@ from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
-from kvmesh.common.openmp import release_thread_team, release_wanted
+from kvmesh.common.openmp import release_thread_team, spin_requested
 from kvmesh.common.startup import startup_phase
 from kvmesh.common.startup_times import get_startup_times, process_age_s, reset_startup_times
 from kvmesh.common.storage import resolve_engine_model
@@ -178,9 +178,9 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
         state.engine = async_engine
         with startup_phase("warm-up", "a one-token generation", phase="warmup"):
             asyncio.run_coroutine_threadsafe(warm_up(async_engine), loop).result()
-        if release_wanted(dict(os.environ)):
+        if spin_requested(dict(os.environ)):
             # NOTE: the event loop ran oneDNN at import: its parked OpenMP team would make
-            # libgomp throttle the engine thread's workers (kvmesh.common.openmp)
+            # libgomp throttle the engine thread's spinning (kvmesh.common.openmp)
             asyncio.run_coroutine_threadsafe(_release_loop_openmp(), loop).result()
         frozen = freeze_after_startup()       # NOTE: no full-heap GC pauses while serving
         times = get_startup_times()
@@ -197,11 +197,11 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
 async def _release_loop_openmp() -> None:
     """On the event loop: its OpenMP team released, one thread for it from now on."""
     if release_thread_team():
-        logger.debug("OpenMP: the event loop's team released, so the forward's workers wait as "
-                     "libgomp's policy says (GOMP_SPINCOUNT=%s, OMP_WAIT_POLICY=%s)",
-                     os.environ.get("GOMP_SPINCOUNT", "-"), os.environ.get("OMP_WAIT_POLICY", "-"))
+        logger.info("OpenMP: the event loop's team released, so the forward's workers spin as "
+                    "asked (GOMP_SPINCOUNT=%s, OMP_WAIT_POLICY=%s)",
+                    os.environ.get("GOMP_SPINCOUNT", "-"), os.environ.get("OMP_WAIT_POLICY", "-"))
     else:
-        logger.debug("OpenMP: no libgomp team to release (another OpenMP runtime, or none)")
+        logger.warning("OpenMP: spinning asked for, but no libgomp team could be released")
 
 
 def lora_module_paths(args: argparse.Namespace, config: EngineConfig) -> list[LoRAModulePath]:

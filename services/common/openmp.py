@@ -17,14 +17,11 @@ stepping on its main thread has 2, and spins. Which one is faster depends on the
 - the same at load ~4-5: 38-46 ms throttled, 100-140 ms released (workers spinning on cores
   other processes want; 10,000 or 300,000 rounds alike).
 
-The third thread is an accident of where oneDNN was first called, not a choice: so once the engine
-is up `kvmesh serve` releases the event loop's team, and libgomp manages the threads that run
-forwards only, as in any single-threaded torch program (its default: spin, then sleep). On a
-machine shared with other busy processes, where spinning workers take the cores others want,
-OMP_WAIT_POLICY=PASSIVE keeps every worker sleeping between regions (the team is then left as it
-is: it changes nothing); GOMP_SPINCOUNT tunes the spin as libgomp documents.
+So the server keeps libgomp's own choice unless the operator asks for spinning with the standard
+variables (GOMP_SPINCOUNT > 0 or OMP_WAIT_POLICY=ACTIVE, for dedicated cores): then the event
+loop's team is released once the engine is up, and the spin count they set holds.
 
-    release_wanted(env)       whether the server releases the event loop's team (unless PASSIVE)
+    spin_requested(env)       whether the environment asks for spinning workers
     release_thread_team()     on a thread that will run no more forwards (the event loop): its
                               parked workers exit, and it takes one thread for any later
                               parallel region, so it never parks one again
@@ -40,9 +37,21 @@ logger = logging.getLogger("kvmesh.openmp")
 _OMP_PAUSE_SOFT = 1        # omp_pause_resource_t: omp_pause_soft
 
 
-def release_wanted(env: dict[str, str]) -> bool:
-    """Every wait policy but OMP_WAIT_POLICY=PASSIVE (whose workers never spin anyway)."""
-    return env.get("OMP_WAIT_POLICY", "").strip().lower() != "passive"
+def spin_requested(env: dict[str, str]) -> bool:
+    """GOMP_SPINCOUNT above 0 (a number, or libgomp's "infinite"), or OMP_WAIT_POLICY=ACTIVE,
+    unless OMP_WAIT_POLICY=PASSIVE (which libgomp lets win)."""
+    policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
+    if policy == "passive":
+        return False
+    if policy == "active":
+        return True
+    count = env.get("GOMP_SPINCOUNT", "").strip().lower()
+    if count in ("infinite", "infinity"):
+        return True
+    try:
+        return float(count.rstrip("kmgt") or 0) > 0
+    except ValueError:
+        return False
 
 
 def loaded_libgomp(maps: str | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""kvmesh.common.openmp: when the server releases the event loop's team, and that team released so
+"""kvmesh.common.openmp: when the server is asked to spin, and the event loop's team released so
 that libgomp does not throttle the engine thread's (a fresh interpreter for the thread counts)."""
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import subprocess
 import sys
 import textwrap
 
-from kvmesh.common.openmp import loaded_libgomp, release_wanted
+from kvmesh.common.openmp import loaded_libgomp, spin_requested
 
 
-def test_the_team_is_released_unless_the_wait_policy_is_passive():
-    assert release_wanted({}) is True
-    assert release_wanted({"GOMP_SPINCOUNT": "10000"}) is True
-    assert release_wanted({"OMP_WAIT_POLICY": "ACTIVE"}) is True
-    assert release_wanted({"OMP_WAIT_POLICY": " Passive "}) is False
-    assert release_wanted({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"}) is False
+def test_spinning_is_asked_for_only_by_the_standard_variables():
+    assert spin_requested({}) is False
+    assert spin_requested({"GOMP_SPINCOUNT": "10000"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "10k"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "infinite"}) is True
+    assert spin_requested({"GOMP_SPINCOUNT": "0"}) is False
+    assert spin_requested({"GOMP_SPINCOUNT": "lots"}) is False
+    assert spin_requested({"OMP_WAIT_POLICY": "ACTIVE"}) is True
+    assert spin_requested({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "10000"}) is False
 
 
 def test_loaded_libgomp_reads_the_path_from_the_maps():
