@@ -97,6 +97,8 @@ def vllm_env(s: EngineSettings) -> tuple[dict[str, str], list[str]]:
     return peer_env(s.vllm_venv, os.cpu_count() or 1, s.kv_cache_gib())
 
 
+# NOTE: OpenMP's wait policy, when set, is part of kvmesh's command (kvmesh.common.openmp)
+KVMESH_ENV_KEYS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 VLLM_ENV_KEYS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                  "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "HF_HUB_OFFLINE")
 
@@ -111,8 +113,7 @@ def _single(name: str, argv: list[str], env: dict[str, str], keys: tuple[str, ..
 def start_kvmesh(s: EngineSettings, log_dir: Path) -> RunningSystem:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return _single("kvmesh", kvmesh_serve_argv(s, port), env,
-                   ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"),
+    return _single("kvmesh", kvmesh_serve_argv(s, port), env, KVMESH_ENV_KEYS,
                    f"http://127.0.0.1:{port}", "/ready", log_dir / "kvmesh.log", s.ready_timeout_s)
 
 

@@ -130,3 +130,11 @@ def test_a_tool_command_line_shows_its_environment():
     env = tool_env({"PATH": "/bin", "HF_HUB_OFFLINE": "0"})
     assert env == {"PATH": "/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_kvmesh_command_line_names_the_openmp_wait_policy_when_set():
+    from benchmarks.serving_systems import KVMESH_ENV_KEYS, _shell
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "GOMP_SPINCOUNT": "10000",
+           "PATH": "/bin"}
+    assert _shell(["kvmesh", "serve"], env, KVMESH_ENV_KEYS) == (
+        "HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false GOMP_SPINCOUNT=10000 kvmesh serve")
