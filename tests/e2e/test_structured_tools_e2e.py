@@ -139,8 +139,10 @@ CONSTRAINTS = [
     ({"structured_outputs": {"json_object": True}, "temperature": 0,
       "_prompt": "Answer in JSON:"},
      lambda t: isinstance(json.loads(t), dict)),
+    # NOTE: an integer is unbounded too: sampled, the model may write digits past max_tokens
     ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}},
-                      "required": ["n"]}}, lambda t: isinstance(json.loads(t)["n"], int)),
+                      "required": ["n"]}, "temperature": 0},
+     lambda t: isinstance(json.loads(t)["n"], int)),
 ]
 
 
