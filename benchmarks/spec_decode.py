@@ -25,7 +25,9 @@ Greedy output of both modes is compared token by token (it must be identical). W
 `--systems kvmesh,vllm` the same prompt token ids and the same `--speculative-config` go to vLLM's
 CPU build in its own venv (benchmarks/peer.py, benchmarks/vllm_peer.py: one engine start per
 mode), and both run the built-in model's float32 HF directory (vLLM cannot read the GGUF);
-kvmesh-only runs use --model as given. `disable_by_batch_size` is kvmesh-only (vLLM 0.32 has no
+kvmesh-only runs use --model as given. Each of kvmesh's modes also runs in a fresh process
+(`--no-isolate`: both in this one), as vLLM's do: in one process the engine built second ran
+~10 % dearer steps, whichever mode it was (docs/BENCHMARKS.md); `--mode-order spec,off` swaps them. `disable_by_batch_size` is kvmesh-only (vLLM 0.32 has no
 such key): it is left out of vLLM's config.
 """
 from __future__ import annotations
@@ -180,6 +182,15 @@ def run_kvmesh(args, model: str | None, work: Workload, spec: dict | None) -> di
     if "throughput" in args.parts:
         out["batches"] = [_run_batch(engine, f"b{b}", reqs) for b, reqs in work.batches.items()]
     return out
+
+
+def run_kvmesh_isolated(args, model: str | None, work: Workload, spec: dict | None) -> dict:
+    """run_kvmesh in a fresh process, as each of vLLM's runs is (one engine start per mode):
+    an engine built in a process where another had run measured ~10 % dearer steps here than
+    the first (docs/BENCHMARKS.md, "Speculative decoding"), whichever mode it was."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_kvmesh, (args, model, work, spec))
 
 
 def run_vllm(args, hf_dir: str, work: Workload, spec: dict | None) -> dict:
@@ -361,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds per vLLM run")
     p.add_argument("--vllm-log", default=None, help="write vLLM's output here")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="run kvmesh's two modes in this process, one after the other (default: "
+                        "each in a fresh process, as vLLM's)")
+    p.add_argument("--mode-order", default="off,spec", type=lambda v: v.split(","),
+                   help="the order the modes run in (off,spec or spec,off)")
     args = p.parse_args(argv)
     args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not args.parts or args.parts - {"latency", "throughput"}:
@@ -377,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     if not systems or set(systems) - {"kvmesh", "vllm"}:
         p.error("--systems: kvmesh, vllm or both")
+    if sorted(args.mode_order) != ["off", "spec"]:
+        p.error("--mode-order: off,spec or spec,off")
     if args.speculative_config is not None:
         try:
             spec = json.loads(args.speculative_config)
@@ -399,10 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     work = build_workload(load_tokenizer(model), args)
     results: dict[str, dict[str, dict]] = {}
     for system in systems:
-        run = run_kvmesh if system == "kvmesh" else run_vllm
+        run = ((run_kvmesh_isolated if args.isolate else run_kvmesh) if system == "kvmesh"
+               else run_vllm)
         where = model if system == "kvmesh" else hf_dir
-        results[system] = {mode: run(args, where, work, cfg)
-                           for mode, cfg in (("off", None), ("spec", spec))}
+        configs = {"off": None, "spec": spec}
+        done = {mode: run(args, where, work, configs[mode]) for mode in args.mode_order}
+        results[system] = {mode: done[mode] for mode in ("off", "spec")}
     rep = report(args, results, spec)
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=2))

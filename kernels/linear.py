@@ -23,7 +23,8 @@ bf16 weight's bytes, which `packed_copy_bytes` counts.
 A GEMM of a few rows (a decode step: 1-16 tokens, a speculative verification's k + 1) is a read
 of the weight, and oneDNN's fixed cost of ~20-40 µs a call dominates the small ones. Where the
 C++ kernels have a path for the dtype (float32: AVX-512 / AVX2 FMA; bf16: AVX512-BF16), the
-rows are at most its crossover (`small_gemm.MAX_ROWS`) and the weight is not an LM head's
+rows are at most its crossover (`small_gemm.MAX_ROWS`; float32 only where oneDNN's few-row GEMMs
+are not padded, `gemm_rows`) and the weight is not an LM head's
 (`small_gemm.MAX_WEIGHT_BYTES`), such a GEMM runs on `kernels/small_gemm.py` instead, on the
 dense weight itself (it builds no copy; the packed one is still built by the first larger
 GEMM, and counted as before). Its rows are batch-invariant (each row's result bitwise the same

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kvmesh.kernels import cpu_kernels
+from kvmesh.kernels import cpu_kernels, gemm_rows
 
 # The most rows a GEMM of each dtype runs here: above them oneDNN's packed GEMM is faster
 # (docs/KERNELS.md, "Small-row GEMM": the crossover measured on SmolLM2-135M's shapes). float32
@@ -57,6 +57,12 @@ def max_rows(dtype: torch.dtype) -> int:
 
 def _decide(dtype: torch.dtype) -> int:
     if dtype not in MAX_ROWS or not enabled():
+        return 0
+    if dtype == torch.float32 and gemm_rows.MIN_ROWS > 1:
+        # NOTE: where oneDNN's few-row GEMMs are padded to MIN_ROWS (AMD with AVX-512), the padded
+        # float32 GEMM beat this kernel idle (benchmarks/spec_decode.py, one thread, 2026-11-26:
+        # 1-row steps 45.3 vs 57.8 ms, 5-row steps 45.8 vs 65.1 ms); a padded row is also bitwise
+        # the row of any larger batch, so verification stays batch-invariant without it
         return 0
     ext = cpu_kernels.load()
     if ext is None or not ext.small_gemm_supports(_NAMES[dtype]):

@@ -33,10 +33,13 @@ STAND_IN = textwrap.dedent('''
 ''')
 
 
-def _args(tmp_path: Path, *extra: str) -> list[str]:
+def _args(tmp_path: Path, *extra: str, isolate: bool = False) -> list[str]:
+    # NOTE: in this process unless asked (monkeypatches reach no spawned process, and a spawn
+    # imports torch again: seconds a mode)
     return ["--model", "random-tiny", "--cache", str(tmp_path / "models"), "--threads", "1",
             "--max-tokens", "4", "--batch-sizes", "1,3", "--throughput-max-tokens", "3",
-            "--num-kv-blocks", "128", "--json", str(tmp_path / "out.json"), *extra]
+            "--num-kv-blocks", "128", "--json", str(tmp_path / "out.json"),
+            *(() if isolate else ("--no-isolate",)), *extra]
 
 
 def test_both_parts_with_a_vllm_stand_in(tmp_path, monkeypatch, capsys):
@@ -121,7 +124,22 @@ def test_a_malformed_peer_answer_is_an_error(tmp_path, monkeypatch):
                                "--vllm-command", f"{sys.executable} {script}"))
 
 
+def test_each_mode_in_a_fresh_process_gives_the_same_counts_in_either_order(tmp_path):
+    def counts(*flags: str, isolate: bool) -> dict:
+        assert spec_decode.main(_args(tmp_path, "--parts", "latency", "--workloads", "copy",
+                                      *flags, isolate=isolate)) == 0
+        copy = json.loads((tmp_path / "out.json").read_text())["systems"]["kvmesh"]["latency"]["copy"]
+        keep = ("tokens", "decode_steps", "verifications", "accepted_tokens", "drafted_steps",
+                "plain_steps")
+        return {"identical": copy["greedy_identical"],
+                **{mode: {k: copy[mode].get(k) for k in keep} for mode in ("off", "spec")}}
+    here = counts(isolate=False)
+    assert here["identical"] is True and here["spec"]["verifications"]
+    assert counts("--mode-order", "spec,off", isolate=True) == here
+
+
 @pytest.mark.parametrize(("flags", "message"), [
+    (["--mode-order", "spec"], "--mode-order: off,spec or spec,off"),
     (["--batch-sizes", "1,0"], "--batch-sizes: each at least 1"),
     (["--batch-sizes", "x"], "--batch-sizes: a comma list of integers"),
     (["--systems", "sglang"], "--systems: kvmesh, vllm or both"),

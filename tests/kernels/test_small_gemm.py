@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels import cpu_kernels
+from kvmesh.kernels import cpu_kernels, gemm_rows
 from kvmesh.kernels import linear as lin
 from kvmesh.kernels import small_gemm
 
@@ -28,11 +28,23 @@ def _rows(dtype: torch.dtype) -> int:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_decision():
-    """Each test decides anew (a test may change KVMESH_SMALL_GEMM or the extension's load)."""
+def _fresh_decision(monkeypatch):
+    """Each test decides anew (a test may change KVMESH_SMALL_GEMM or the extension's load), on a
+    CPU whose oneDNN GEMMs are not padded (where they are, float32 stays on oneDNN: tested below)."""
+    monkeypatch.setattr(gemm_rows, "MIN_ROWS", 1)
     small_gemm._cache.clear()
     yield
     small_gemm._cache.clear()
+
+
+def test_float32_stays_on_onednn_where_its_few_row_gemms_are_padded(monkeypatch):
+    monkeypatch.setattr(gemm_rows, "MIN_ROWS", 4)
+    small_gemm._cache.clear()
+    assert small_gemm.max_rows(torch.float32) == 0
+    want_bf16 = small_gemm.MAX_ROWS[torch.bfloat16] if cpu_kernels.load().small_gemm_supports("bfloat16") else 0
+    assert small_gemm.max_rows(torch.bfloat16) == want_bf16
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    assert not lin.uses_small_gemm(x, w)
 
 
 def _operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int, bias: bool):
