@@ -28,17 +28,28 @@ ONEDNN_BF16_ISAS = frozenset({
     "AVX10_2_512_AMX_2"})
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo does not exist: not Linux on x86)."""
+@functools.lru_cache(maxsize=None)
+def _cpuinfo_field(name: str) -> str:
+    """The first /proc/cpuinfo line's value for `name` ("" where there is none, or no file)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.startswith(name):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo does not exist: not Linux on x86)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"; "" where there is none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def onednn_allows_bf16() -> bool:

@@ -23,26 +23,13 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 
-from kvmesh.kernels.cpu_features import cpu_flags
+from kvmesh.kernels.cpu_features import cpu_flags, cpu_vendor
 
 ENV = "KVMESH_GEMM_MIN_ROWS"
 AMD_MIN_ROWS = 4        # AMD EPYC Zen 5 (AVX-512): 3..5 rows the cheapest, 1 and 2 the dearest
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"; "" where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return ""
 
 
 def default_min_rows(vendor: str, flags: frozenset[str]) -> int:
