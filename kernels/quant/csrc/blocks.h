@@ -8,15 +8,32 @@
 // (Q6_K's scales cover 16 elements, hence the halves; the other formats have a[0] == a[1].)
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvmesh_quant {
 
 // The ggml type numbers (gguf.GGMLQuantizationType).
 enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+// fn(std::integral_constant<int, F>{}) for the runtime format `fmt`: the one switch every path
+// instantiates its per-format template through; an unknown type is a clear error.
+template <typename Fn>
+void dispatch(int64_t fmt, Fn&& fn) {
+  switch (fmt) {
+    case Q4_0: fn(std::integral_constant<int, Q4_0>{}); break;
+    case Q4_1: fn(std::integral_constant<int, Q4_1>{}); break;
+    case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
+    case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
+    case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
+    case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", fmt);
+  }
+}
 
 struct Sub {          // one 32-element sub-block's affine map, per 16-element half
   float a[2];

@@ -477,19 +477,6 @@ void dequantize_rows_impl(const uint8_t* w, const int64_t* ids, float* out, int6
   });
 }
 
-template <typename Fn>
-void dispatch(int64_t fmt, Fn&& fn) {
-  switch (fmt) {
-    case Q4_0: fn(std::integral_constant<int, Q4_0>{}); break;
-    case Q4_1: fn(std::integral_constant<int, Q4_1>{}); break;
-    case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
-    case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
-    case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
-    case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
-    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", fmt);
-  }
-}
-
 }  // namespace
 
 // K from the byte width of a row; checks what the Python side already promised.

@@ -332,35 +332,18 @@ void gemm_tiled(const T* x, const uint8_t* w, float* y, int64_t M, int64_t N, in
 template <typename T>
 void dispatch_tiled(int64_t fmt, const T* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
                     int64_t row_bytes) {
-  switch (fmt) {
-    case Q4_0: gemm_tiled<Q4_0, T>(x, w, y, M, N, K, row_bytes); break;
-    case Q4_1: gemm_tiled<Q4_1, T>(x, w, y, M, N, K, row_bytes); break;
-    case Q8_0: gemm_tiled<Q8_0, T>(x, w, y, M, N, K, row_bytes); break;
-    case Q4_K: gemm_tiled<Q4_K, T>(x, w, y, M, N, K, row_bytes); break;
-    case Q5_K: gemm_tiled<Q5_K, T>(x, w, y, M, N, K, row_bytes); break;
-    case Q6_K: gemm_tiled<Q6_K, T>(x, w, y, M, N, K, row_bytes); break;
-    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", fmt);
-  }
+  dispatch(fmt, [&](auto f) { gemm_tiled<decltype(f)::value, T>(x, w, y, M, N, K, row_bytes); });
 }
 
 template <typename T>
 void dequantize_range(int64_t fmt, const uint8_t* w, int64_t n0, int64_t rows, int64_t K, int64_t row_bytes,
                       T* out) {
-  auto run = [&](auto f) {
+  dispatch(fmt, [&](auto f) {
     constexpr int F = decltype(f)::value;
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) dequantize_slab<F, T>(w + (n0 + r) * row_bytes, 0, K, out + r * K);
     });
-  };
-  switch (fmt) {
-    case Q4_0: run(std::integral_constant<int, Q4_0>{}); break;
-    case Q4_1: run(std::integral_constant<int, Q4_1>{}); break;
-    case Q8_0: run(std::integral_constant<int, Q8_0>{}); break;
-    case Q4_K: run(std::integral_constant<int, Q4_K>{}); break;
-    case Q5_K: run(std::integral_constant<int, Q5_K>{}); break;
-    case Q6_K: run(std::integral_constant<int, Q6_K>{}); break;
-    default: TORCH_CHECK(false, "unsupported GGUF quantization type ", fmt);
-  }
+  });
 }
 
 }  // namespace
