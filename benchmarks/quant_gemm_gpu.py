@@ -12,6 +12,7 @@ and each M, on random weights of that shape, it times with triton's do_bench (me
              kernel included in the time);
   * fp8:     fp8_gemm, e4m3 weights per channel (sm_89+: x cast per tensor, fp8 MMA, its
              max-reduction and cast included; below: the weight widened in registers);
+  * fp8-token: the same with x cast per token (compressed-tensors' FP8_DYNAMIC);
   * scaled_mm: torch._scaled_mm on the same fp8 operands (sm_89+ only; x quantized by torch
              outside the timing), the peer for the fp8 path;
 and prints per row the time in microseconds, the ratio dense / path (above 1: faster than
@@ -30,7 +31,7 @@ import time
 # Llama-3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; fused as the engine runs them
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CPU_SHAPES = {"tiny": (40, 128)}
-PATHS = ("dense", "w4a16", "w8a8", "fp8", "scaled_mm")
+PATHS = ("dense", "w4a16", "w8a8", "fp8", "fp8-token", "scaled_mm")
 GROUP_SIZE = 128
 
 
@@ -67,7 +68,7 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     fp8_scale = torch.rand(n, device=device, generator=g) * 1e-3 + 1e-5
     nbytes = {"dense": dense.numel() * dense.element_size(),
               "w4a16": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
-              "w8a8": w8.numel() + 4 * n, "fp8": fp8.numel() + 4 * n, "scaled_mm": fp8.numel() + 4 * n}
+              "w8a8": w8.numel() + 4 * n, "fp8": fp8.numel() + 4 * n, "fp8-token": fp8.numel() + 4 * n, "scaled_mm": fp8.numel() + 4 * n}
     return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
 
 
@@ -83,7 +84,9 @@ def _calls(torch, w, x, fp8_mma: bool):
                   lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
         "w8a8": (lambda: tg.w8a8_gemm(x, *w["w8"]), lambda: reference.w8a8_gemm(x, *w["w8"])),
         "fp8": (lambda: tg.fp8_gemm(x, *w["fp8"]),
-                lambda: reference.fp8_gemm(x, *w["fp8"], fp8_activations=fp8_mma)),
+                lambda: reference.fp8_gemm(x, *w["fp8"], activations="tensor" if fp8_mma else "none")),
+        "fp8-token": (lambda: tg.fp8_gemm(x, *w["fp8"], activations="token"),
+                      lambda: reference.fp8_gemm(x, *w["fp8"], activations="token" if fp8_mma else "none")),
     }
     if fp8_mma and x.is_cuda and hasattr(torch, "_scaled_mm"):
         xq, xs = reference.scaled_fp8_quant(x)
@@ -92,7 +95,7 @@ def _calls(torch, w, x, fp8_mma: bool):
         calls["scaled_mm"] = (
             lambda: torch._scaled_mm(xq, fp8.T, scale_a=row_scale, scale_b=ws.reshape(1, -1),
                                      out_dtype=x.dtype),
-            lambda: reference.fp8_gemm(x, fp8, ws, fp8_activations=True))
+            lambda: reference.fp8_gemm(x, fp8, ws, activations="tensor"))
     return calls
 
 

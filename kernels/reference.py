@@ -362,21 +362,24 @@ def w8a8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return y if bias is None else y + bias.double()
 
 
-def scaled_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tensor: scale = max|x| / 448 (float32, [1]), q = x / scale cast to e4m3fn (nearest, ties even)."""
+def scaled_fp8_quant(x: torch.Tensor, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor: scale = max|x| / 448 (float32, [1]); per token: one a row ([M]);
+    q = x / scale cast to e4m3fn (nearest, ties even)."""
     xf = x.float()
-    scale = (xf.abs().amax() / 448).reshape(1)
-    q = (xf / torch.where(scale > 0, scale, 1.0)).clamp(-448, 448)
+    scale = xf.abs().amax(dim=1) / 448 if per_token else (xf.abs().amax() / 448).reshape(1)
+    div = torch.where(scale > 0, scale, 1.0)
+    q = (xf / (div[:, None] if per_token else div)).clamp(-448, 448)
     return q.to(torch.float8_e4m3fn), scale
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, *, fp8_activations: bool = True) -> torch.Tensor:  # [M, N] float64
-    """fp8_activations: (x_q @ w^T) * x_scale * w_scale + bias (sm_89+); else (x @ w^T) * w_scale + bias (sm_80)."""
+             bias: torch.Tensor | None = None, *, activations: str = "tensor") -> torch.Tensor:  # [M, N] float64
+    """activations "tensor" / "token": (x_q @ w^T) * x_scale * w_scale + bias, x_q cast per tensor /
+    per token (sm_89+); "none": (x @ w^T) * w_scale + bias (weight-only, and every fp8 GEMM on sm_80)."""
     w = weight.double()
-    if fp8_activations:
-        q, scale = scaled_fp8_quant(x)
-        y = (q.double() @ w.T) * scale.double()
+    if activations != "none":
+        q, scale = scaled_fp8_quant(x, per_token=activations == "token")
+        y = (q.double() @ w.T) * (scale.double()[:, None] if activations == "token" else scale.double())
     else:
         y = x.double() @ w.T
     y = y * weight_scale.double()[None, :]

@@ -63,7 +63,7 @@ def _cuda_linear(x: torch.Tensor, w: HFWeight, bias: torch.Tensor | None) -> tor
     if isinstance(w, Int8ChannelWeight):
         return triton_gemm.w8a8_gemm(x, w.weight, w.weight_scale, bias=bias)
     assert isinstance(w, Fp8Weight)
-    return triton_gemm.fp8_gemm(x, w.weight, w.weight_scale, bias=bias)
+    return triton_gemm.fp8_gemm(x, w.weight, w.weight_scale, bias=bias, activations=w.activations)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

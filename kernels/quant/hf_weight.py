@@ -109,10 +109,12 @@ class Int8ChannelWeight(_PerChannelScaled):
 
 @dataclass(slots=True)
 class Fp8Weight(_PerChannelScaled):
-    """float8 e4m3 weights with a per-tensor ([1]) or per-row ([N]) float32 scale (GPU only)."""
+    """float8 e4m3 weights with a per-tensor ([1]) or per-row ([N]) float32 scale (GPU only), and
+    how the checkpoint quantizes the activations that multiply them."""
 
     weight: torch.Tensor        # torch.float8_e4m3fn [N, K]
     weight_scale: torch.Tensor  # float32 [1] or [N]
+    activations: str = "tensor"     # e4m3 per "tensor" / per "token", or "none" (weight-only)
 
     @property
     def format(self) -> str:
@@ -151,9 +153,10 @@ def concat(weights: list[HFWeight]) -> HFWeight | None:
         return Int8ChannelWeight(torch.cat([w.weight for w in weights]),
                                  torch.cat([w.weight_scale for w in weights]),
                                  torch.cat([w.w_sum for w in weights]))
-    if any(w.weight_scale.numel() != w.shape[0] for w in weights):
+    if any(w.weight_scale.numel() != w.shape[0] or w.activations != first.activations for w in weights):
         return None     # NOTE: per-tensor scales differ between q, k and v: one GEMM each
-    return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.weight_scale for w in weights]))
+    return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.weight_scale for w in weights]),
+                     first.activations)
 
 
 def to_device(w: HFWeight, device: torch.device) -> HFWeight:
@@ -163,7 +166,7 @@ def to_device(w: HFWeight, device: torch.device) -> HFWeight:
         return Int4GroupWeight(w.qweight.to(device), w.scales.to(device), w.zeros.to(device), w.group_size, perm)
     if isinstance(w, Int8ChannelWeight):
         return Int8ChannelWeight(w.weight.to(device), w.weight_scale.to(device), w.w_sum.to(device))
-    return Fp8Weight(w.weight.to(device), w.weight_scale.to(device))
+    return Fp8Weight(w.weight.to(device), w.weight_scale.to(device), w.activations)
 
 
 def rows(w: HFWeight, lo: int, hi: int) -> HFWeight:
@@ -172,7 +175,8 @@ def rows(w: HFWeight, lo: int, hi: int) -> HFWeight:
         return Int4GroupWeight(w.qweight[lo:hi], w.scales[lo:hi], w.zeros[lo:hi], w.group_size, w.perm)
     if isinstance(w, Int8ChannelWeight):
         return Int8ChannelWeight(w.weight[lo:hi], w.weight_scale[lo:hi], w.w_sum[lo:hi])
-    return Fp8Weight(w.weight[lo:hi], w.weight_scale[lo:hi] if w.weight_scale.numel() > 1 else w.weight_scale)
+    return Fp8Weight(w.weight[lo:hi], w.weight_scale[lo:hi] if w.weight_scale.numel() > 1 else w.weight_scale,
+                     w.activations)
 
 
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

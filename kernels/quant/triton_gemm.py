@@ -10,9 +10,10 @@ them as stored and dequantizes a tile at a time in registers, never a copy of th
                  in x's dtype with float32 accumulation (float32 x: fp32 operands, tf32 off)
     w8a8_gemm    x quantized per row to int8 (scaled_int8_quant), int8 tl.dot into int32,
                  then * x_scale[m] * w_scale[n]
-    fp8_gemm     sm_89+: x cast to e4m3 per tensor (scaled_fp8_quant), fp8 tl.dot, then
-                 * x_scale * w_scale; sm_80 (no fp8 MMA nor fp8 type): the weight tile widened
-                 to x's dtype in registers and multiplied with x as it is (weight-only)
+    fp8_gemm     sm_89+: x cast to e4m3 per tensor or per token (scaled_fp8_quant), fp8 tl.dot,
+                 then * x_scale * w_scale; weight-only checkpoints, and sm_80 (no fp8 MMA nor
+                 fp8 type): the weight tile widened to x's dtype in registers and multiplied
+                 with x as it is
 
 A program owns BLOCK_M rows and BLOCK_N columns of y and walks K; decode-sized M gets 16-row,
 32-column tiles (more programs over N), larger M 64 x 128 (`_tiles`). References:
@@ -298,6 +299,9 @@ def w8a8_gemm(
     return y
 
 
+FP8_ACTIVATIONS = ("tensor", "token", "none")
+
+
 def fp8_mma(device: torch.device) -> bool:
     """Whether fp8_gemm multiplies in fp8 on this device: CUDA sm_89+ (fp8 MMA); the
     interpreter runs the fp8 path too (pass `arch` to pick the other)."""
@@ -312,10 +316,14 @@ def fp8_gemm(
     weight_scale: torch.Tensor,       # [1] (per tensor) or [N] (per channel) float32
     bias: torch.Tensor | None = None,  # [N]
     *,
+    activations: str = "tensor",      # x cast to e4m3 per "tensor" / per "token", or "none" (W8A16)
     arch: int | None = None,          # compute capability as 80, 90...; None: x's device
 ) -> torch.Tensor:                    # [M, N] x's dtype
-    """sm_89+: y = (x_q @ w^T) * x_scale * w_scale + bias, x_q = scaled_fp8_quant(x);
-    below: y = (x @ w^T) * w_scale + bias, the e4m3 weight widened exactly to x's dtype."""
+    """sm_89+: y = (x_q @ w^T) * x_scale * w_scale + bias, x_q = scaled_fp8_quant(x) per tensor or
+    per token; below sm_89, or activations "none": y = (x @ w^T) * w_scale + bias, the e4m3
+    weight widened exactly to x's dtype."""
+    if activations not in FP8_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(FP8_ACTIVATIONS)}, got {activations!r}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -328,9 +336,9 @@ def fp8_gemm(
     y = _out(x, n)
     if x.shape[0] == 0 or n == 0:
         return y
-    fp8 = fp8_mma(x.device) if arch is None else arch >= 89
+    fp8 = activations != "none" and (fp8_mma(x.device) if arch is None else arch >= 89)
     if fp8:
-        x_q, x_scale = scaled_fp8_quant(x)
+        x_q, x_scale = scaled_fp8_quant(x, per_token=activations == "token")
         _launch_scaled(x_q, weight, x_scale, weight_scale, bias, y, False, paged_attention.upcast_operands(x))
     else:
         _launch_scaled(x, weight.view(torch.uint8), None, weight_scale, bias, y, True,

@@ -2,7 +2,8 @@
 number-format helpers both use: rounding half to even, float32 -> bfloat16, e4m3 <-> float32.
 
     scaled_int8_quant(x)   per row (token): scale = max|x| / 127, x / scale rounded half to even
-    scaled_fp8_quant(x)    per tensor: scale = max|x| / 448, x / scale rounded to nearest e4m3
+    scaled_fp8_quant(x)    per tensor (or per token): scale = max|x| / 448, x / scale rounded to
+                           nearest e4m3
 
 Both round exactly as torch does (kernels/reference.py: bit for bit), on a GPU and in the
 interpreter alike: the roundings are done in float32 / integer arithmetic, not by casts (the
@@ -99,15 +100,16 @@ def _int8_quant_kernel(
 def _fp8_quant_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32
     q_ptr,          # [M, K] uint8: e4m3fn bits
-    scale_ptr,      # [1] float32: max|x| / 448
+    scale_ptr,      # [1] (per tensor) or [M] (per token) float32: max|x| / 448
     K,
     stride_xm, stride_xk, stride_qm,
+    stride_scale,   # 0: one scale for the tensor; 1: one a row
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
-    scale = tl.load(scale_ptr)
+    scale = tl.load(scale_ptr + row * stride_scale)
     div = tl.where(scale > 0, scale, 1.0)
     v = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, div), -448.0), 448.0)
@@ -130,16 +132,21 @@ def scaled_int8_quant(x: torch.Tensor,   # [M, K] float16 / bfloat16 / float32
 
 
 def scaled_fp8_quant(x: torch.Tensor,    # [M, K] float16 / bfloat16 / float32
-                     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [M, K] float8_e4m3fn, scale [1] float32)
-    """Per-tensor e4m3: scale = max|x| / 448, x_q = x / scale rounded to nearest e4m3 (ties even)."""
+                     per_token: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x_q [M, K] float8_e4m3fn, scale [1] / [M] float32)
+    """e4m3 per tensor (per_token: per row): scale = max|x| / 448, x_q = x / scale rounded to
+    nearest e4m3 (ties even)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be a 2-D float16 / bfloat16 / float32 tensor, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     # NOTE: one torch reduction (no host sync) for the tensor's max; the kernel reads it on the device
-    scale = (x.abs().amax().float() / _FP8_MAX).reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+    if per_token:
+        scale = x.abs().amax(dim=1).float() / _FP8_MAX if k else torch.zeros(m, device=x.device)
+    else:
+        scale = (x.abs().amax().float() / _FP8_MAX).reshape(1) if x.numel() else torch.zeros(1, device=x.device)
     if x.numel():
         block = 1024
         _fp8_quant_kernel[(m, triton.cdiv(k, block))](x, q, scale, k, *x.stride(), q.stride(0),
-                                                       BLOCK=block, num_warps=4)
+                                                       1 if per_token else 0, BLOCK=block, num_warps=4)
     return q.view(torch.float8_e4m3fn), scale

@@ -1,12 +1,17 @@
 """The quantized GEMMs on the GPU (kernels/quant/triton_gemm.py, triton_quant.py) in the
 interpreter, against kernels/reference.py on the canonical layout: W4A16 int4 groups, W8A8 int8, FP8 e4m3.
 
+Where TRITON_INTERPRET=0 and CUDA is present the kernels run on the GPU: each test makes its
+operands on the CPU (seeded generators), `on_device` moves them there and the result back.
+
 Bounds are the kernels' own rounding, not a tolerance: the reference is the float64 product of
 exactly the operands the kernel multiplies, so what remains is float32 accumulation
 ((K + 2) * 2^-24 * |x|.|W|^T) and the output's one rounding to x's dtype; with int8 activations
 the int32 accumulation is exact and only the float32 epilogue (acc -> float, * x_scale,
 * w_scale, + bias: 4 roundings) remains.
 """
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -19,6 +24,15 @@ from kvmesh.kernels.quant import triton_gemm, triton_quant  # noqa: E402
 U32 = 2.0 ** -24
 UNIT = {torch.float32: U32, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}   # unit roundoff
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+
+
+def on_device(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with every tensor argument on DEVICE; tensor results back on the CPU."""
+    def move(a):
+        return a.to(DEVICE) if isinstance(a, torch.Tensor) else a
+    out = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, accumulation: torch.Tensor) -> None:
@@ -60,7 +74,7 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     perm = torch.randperm(k, generator=g) if use_perm else None
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
     with kx.poisoned():
-        got = triton_gemm.w4a16_gemm(x, qweight, scales, zeros, group_size, perm, bias)
+        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias)
     assert got.dtype == dtype and got.shape == (m, n)
     want = reference.w4a16_gemm(x, qweight, scales, zeros, group_size, perm, bias)
     w = reference.dequantize_int4(qweight, scales, zeros, group_size).to(dtype).double()
@@ -80,11 +94,11 @@ def test_w4a16_layout_nibbles_zero_points_and_groups():
     x = torch.zeros(1, k)
     x[0, [0, 1, 32, 33]] = torch.tensor([1.0, 10.0, 100.0, 1000.0])
     # columns 2..31 hold q = 0: (0 - 8) * 0.5 = -4 each, x there is 0
-    got = triton_gemm.w4a16_gemm(x, qweight, scales, zeros, group_size)
+    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size)
     want = 1.0 * (10 - 8) * 0.5 + 10.0 * (3 - 8) * 0.5 + 100.0 * (1 - 1) * 2.0 + 1000.0 * (15 - 1) * 2.0
     assert got.tolist() == [[want]]
     perm = torch.arange(k).roll(1)     # weight column k multiplies x column k - 1
-    got = triton_gemm.w4a16_gemm(x, qweight, scales, zeros, group_size, perm)
+    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm)
     want_perm = 1.0 * (3 - 8) * 0.5 + 10.0 * (0 - 8) * 0.5 + 100.0 * (15 - 1) * 2.0 + 1000.0 * (0 - 1) * 2.0
     assert got.tolist() == [[want_perm]]
 
@@ -96,7 +110,7 @@ def test_int8_quantization_is_the_reference_bit_for_bit():
     x[2, 6:] = 0.0
     for dtype in DTYPES:
         xd = x.to(dtype)
-        q, scale = triton_quant.scaled_int8_quant(xd)
+        q, scale = on_device(triton_quant.scaled_int8_quant, xd)
         want_q, want_scale = reference.scaled_int8_quant(xd)
         assert q.dtype == torch.int8 and scale.dtype == torch.float32
         assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
@@ -122,7 +136,7 @@ def test_w8a8_is_the_exact_integer_product_to_float_rounding(kx, case, dtype):
     weight_scale = torch.rand(n, generator=g) * 0.01 + 1e-4
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
     with kx.poisoned():
-        got = triton_gemm.w8a8_gemm(x, weight, weight_scale, bias)
+        got = on_device(triton_gemm.w8a8_gemm, x, weight, weight_scale, bias)
     assert got.dtype == dtype and got.shape == (m, n)
     want = reference.w8a8_gemm(x, weight, weight_scale, bias)
     without_bias = want if bias is None else want - bias.double()
@@ -133,19 +147,32 @@ def test_w8a8_is_the_exact_integer_product_to_float_rounding(kx, case, dtype):
         assert torch.equal(got[m // 2].float(), expected)
 
 
+def test_fp8_quantization_per_token_scales_each_row():
+    x = torch.randn(5, 70, generator=_gen(6)) * torch.tensor([1.0, 100.0, 0.0, 1e-3, 7.0])[:, None]
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        q, scale = on_device(triton_quant.scaled_fp8_quant, xd, per_token=True)
+        want_q, want_scale = reference.scaled_fp8_quant(xd, per_token=True)
+        assert scale.shape == (5,) and torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert scale[2].item() == 0.0 and not q[2].float().any()     # a zero row: zeros (signs kept)
+        # every row's largest |x| lands on e4m3's largest value
+        assert q.float().abs().amax(1).tolist() == [448.0, 448.0, 0.0, 448.0, 448.0]
+
+
 def test_fp8_quantization_rounds_to_nearest_even_e4m3_like_torch():
     ties = [448.0, 447.0, 1.0625, 1.1875, 15.5, 17.0, 19.0, 2.0 ** -10, 1.5 * 2.0 ** -9,
             2.0 ** -6 - 2.0 ** -10, 0.0, -0.0, -2.0 ** -11, -1.0625, 300.0, -448.0]
     x = torch.cat([torch.tensor(ties), torch.randn(200, generator=_gen(2)) * 50]).reshape(8, 27)
     for dtype in DTYPES:
         xd = x.to(dtype)
-        q, scale = triton_quant.scaled_fp8_quant(xd)
+        q, scale = on_device(triton_quant.scaled_fp8_quant, xd)
         want_q, want_scale = reference.scaled_fp8_quant(xd)
         assert q.dtype == torch.float8_e4m3fn and torch.equal(scale, want_scale)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert scale.item() == 1.0    # max |x| = 448: the ties above are divided by 1
     assert q.float().flatten()[:10].tolist() == [448.0, 448.0, 1.0, 1.25, 16.0, 16.0, 20.0, 0.0, 2.0 ** -8, 2.0 ** -6]
-    zero_q, zero_scale = triton_quant.scaled_fp8_quant(torch.zeros(2, 5))
+    zero_q, zero_scale = on_device(triton_quant.scaled_fp8_quant, torch.zeros(2, 5))
     assert zero_scale.item() == 0.0 and not zero_q.view(torch.uint8).any()
 
 
@@ -155,10 +182,10 @@ FP8_CASES = {  # name: (M, N, K, per-channel scale, bias)
 }
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch, activations", [(80, "tensor"), (90, "tensor"), (90, "token"), (90, "none")])
 @pytest.mark.parametrize("case", sorted(FP8_CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_matches_the_reference_on_both_paths(kx, arch, case, dtype):
+def test_fp8_matches_the_reference_on_both_paths(kx, arch, activations, case, dtype):
     m, n, k, per_channel, use_bias = FP8_CASES[case]
     g = _gen(len(case) + arch)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -166,12 +193,13 @@ def test_fp8_matches_the_reference_on_both_paths(kx, arch, case, dtype):
     weight_scale = torch.rand(n if per_channel else 1, generator=g) * 0.01 + 1e-4
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
     with kx.poisoned():
-        got = triton_gemm.fp8_gemm(x, weight, weight_scale, bias, arch=arch)
+        got = on_device(triton_gemm.fp8_gemm, x, weight, weight_scale, bias, activations=activations, arch=arch)
     assert got.dtype == dtype and got.shape == (m, n)
-    fp8 = arch >= 89
-    want = reference.fp8_gemm(x, weight, weight_scale, bias, fp8_activations=fp8)
-    xa = reference.scaled_fp8_quant(x)[0] if fp8 else x
-    scale = weight_scale.double() * (reference.scaled_fp8_quant(x)[1].double() if fp8 else 1.0)
+    acts = activations if arch >= 89 else "none"        # sm_80: weight-only whatever is asked
+    want = reference.fp8_gemm(x, weight, weight_scale, bias, activations=acts)
+    per_token = acts == "token"
+    xa, xs = reference.scaled_fp8_quant(x, per_token=per_token) if acts != "none" else (x, torch.ones(1))
+    scale = weight_scale.double() * (xs.double()[:, None] if per_token else xs.double())
     mag = (xa.double().abs() @ weight.double().abs().T) * scale + (0 if bias is None else bias.double().abs())
     # float32 accumulation over K, then up to 3 epilogue roundings
     assert_within(got, want, (k + 5) * U32 * mag)
@@ -183,16 +211,16 @@ def test_the_weight_only_path_decodes_every_e4m3_value_exactly():
     weight = codes.view(torch.float8_e4m3fn).reshape(-1, 1).expand(-1, 32).contiguous()  # [254, 32]
     x = torch.zeros(1, 32)
     x[0, 0] = 1.0
-    got = triton_gemm.fp8_gemm(x, weight, torch.ones(1), arch=80)
+    got = on_device(triton_gemm.fp8_gemm, x, weight, torch.ones(1), arch=80)
     assert torch.equal(got[0], codes.view(torch.float8_e4m3fn).float())
 
 
 def test_empty_batches_return_empty_results():
     x = torch.zeros(0, 64, dtype=torch.bfloat16)
     qweight, scales, zeros = int4_weight(8, 64, 32, torch.bfloat16, _gen(3))
-    assert triton_gemm.w4a16_gemm(x, qweight, scales, zeros, 32).shape == (0, 8)
-    assert triton_gemm.w8a8_gemm(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)).shape == (0, 8)
-    assert triton_gemm.fp8_gemm(x, torch.zeros(8, 64, dtype=torch.float8_e4m3fn), torch.ones(1)).shape == (0, 8)
+    assert on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, 32).shape == (0, 8)
+    assert on_device(triton_gemm.w8a8_gemm, x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8)).shape == (0, 8)
+    assert on_device(triton_gemm.fp8_gemm, x, torch.zeros(8, 64, dtype=torch.float8_e4m3fn), torch.ones(1)).shape == (0, 8)
 
 
 def _w4_args(**over):
@@ -240,5 +268,7 @@ def test_w8a8_and_fp8_refuse_bad_input():
         triton_gemm.fp8_gemm(x, torch.zeros(4, 16, dtype=torch.int8), torch.ones(1))
     with pytest.raises(ValueError, match="x must be float16, bfloat16 or float32, got torch.float64"):
         triton_gemm.fp8_gemm(x.double(), w8, torch.ones(1))
+    with pytest.raises(ValueError, match="activations must be one of tensor, token, none, got 'channel'"):
+        triton_gemm.fp8_gemm(x, w8, torch.ones(1), activations="channel")
     with pytest.raises(ValueError, match="x must be a 2-D float16 / bfloat16 / float32 tensor"):
         triton_quant.scaled_int8_quant(torch.zeros(3))

@@ -25,15 +25,32 @@ def test_supported_methods_parse_to_their_scheme():
     assert parse_quantization_config({}) is None
     assert parse_quantization_config(ct_config("W8A8", "int-quantized")) == HFQuantConfig(
         "compressed-tensors", "w8a8_int8", weight_strategy="channel", ignore=("lm_head",))
-    assert parse_quantization_config(ct_config("FP8_DYNAMIC", "float-quantized")) == HFQuantConfig(
-        "compressed-tensors", "fp8", weight_strategy="channel", ignore=("lm_head",))
+    fp8 = parse_quantization_config(ct_config("FP8_DYNAMIC", "float-quantized"))
+    assert fp8 == HFQuantConfig("compressed-tensors", "fp8", weight_strategy="channel", activations="token",
+                                ignore=("lm_head",))
+    assert fp8.describe == "compressed-tensors fp8 e4m3 (channel scales, per-token fp8 activations)"
+    weight_only = parse_quantization_config(_without_activations(ct_config("FP8_DYNAMIC", "float-quantized")))
+    assert weight_only.activations == "none" and weight_only.describe.endswith("(channel scales, weight-only)")
     assert parse_quantization_config({"quantization_config": AWQ}) == HFQuantConfig(
         "awq", "w4a16", group_size=128, ignore=("visual",))
     assert parse_quantization_config({"quantization_config": GPTQ}) == HFQuantConfig(
         "gptq", "w4a16", group_size=128, desc_act=True, sym=False)
     per_row = parse_quantization_config({"quantization_config": {**GPTQ, "group_size": -1}})
     assert per_row.group_size == 0
-    assert parse_quantization_config({"quantization_config": {"quant_method": "fp8"}}).scheme == "fp8"
+    vllm_fp8 = parse_quantization_config({"quantization_config": {"quant_method": "fp8"}})
+    assert (vllm_fp8.scheme, vllm_fp8.weight_strategy, vllm_fp8.activations) == ("fp8", "tensor", "tensor")
+
+
+def _without_activations(cfg: dict) -> dict:
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = None
+    return cfg
+
+
+def test_fp8_activation_strategy_outside_tensor_and_token_is_refused():
+    cfg = ct_config("FP8_DYNAMIC", "float-quantized")
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
+    with pytest.raises(ValueError, match=r"group_0.input_activations.strategy='group'"):
+        parse_quantization_config(cfg)
 
 
 @pytest.mark.parametrize("qc, named", [

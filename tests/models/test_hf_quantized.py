@@ -1,5 +1,6 @@
 """Hugging Face quantized checkpoints (AWQ, GPTQ, compressed-tensors W8A8 / FP8) served quantized
-on CPU, against the same checkpoint dequantized at load (`--quantization none`).
+on CPU (the C++ GEMMs) and on a CUDA GPU (the Triton GEMMs; those tests run where CUDA is present
+and TRITON_INTERPRET=0), against the same checkpoint dequantized at load (`--quantization none`).
 
 The checkpoints are made here from one tiny random Llama: compressed-tensors' own library writes
 the W8A8 / FP8 config and rounds the weights (`quantize`); AutoAWQ and AutoGPTQ do not install
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -26,10 +28,13 @@ from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear, hf_quantized_by
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.quantization.serving import serve_quantized
 from kvmesh.engine.quantization.hf_config import parse_quantization_config
-from kvmesh.kernels.quant import hf_build
+from kvmesh.kernels.quant import hf_build, hf_weight
+from kvmesh.kernels.quant.hf_weight import Fp8Weight
 
-pytestmark = pytest.mark.skipif(hf_build.load() is None,
-                                reason=f"quantized kernels unavailable: {hf_build.unavailable_reason()}")
+cpu_kernels = pytest.mark.skipif(hf_build.load() is None,
+                                 reason=f"quantized kernels unavailable: {hf_build.unavailable_reason()}")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
+                                reason="needs a CUDA GPU and TRITON_INTERPRET=0 (the Triton GEMMs)")
 
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -154,6 +159,8 @@ def make_checkpoint(float_dir, out, method: str, **opts):
         qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                                 format=fmt, ignore=["lm_head"], quantization_status="compressed"
                                 ).model_dump(mode="json")
+        if opts.get("weight_only"):     # fp8 weights, activations as they are (W8A16)
+            qc["config_groups"]["group_0"]["input_activations"] = None
     out.mkdir()
     for f in float_dir.iterdir():
         if f.name not in ("model.safetensors", "config.json"):
@@ -184,15 +191,41 @@ CASES = {   # id: (method, options, mean |log-prob difference| bound, fused q/k/
 }
 
 
+CUDA_CASES = {   # the same on the GPU, and FP8 (GPU only)
+    **CASES,
+    # NOTE: e4m3 keeps 3 mantissa bits: with each token's activations cast to it this random
+    # model's log-probs move ~0.38 nats (the float64 reference GEMMs in place of the kernels on
+    # CPU gave 0.379 per token, 0.404 per tensor); weight-only fp8 is exact to float32 rounding
+    "fp8-per-token": ("compressed-tensors", {"kind": "float"}, 0.5, True),
+    "fp8-weight-only": ("compressed-tensors", {"kind": "float", "weight_only": True}, 1e-3, True),
+}
+
+
+@cpu_kernels
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_served_quantized_matches_dequantized(case, float_dir, tmp_path, paged_generate):
-    method, opts, bound, fused = CASES[case]
-    path, deq = make_checkpoint(float_dir, tmp_path / case, method, **opts)
-    quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization=method)
-    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False)   # none: dequantized
+    _served_quantized_matches_dequantized(CASES[case], "cpu", float_dir, tmp_path / case, paged_generate)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_checkpoint_served_quantized_on_cuda_matches_dequantized(case, float_dir, tmp_path, paged_generate):
+    quant = _served_quantized_matches_dequantized(CUDA_CASES[case], "cuda", float_dir, tmp_path / case,
+                                                  paged_generate)
+    w = quant.model.model.layers[0].mlp.down_proj.weight      # the packed tensors live on the GPU
+    assert (w.qweight if hasattr(w, "qweight") else w.weight).is_cuda
+    if case.startswith("fp8"):
+        assert w.activations == ("none" if case == "fp8-weight-only" else "token")
+
+
+def _served_quantized_matches_dequantized(spec, device, float_dir, out, paged_generate):
+    method, opts, bound, fused = spec
+    path, deq = make_checkpoint(float_dir, out, method, **opts)
+    quant = load_model(str(path), "float32", device=device, load_tokenizer=False, quantization=method)
+    dense = load_model(str(path), "float32", device=device, load_tokenizer=False)   # none: dequantized
     assert quant.quantization == method and dense.quantization is None
     for module, want in deq.items():     # the loader reads back exactly what was packed
-        assert torch.equal(dense.model.get_submodule(module).weight, want), module
+        assert torch.equal(dense.model.get_submodule(module).weight.cpu(), want), module
     layer = quant.model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, HFQuantizedLinear) and isinstance(layer.mlp.down_proj, HFQuantizedLinear)
     assert type(quant.model.lm_head) is nn.Linear
@@ -203,7 +236,7 @@ def test_checkpoint_served_quantized_matches_dequantized(case, float_dir, tmp_pa
     got = paged_generate(quant.model, prompts, 8, block_size=16, prefill_chunk=32, seed=1)
     ref = paged_generate(dense.model, prompts, 8, block_size=16, prefill_chunk=32, seed=1)
     diff = _logprob_diffs(got, ref, prompts)
-    print(f"{case}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
+    print(f"{out.name} on {device}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
           f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
     assert diff.numel() >= 300 and diff.mean().item() <= bound
     same = 0
@@ -218,6 +251,7 @@ def test_checkpoint_served_quantized_matches_dequantized(case, float_dir, tmp_pa
         assert same >= 2, f"greedy output identical on only {same} of 3 prompts"
     # q/k/v in one GEMM unless act-order gave each projection its own K permutation
     assert (layer.self_attn._qkv is not None) == fused
+    return quant
 
 
 def test_fp8_is_refused_on_cpu_and_dequantized_with_none(float_dir, tmp_path):
@@ -277,6 +311,36 @@ def test_server_serves_the_checkpoint_quantized_to_the_openai_client(awq_dir, tm
         assert "ckpt: served quantized as awq int4, group 128" in srv.log()
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["awq", "fp8-per-token"])
+def test_server_serves_the_checkpoint_quantized_on_cuda(case, float_dir, tmp_path):
+    """`kvmesh serve --device cuda`: the Triton GEMMs behind the OpenAI API (CUDA graphs and all)."""
+    from openai import OpenAI
+    from servers import start_server
+
+    method, opts, _, _ = CUDA_CASES[case]
+    path, _ = make_checkpoint(float_dir, tmp_path / "ckpt", method, **opts)
+    srv = start_server(tmp_path, "--model", str(path), "--device", "cuda", "--quantization", method,
+                       "--max-model-len", "128")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        assert client.models.list().data[0].model_extra["quantization"] == method
+        res = client.completions.create(model="ckpt", prompt="w5 w9 w17", max_tokens=5, temperature=0)
+        assert res.usage.completion_tokens == 5
+        held = ("awq int4, group 128" if method == "awq"
+                else "compressed-tensors fp8 e4m3 (channel scales, per-token fp8 activations)")
+        assert f"ckpt: served quantized as {held}" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_the_layer_keeps_how_fp8_activations_are_cast():
+    w = Fp8Weight(torch.zeros(8, 32, dtype=torch.float8_e4m3fn), torch.ones(8), "token")
+    layer = HFQuantizedLinear(w, None)
+    assert layer.weight.activations == "token" and hf_weight.rows(layer.weight, 0, 4).activations == "token"
+    assert hf_weight.concat([layer.weight, Fp8Weight(w.weight, w.weight_scale, "none")]) is None
 
 
 def _rewrite(src, dst, edit_tensors=None, edit_config=None):

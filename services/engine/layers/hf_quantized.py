@@ -31,6 +31,7 @@ class HFQuantizedLinear(nn.Module):
         self.kind = type(weight)
         self.out_features, self.in_features = weight.shape
         self.group_size = getattr(weight, "group_size", 0)
+        self.activations = getattr(weight, "activations", None)     # fp8: how x is cast
         for field, tensor in zip(_FIELDS[self.kind], _tensors(weight)):
             self.register_buffer(field, tensor)
         self.register_buffer("perm", getattr(weight, "perm", None))
@@ -41,6 +42,8 @@ class HFQuantizedLinear(nn.Module):
         tensors = [getattr(self, f) for f in _FIELDS[self.kind]]
         if self.kind is Int4GroupWeight:
             return Int4GroupWeight(*tensors, self.group_size, self.perm)
+        if self.kind is Fp8Weight:
+            return Fp8Weight(*tensors, self.activations)
         return self.kind(*tensors)
 
     def set_weight(self, weight: HFWeight) -> None:

@@ -5,12 +5,13 @@
 Supported (the methods and options vLLM loads the same checkpoints with):
     compressed-tensors  int-quantized W8A8: int8 symmetric weights, channel strategy; int8
                         dynamic symmetric activations, token strategy
-                        float-quantized FP8: e4m3 weights, tensor or channel strategy, dynamic
-                        activations (served on GPU only)
+                        float-quantized FP8: e4m3 weights, tensor or channel strategy; fp8
+                        dynamic activations per tensor or per token, or none (weight-only);
+                        served on GPU only
     awq                 bits 4, zero_point true, version gemm, any group size (-1: whole rows)
     gptq                bits 4, checkpoint_format gptq (v1: zeros stored minus one), sym or not,
                         desc_act (act-order, g_idx) or not
-    fp8                 activation_scheme dynamic, no weight_block_size (served on GPU only)
+    fp8                 activation_scheme dynamic (per tensor), no weight_block_size (GPU only)
 Anything else is a ValueError naming the method and the option (bitsandbytes, marlin formats,
 3/8-bit GPTQ, static activations, ...).
 
@@ -37,6 +38,7 @@ class HFQuantConfig:
     desc_act: bool = False          # gptq: g_idx may permute K (act-order)
     sym: bool = True                # gptq: zeros are all 8 (still read from qzeros)
     weight_strategy: str = "channel"    # fp8 / int8: "tensor" or "channel" weight scales
+    activations: str = "tensor"     # fp8: activations cast per "tensor" / per "token", or "none"
     ignore: tuple[str, ...] = ()    # module names / "re:" patterns kept in float
 
     def is_ignored(self, module: str) -> bool:
@@ -62,7 +64,9 @@ class HFQuantConfig:
                 ", act-order" if self.desc_act else "")
         if self.scheme == "w8a8_int8":
             return f"{self.method} int8 W8A8 (per-channel weights, per-token activations)"
-        return f"{self.method} fp8 e4m3 ({self.weight_strategy} scales)"
+        acts = {"tensor": "per-tensor fp8 activations", "token": "per-token fp8 activations",
+                "none": "weight-only"}[self.activations]
+        return f"{self.method} fp8 e4m3 ({self.weight_strategy} scales, {acts})"
 
 
 def parse_quantization_config(hf_config: dict) -> HFQuantConfig | None:
@@ -168,9 +172,14 @@ def _compressed_tensors(qc: dict) -> HFQuantConfig:
         _want(w, f"{name}.weights", num_bits=8, dynamic=False)
         if w.get("strategy") not in ("tensor", "channel"):
             raise _refuse(m, f"{name}.weights.strategy", w.get("strategy"), "tensor or channel")
+        activations = "none"
         if a is not None:
             _want(a, f"{name}.input_activations", type="float", num_bits=8, dynamic=True)
-        scheme, strategy = "fp8", w["strategy"]
+            if a.get("strategy") not in ("tensor", "token"):
+                raise _refuse(m, f"{name}.input_activations.strategy", a.get("strategy"), "tensor or token")
+            activations = a["strategy"]
+        return HFQuantConfig(m, "fp8", weight_strategy=w["strategy"], activations=activations,
+                             ignore=_ignore_list(qc, "ignore"))
     else:
         raise _refuse(m, f"{name}.weights.type", wtype, "int (W8A8) or float (FP8)")
     return HFQuantConfig(m, scheme, weight_strategy=strategy, ignore=_ignore_list(qc, "ignore"))

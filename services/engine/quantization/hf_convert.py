@@ -42,7 +42,7 @@ def convert(cfg: HFQuantConfig, module: str, pieces: dict[str, torch.Tensor],
         elif cfg.scheme == "w8a8_int8":
             w = _int8(pieces)
         else:
-            w = _fp8(pieces)
+            w = _fp8(pieces, cfg.activations)
         w.validate()
     except ValueError as e:
         raise ValueError(f"{cfg.method} module {module}: {e}") from None
@@ -135,9 +135,9 @@ def _int8(p: dict[str, torch.Tensor]) -> Int8ChannelWeight:
     return Int8ChannelWeight(w, scale.reshape(-1).float().contiguous(), w.sum(1, dtype=torch.int32))
 
 
-def _fp8(p: dict[str, torch.Tensor]) -> Fp8Weight:
+def _fp8(p: dict[str, torch.Tensor], activations: str) -> Fp8Weight:
     w = p["weight"]
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
         raise ValueError(f"weight must be float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
     scale = p["weight_scale"].reshape(-1).float()
-    return Fp8Weight(w.contiguous(), scale.contiguous())
+    return Fp8Weight(w.contiguous(), scale.contiguous(), activations)
