@@ -7,7 +7,9 @@
 For each projection shape (N x K; Llama-3-8B's, q/k/v and gate/up fused as the engine runs them)
 and each M, on random weights of that shape, it times with triton's do_bench (median ms):
   * dense:   torch.nn.functional.linear on the bf16/fp16 weight (cuBLAS), the reference speed;
-  * w4a16:   w4a16_gemm, int4 groups of 128 with zero points (0.5 bytes a weight + 1/64 of scales);
+  * w4a16:   w4a16_gemm's fused kernel, int4 groups of 128 with zero points (0.5 bytes a weight
+             + 1/64 of scales);
+  * w4a16-dequant: its other route, the weight dequantized into a buffer, then cuBLAS;
   * w8a8:    w8a8_gemm, int8 weights per channel, x quantized per token (the quantization
              kernel included in the time);
   * fp8:     fp8_gemm, e4m3 weights per channel (sm_89+: x cast per tensor, fp8 MMA, its
@@ -31,7 +33,7 @@ import time
 # Llama-3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; fused as the engine runs them
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CPU_SHAPES = {"tiny": (40, 128)}
-PATHS = ("dense", "w4a16", "w8a8", "fp8", "fp8-token", "scaled_mm")
+PATHS = ("dense", "w4a16", "w4a16-dequant", "w8a8", "fp8", "fp8-token", "scaled_mm")
 GROUP_SIZE = 128
 
 
@@ -68,6 +70,7 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     fp8_scale = torch.rand(n, device=device, generator=g) * 1e-3 + 1e-5
     nbytes = {"dense": dense.numel() * dense.element_size(),
               "w4a16": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
+              "w4a16-dequant": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
               "w8a8": w8.numel() + 4 * n, "fp8": fp8.numel() + 4 * n, "fp8-token": fp8.numel() + 4 * n, "scaled_mm": fp8.numel() + 4 * n}
     return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
 
@@ -80,8 +83,10 @@ def _calls(torch, w, x, fp8_mma: bool):
     from kvmesh.kernels.quant import triton_gemm as tg
     calls = {
         "dense": (lambda: F.linear(x, w["dense"]), lambda: x.double() @ w["dense"].double().T),
-        "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE),
+        "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel"),
                   lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
+        "w4a16-dequant": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="dequant"),
+                          lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
         "w8a8": (lambda: tg.w8a8_gemm(x, *w["w8"]), lambda: reference.w8a8_gemm(x, *w["w8"])),
         "fp8": (lambda: tg.fp8_gemm(x, *w["fp8"]),
                 lambda: reference.fp8_gemm(x, *w["fp8"], activations="tensor" if fp8_mma else "none")),

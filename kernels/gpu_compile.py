@@ -156,9 +156,12 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
         x = _meta(tokens, k, dtype=dtype)
         int4 = (_meta(n, k // 2, dtype=torch.uint8), _meta(n, k // group, dtype=dtype),
                 _meta(n, k // group, dtype=torch.uint8), group)
-        triton_gemm.w4a16_gemm(x, *int4)
-        if dtype == torch.bfloat16:
-            triton_gemm.w4a16_gemm(x, *int4, _meta(k, dtype=torch.int64), _meta(n, dtype=dtype))
+        # NOTE: from W4A16_DEQUANT_MIN_ROWS the engine dequantizes for cuBLAS; the fused kernel's
+        # large tiles stay reachable (KVMESH_W4A16_DEQUANT_ROWS), so both routes are compiled
+        for route in ("auto", "kernel") if tokens >= triton_gemm.W4A16_DEQUANT_MIN_ROWS else ("auto",):
+            triton_gemm.w4a16_gemm(x, *int4, route=route)
+            if dtype == torch.bfloat16:
+                triton_gemm.w4a16_gemm(x, *int4, _meta(k, dtype=torch.int64), _meta(n, dtype=dtype), route=route)
         triton_gemm.w8a8_gemm(x, _meta(n, k, dtype=torch.int8), _meta(n, dtype=torch.float32))
         for arch in (80, 90):
             triton_gemm.fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), _meta(1, dtype=torch.float32),

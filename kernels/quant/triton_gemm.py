@@ -22,6 +22,8 @@ the number-format helpers: `triton_quant.py`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,12 @@ from kvmesh.kernels.quant.triton_quant import (e4m3_bits_to_f32, round_to_bf16, 
                                                  scaled_int8_quant)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_MMA_K = 32         # K of one fp8 MMA instruction (sm_89 / sm_90)
+W4A16_ROUTES = ("auto", "kernel", "dequant")
+# NOTE: rows from which w4a16_gemm dequantizes into a buffer for cuBLAS instead of running the
+# fused kernel; on an H100 (2026-11-26, Llama-8B shapes, bf16) the fused kernel took 1.7-2.6x
+# cuBLAS's dense time at 16 rows and 9-24x from 64 (benchmarks/quant_gemm_gpu.py)
+W4A16_DEQUANT_MIN_ROWS = int(os.environ.get("KVMESH_W4A16_DEQUANT_ROWS", "16"))
 
 
 @triton.jit
@@ -128,6 +136,7 @@ def _scaled_gemm_kernel(
     WEIGHT_ONLY: tl.constexpr,  # w holds e4m3 bits, widened to x's dtype here (sm_80)
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # the interpreter: fp32 tl.dot operands for float tiles
+    IMPRECISE_ACC: tl.constexpr,  # fp8 operands: products summed in the MMA's own precision at most
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -153,7 +162,8 @@ def _scaled_gemm_kernel(
         if UPCAST and not integer:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, max_num_imprecise_acc=IMPRECISE_ACC,
+                     out_dtype=acc.dtype)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K
     out = acc.to(tl.float32)
@@ -164,6 +174,41 @@ def _scaled_gemm_kernel(
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, _to_output(out, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["group_size", "stride_sn", "stride_zn"])
+def _dequant_int4_kernel(
+    q_ptr,          # [N, K // 2] uint8 (as _w4a16_kernel)
+    s_ptr,          # [N, K // group_size] scales
+    z_ptr,          # [N, K // group_size] uint8 zero points
+    perm_ptr,       # [K] int64 or None: weight column k lands in column perm[k]
+    w_ptr,          # [N, K] out: x's dtype
+    N, K, group_size,
+    stride_qn, stride_sn, stride_zn, stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)     # byte h: columns 2h, 2h + 1
+    mask = (offs_n < N)[:, None] & (offs_h < K // 2)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    packed = tl.load(q_ptr + rows * stride_qn + offs_h[None, :], mask=mask, other=0)
+    g = (2 * offs_h // group_size)[None, :]       # both columns of a byte share a group (group_size even)
+    scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + rows * stride_zn + g, mask=mask, other=0).to(tl.float32)
+    col = 2 * offs_h
+    if perm_ptr is not None:
+        col_even = tl.load(perm_ptr + col, mask=offs_h < K // 2, other=0)
+        col_odd = tl.load(perm_ptr + col + 1, mask=offs_h < K // 2, other=0)
+    else:
+        col_even = col
+        col_odd = col + 1
+    out_dtype = w_ptr.dtype.element_ty
+    tl.store(w_ptr + rows * stride_wn + col_even[None, :],
+             _to_output(((packed & 0xF).to(tl.float32) - zero) * scale, out_dtype, UPCAST), mask=mask)
+    tl.store(w_ptr + rows * stride_wn + col_odd[None, :],
+             _to_output(((packed >> 4).to(tl.float32) - zero) * scale, out_dtype, UPCAST), mask=mask)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -228,9 +273,18 @@ def w4a16_gemm(
     group_size: int,                  # a multiple of 32 dividing K (AWQ / GPTQ: 32, 64, 128)
     perm: torch.Tensor | None = None,  # [K] int64: GPTQ act-order, x[:, perm] is multiplied
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    route: str = "auto",              # "kernel", "dequant", or "auto": by W4A16_DEQUANT_MIN_ROWS
 ) -> torch.Tensor:                    # [M, N] x's dtype
     """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype
-    (kvmesh.kernels.reference.w4a16_gemm)."""
+    (kvmesh.kernels.reference.w4a16_gemm).
+
+    Two routes: the fused kernel (the weight dequantized a tile at a time in registers) and,
+    from W4A16_DEQUANT_MIN_ROWS rows, the weight dequantized into a transient [N, K] buffer of
+    x's dtype and multiplied by torch's dense GEMM (cuBLAS), as vLLM does for AWQ batches from
+    256 tokens: the buffer lives for the call only, the model holds the packed weight."""
+    if route not in W4A16_ROUTES:
+        raise ValueError(f"route must be one of {', '.join(W4A16_ROUTES)}, got {route!r}")
     n = qweight.shape[0] if qweight.dim() == 2 else -1
     k = 2 * qweight.shape[1] if qweight.dim() == 2 else -1
     if qweight.dim() != 2:
@@ -244,6 +298,9 @@ def w4a16_gemm(
     if perm is not None:
         _check_rows(perm, "perm", (k,), (torch.int64,))
     _check_bias_device(x, n, bias, qweight, scales, zeros, perm)
+    if route == "dequant" or (route == "auto" and x.shape[0] >= W4A16_DEQUANT_MIN_ROWS and n and k):
+        return torch.nn.functional.linear(x, dequantize_int4(qweight, scales, zeros, group_size, perm, x.dtype),
+                                          bias)
     y = _out(x, n)
     if x.shape[0] == 0 or n == 0:
         return y
@@ -260,6 +317,20 @@ def w4a16_gemm(
     return y
 
 
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] dtype: (q - zero) * scale rounded to dtype, weight column k at column perm[k]
+    (x @ result^T = x[:, perm] @ W^T). Inputs as w4a16_gemm's, already checked there."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, block_k = 32, 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequant_int4_kernel[grid](qweight, scales, zeros, perm, w, n, k, group_size, qweight.stride(0),
+                               scales.stride(0), zeros.stride(0), w.stride(0), BLOCK_N=block_n,
+                               BLOCK_K=block_k, UPCAST=paged_attention.upcast_operands(qweight), num_warps=4)
+    return w
+
+
 def _launch_scaled(x, w, x_scale, w_scale, bias, y, weight_only: bool, upcast: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
@@ -268,12 +339,18 @@ def _launch_scaled(x, w, x_scale, w_scale, bias, y, weight_only: bool, upcast: b
     # weight-only path widens its weight tile in registers, so it steps 64 (fp32: 32, as W4A16)
     block_k = 128 if not weight_only else 32 if x.dtype == torch.float32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    # NOTE: sm_90's fp8 MMA adds its products in a narrower accumulator than float32, and
+    # Triton's default there never promotes (on an H100 a K = 200 product missed the float32
+    # accumulation bound of the tests); 32, one fp8 MMA's K, adds every MMA's partial sum into
+    # the float32 accumulator
+    imprecise = _FP8_MMA_K if x.dtype == torch.float8_e4m3fn else 0
     _scaled_gemm_kernel[grid](
         x, w, x_scale, w_scale, bias, y, m, n, k,
         *x.stride(), w.stride(0), 0 if x_scale is None or x_scale.numel() == 1 else 1,
         0 if w_scale.numel() == 1 else 1, y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHT_ONLY=weight_only,
-        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, num_warps=warps, num_stages=stages,
+        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, IMPRECISE_ACC=imprecise,
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -141,10 +141,13 @@ def scaled_fp8_quant(x: torch.Tensor,    # [M, K] float16 / bfloat16 / float32
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     # NOTE: one torch reduction (no host sync) for the tensor's max; the kernel reads it on the device
+    # NOTE: divided by a tensor: CUDA divides by a Python scalar as a multiplication by its
+    # reciprocal (1 ulp off torch's CPU division and the reference for some values)
     if per_token:
-        scale = x.abs().amax(dim=1).float() / _FP8_MAX if k else torch.zeros(m, device=x.device)
+        amax = x.abs().amax(dim=1).float() if k else torch.zeros(m, device=x.device)
     else:
-        scale = (x.abs().amax().float() / _FP8_MAX).reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+        amax = x.abs().amax().float().reshape(1) if x.numel() else torch.zeros(1, device=x.device)
+    scale = amax / torch.full_like(amax, _FP8_MAX)
     if x.numel():
         block = 1024
         _fp8_quant_kernel[(m, triton.cdiv(k, block))](x, q, scale, k, *x.stride(), q.stride(0),

@@ -25,6 +25,6 @@ def test_cpu_smoke_rows_and_errors(capsys):
     assert bench.main(["--device", "cpu", "--rows", "3"]) == 0
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| tiny")]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w8a8", "fp8", "fp8-token")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w4a16-dequant", "w8a8", "fp8", "fp8-token")]
     # bf16 results: one rounding (2^-8 of the largest value) plus float32 accumulation over K = 128
     assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows

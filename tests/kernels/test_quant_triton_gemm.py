@@ -63,9 +63,10 @@ W4_CASES = {  # name: (M, N, K, group_size, act-order perm, bias)
 }
 
 
+@pytest.mark.parametrize("route", ["kernel", "dequant"])
 @pytest.mark.parametrize("case", sorted(W4_CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtype):
+def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtype, route):
     m, n, k, group_size, use_perm, use_bias = W4_CASES[case]
     g = _gen(len(case))
     # a strided view of a wider buffer (x of a fused projection)
@@ -74,7 +75,7 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     perm = torch.randperm(k, generator=g) if use_perm else None
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
     with kx.poisoned():
-        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias)
+        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, route=route)
     assert got.dtype == dtype and got.shape == (m, n)
     want = reference.w4a16_gemm(x, qweight, scales, zeros, group_size, perm, bias)
     w = reference.dequantize_int4(qweight, scales, zeros, group_size).to(dtype).double()
@@ -83,7 +84,8 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     assert_within(got, want, (k + 2) * U32 * mag)
 
 
-def test_w4a16_layout_nibbles_zero_points_and_groups():
+@pytest.mark.parametrize("route", ["kernel", "dequant"])
+def test_w4a16_layout_nibbles_zero_points_and_groups(route):
     """One hand-built row: the low nibble is the even column, a zero point shifts, each group its scale."""
     k, group_size = 64, 32
     qweight = torch.zeros(1, k // 2, dtype=torch.uint8)
@@ -94,13 +96,29 @@ def test_w4a16_layout_nibbles_zero_points_and_groups():
     x = torch.zeros(1, k)
     x[0, [0, 1, 32, 33]] = torch.tensor([1.0, 10.0, 100.0, 1000.0])
     # columns 2..31 hold q = 0: (0 - 8) * 0.5 = -4 each, x there is 0
-    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size)
+    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, route=route)
     want = 1.0 * (10 - 8) * 0.5 + 10.0 * (3 - 8) * 0.5 + 100.0 * (1 - 1) * 2.0 + 1000.0 * (15 - 1) * 2.0
     assert got.tolist() == [[want]]
     perm = torch.arange(k).roll(1)     # weight column k multiplies x column k - 1
-    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm)
+    got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, route=route)
     want_perm = 1.0 * (3 - 8) * 0.5 + 10.0 * (0 - 8) * 0.5 + 100.0 * (15 - 1) * 2.0 + 1000.0 * (0 - 1) * 2.0
     assert got.tolist() == [[want_perm]]
+
+
+def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_rows(monkeypatch):
+    g = _gen(9)
+    qweight, scales, zeros = int4_weight(24, 128, 64, torch.bfloat16, g)
+    perm = torch.randperm(128, generator=g)
+    got = on_device(triton_gemm.dequantize_int4, qweight, scales, zeros, 64, perm, torch.bfloat16)
+    want = reference.dequantize_int4(qweight, scales, zeros, 64).to(torch.bfloat16)
+    assert torch.equal(got[:, perm], want)          # weight column k sits at column perm[k]
+    routes = []
+    monkeypatch.setattr(triton_gemm, "dequantize_int4", lambda *a: routes.append("dequant") or
+                        torch.zeros(24, 128, dtype=torch.bfloat16, device=a[0].device))
+    monkeypatch.setattr(triton_gemm, "W4A16_DEQUANT_MIN_ROWS", 4)
+    for m in (3, 4):
+        on_device(triton_gemm.w4a16_gemm, torch.zeros(m, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
+    assert routes == ["dequant"]                   # 3 rows: the fused kernel; 4: the dense GEMM
 
 
 def test_int8_quantization_is_the_reference_bit_for_bit():
@@ -245,6 +263,7 @@ def _w4_args(**over):
     (dict(bias=torch.zeros(9, dtype=torch.float16)), r"bias must be \[8\], got \[9\]"),
     (dict(qweight=torch.zeros(64, 8, dtype=torch.uint8).T), "qweight must be contiguous along its last dimension"),
     (dict(x=torch.zeros(2, 128, dtype=torch.float16, device="meta")), "must be on one device"),
+    (dict(route="marlin"), "route must be one of auto, kernel, dequant, got 'marlin'"),
 ])
 def test_w4a16_refuses_bad_input(over, message):
     with pytest.raises(ValueError, match=message):
