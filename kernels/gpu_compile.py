@@ -166,6 +166,8 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
         for arch in (80, 90):
             triton_gemm.fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), _meta(1, dtype=torch.float32),
                                  arch=arch)
+        triton_gemm.fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), _meta(n, dtype=torch.float32),
+                             activations="token", arch=90)
 
 
 # Each entry calls public kernel functions as the engine does for one (shape, dtype).

@@ -181,34 +181,28 @@ def _dequant_int4_kernel(
     q_ptr,          # [N, K // 2] uint8 (as _w4a16_kernel)
     s_ptr,          # [N, K // group_size] scales
     z_ptr,          # [N, K // group_size] uint8 zero points
-    perm_ptr,       # [K] int64 or None: weight column k lands in column perm[k]
-    w_ptr,          # [N, K] out: x's dtype
-    N, K, group_size,
+    w_ptr,          # [N, K] out: x's dtype, contiguous rows
+    N, group_size,
     stride_qn, stride_sn, stride_zn, stride_wn,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,      # divides group_size: a program's columns share one scale a row
     UPCAST: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)     # byte h: columns 2h, 2h + 1
-    mask = (offs_n < N)[:, None] & (offs_h < K // 2)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    packed = tl.load(q_ptr + rows * stride_qn + offs_h[None, :], mask=mask, other=0)
-    g = (2 * offs_h // group_size)[None, :]       # both columns of a byte share a group (group_size even)
-    scale = tl.load(s_ptr + rows * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + rows * stride_zn + g, mask=mask, other=0).to(tl.float32)
-    col = 2 * offs_h
-    if perm_ptr is not None:
-        col_even = tl.load(perm_ptr + col, mask=offs_h < K // 2, other=0)
-        col_odd = tl.load(perm_ptr + col + 1, mask=offs_h < K // 2, other=0)
-    else:
-        col_even = col
-        col_odd = col + 1
-    out_dtype = w_ptr.dtype.element_ty
-    tl.store(w_ptr + rows * stride_wn + col_even[None, :],
-             _to_output(((packed & 0xF).to(tl.float32) - zero) * scale, out_dtype, UPCAST), mask=mask)
-    tl.store(w_ptr + rows * stride_wn + col_odd[None, :],
-             _to_output(((packed >> 4).to(tl.float32) - zero) * scale, out_dtype, UPCAST), mask=mask)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    packed = tl.load(q_ptr + rows[:, None] * stride_qn + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :],
+                     mask=n_mask[:, None], other=0)                              # [BLOCK_N, BLOCK_K / 2]
+    g = k0 // group_size
+    scale = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    zero = tl.load(z_ptr + rows * stride_zn + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+    lo = ((packed & 0xF).to(tl.float32) - zero) * scale        # columns 2h
+    hi = ((packed >> 4).to(tl.float32) - zero) * scale         # columns 2h + 1
+    w = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])        # interleaved: column 2h + j
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], _to_output(w, w_ptr.dtype.element_ty, UPCAST),
+             mask=n_mask[:, None])
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -299,8 +293,8 @@ def w4a16_gemm(
         _check_rows(perm, "perm", (k,), (torch.int64,))
     _check_bias_device(x, n, bias, qweight, scales, zeros, perm)
     if route == "dequant" or (route == "auto" and x.shape[0] >= W4A16_DEQUANT_MIN_ROWS and n and k):
-        return torch.nn.functional.linear(x, dequantize_int4(qweight, scales, zeros, group_size, perm, x.dtype),
-                                          bias)
+        xs = x if perm is None else x.index_select(1, perm)      # act-order: x's columns, not W's
+        return torch.nn.functional.linear(xs, dequantize_int4(qweight, scales, zeros, group_size, x.dtype), bias)
     y = _out(x, n)
     if x.shape[0] == 0 or n == 0:
         return y
@@ -318,14 +312,15 @@ def w4a16_gemm(
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    perm: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] dtype: (q - zero) * scale rounded to dtype, weight column k at column perm[k]
-    (x @ result^T = x[:, perm] @ W^T). Inputs as w4a16_gemm's, already checked there."""
+                    dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] dtype: (q - zero) * scale rounded to dtype (kernels/reference.py's dequantize_int4).
+    Inputs as w4a16_gemm's, already checked there (group_size a multiple of 32 dividing K)."""
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     w = torch.empty((n, k), dtype=dtype, device=qweight.device)
-    block_n, block_k = 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    _dequant_int4_kernel[grid](qweight, scales, zeros, perm, w, n, k, group_size, qweight.stride(0),
+    block_n = 32
+    block_k = next(b for b in (128, 64, 32) if group_size % b == 0)
+    grid = (triton.cdiv(n, block_n), k // block_k)
+    _dequant_int4_kernel[grid](qweight, scales, zeros, w, n, group_size, qweight.stride(0),
                                scales.stride(0), zeros.stride(0), w.stride(0), BLOCK_N=block_n,
                                BLOCK_K=block_k, UPCAST=paged_attention.upcast_operands(qweight), num_warps=4)
     return w

@@ -108,10 +108,11 @@ def test_w4a16_layout_nibbles_zero_points_and_groups(route):
 def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_rows(monkeypatch):
     g = _gen(9)
     qweight, scales, zeros = int4_weight(24, 128, 64, torch.bfloat16, g)
-    perm = torch.randperm(128, generator=g)
-    got = on_device(triton_gemm.dequantize_int4, qweight, scales, zeros, 64, perm, torch.bfloat16)
-    want = reference.dequantize_int4(qweight, scales, zeros, 64).to(torch.bfloat16)
-    assert torch.equal(got[:, perm], want)          # weight column k sits at column perm[k]
+    for group_size in (32, 64, 128):
+        qweight, scales, zeros = int4_weight(24, 256, group_size, torch.bfloat16, g)
+        got = on_device(triton_gemm.dequantize_int4, qweight, scales, zeros, group_size, torch.bfloat16)
+        assert torch.equal(got, reference.dequantize_int4(qweight, scales, zeros, group_size).to(torch.bfloat16))
+    qweight, scales, zeros = int4_weight(24, 128, 64, torch.bfloat16, g)
     routes = []
     monkeypatch.setattr(triton_gemm, "dequantize_int4", lambda *a: routes.append("dequant") or
                         torch.zeros(24, 128, dtype=torch.bfloat16, device=a[0].device))
@@ -194,6 +195,13 @@ def test_fp8_quantization_rounds_to_nearest_even_e4m3_like_torch():
     assert zero_scale.item() == 0.0 and not zero_q.view(torch.uint8).any()
 
 
+# NOTE: sm_90's fp8 MMA adds an instruction's 32 products with about 13 fraction bits after
+# aligning them to the largest (DeepSeek-V3's report: "around 14 bits"; on an H100 the K = 200
+# case exceeded the float32 bound by 1.6e-6 to 1.5e-4 with the partial sums promoted every
+# instruction); the kernel promotes each instruction's sum to float32, so each is off by at most
+# 32 * 2^-13 of its products' |sum|
+FP8_MMA_SUM = 32 * 2.0 ** -13
+
 FP8_CASES = {  # name: (M, N, K, per-channel scale, bias)
     "decode-3rows-odd-k-per-tensor": (3, 40, 37, False, False),
     "prefill-70rows-per-channel-bias": (70, 33, 200, True, True),
@@ -219,8 +227,10 @@ def test_fp8_matches_the_reference_on_both_paths(kx, arch, activations, case, dt
     xa, xs = reference.scaled_fp8_quant(x, per_token=per_token) if acts != "none" else (x, torch.ones(1))
     scale = weight_scale.double() * (xs.double()[:, None] if per_token else xs.double())
     mag = (xa.double().abs() @ weight.double().abs().T) * scale + (0 if bias is None else bias.double().abs())
-    # float32 accumulation over K, then up to 3 epilogue roundings
-    assert_within(got, want, (k + 5) * U32 * mag)
+    # float32 accumulation over K, then up to 3 epilogue roundings; on a GPU's fp8 MMA also its
+    # own accumulator's (FP8_MMA_SUM)
+    hw = FP8_MMA_SUM if DEVICE == "cuda" and acts != "none" else 0.0
+    assert_within(got, want, ((k + 5) * U32 + hw) * mag)
 
 
 def test_the_weight_only_path_decodes_every_e4m3_value_exactly():
