@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -43,7 +44,8 @@ def _parse(argv):
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--rows", default=None, help="comma-separated M (default: 1,16,64,256,1024,4096; cpu: 1,20)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}, "
+                   "and w4a16-kN: the fused kernel with K split N ways")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,7 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
 
 
-def _calls(torch, w, x, fp8_mma: bool):
+def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
     """path -> (the timed call, its float64 reference or None)."""
     import torch.nn.functional as F
 
@@ -83,7 +85,7 @@ def _calls(torch, w, x, fp8_mma: bool):
     from kvmesh.kernels.quant import triton_gemm as tg
     calls = {
         "dense": (lambda: F.linear(x, w["dense"]), lambda: x.double() @ w["dense"].double().T),
-        "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel"),
+        "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel"),  # its split-K choice
                   lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
         "w4a16-dequant": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="dequant"),
                           lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
@@ -93,6 +95,10 @@ def _calls(torch, w, x, fp8_mma: bool):
         "fp8-token": (lambda: tg.fp8_gemm(x, *w["fp8"], activations="token"),
                       lambda: reference.fp8_gemm(x, *w["fp8"], activations="token" if fp8_mma else "none")),
     }
+    for n in splits:
+        calls[f"w4a16-k{n}"] = (
+            lambda s=n: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel", split_k=s),
+            lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE))
     if fp8_mma and x.is_cuda and hasattr(torch, "_scaled_mm"):
         xq, xs = reference.scaled_fp8_quant(x)
         fp8, ws = w["fp8"]
@@ -115,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = CPU_SHAPES if args.device == "cpu" else SHAPES
     names = list(table) if args.shapes is None else args.shapes.split(",")
-    unknown = [s for s in names if s not in table] + [p for p in args.paths.split(",") if p not in PATHS]
+    unknown = [s for s in names if s not in table] + [p for p in args.paths.split(",")
+                                                      if p not in PATHS and not re.fullmatch(r"w4a16-k[1-9]\d*", p)]
     if unknown:
         print(f"unknown shape or path: {', '.join(unknown)} (shapes: {', '.join(table)}; paths: "
               f"{', '.join(PATHS)})", file=sys.stderr)
         return 2
     rows = [int(r) for r in (args.rows or ("1,20" if args.device == "cpu" else "1,16,64,256,1024,4096")).split(",")]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    splits = tuple(int(p[len("w4a16-k"):]) for p in args.paths.split(",") if p.startswith("w4a16-k"))
     from kvmesh.kernels.quant import triton_gemm as tg
     fp8_mma = tg.fp8_mma(torch.device(args.device))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         w, nbytes = _weights(torch, n, k, dtype, args.device, g)
         for m in rows:
             x = torch.randn(m, k, device=args.device, dtype=dtype, generator=g)
-            calls = _calls(torch, w, x, fp8_mma)
+            calls = _calls(torch, w, x, fp8_mma, splits)
             times = {}
             for path in [p for p in args.paths.split(",") if p in calls]:
                 run, ref = calls[path]
@@ -148,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{str(e).strip().splitlines()[0][:160]} | | | | |")
                     continue
                 ratio = times["dense"] / times[path] if "dense" in times else float("nan")
+                moved = nbytes[path.split("-k")[0]]         # w4a16-kN reads w4a16's bytes
                 print(f"| {name} {n}x{k} | {m} | {path} | {times[path] * 1e3:.1f} | {ratio:.2f} | "
-                      f"{nbytes[path] / 1e6:.1f} | {nbytes[path] / times[path] / 1e6:.0f} | {err:.1e} |")
+                      f"{moved / 1e6:.1f} | {moved / times[path] / 1e6:.0f} | {err:.1e} |")
             del x, calls
         del w
         if args.device == "cuda":

@@ -158,6 +158,8 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
                 _meta(n, k // group, dtype=torch.uint8), group)
         # NOTE: from W4A16_DEQUANT_MIN_ROWS the engine dequantizes for cuBLAS; the fused kernel's
         # large tiles stay reachable (KVMESH_W4A16_DEQUANT_ROWS), so both routes are compiled
+        if tokens < triton_gemm.W4A16_DEQUANT_MIN_ROWS:       # decode on a GPU splits K (_split_k)
+            triton_gemm.w4a16_gemm(x, *int4, route="kernel", split_k=4)
         for route in ("auto", "kernel") if tokens >= triton_gemm.W4A16_DEQUANT_MIN_ROWS else ("auto",):
             triton_gemm.w4a16_gemm(x, *int4, route=route)
             if dtype == torch.bfloat16:

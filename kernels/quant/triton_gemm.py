@@ -61,7 +61,7 @@ def _to_output(acc, y_dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 # NOTE: M changes every step and the scale strides (K / group_size) with the model; not
 # specialising them (16-divisible or not) keeps one compiled kernel per tile choice
-@triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn"])
+@triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn", "stride_ys"])
 def _w4a16_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides)
     q_ptr,          # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble, odd k high
@@ -69,17 +69,22 @@ def _w4a16_kernel(
     z_ptr,          # [N, K // group_size] uint8 zero points, 0..15
     perm_ptr,       # [K] int64: x column of weight column k (GPTQ act-order), or None
     bias_ptr,       # [N] float, or None
-    y_ptr,          # [M, N] x's dtype
+    y_ptr,          # [M, N] x's dtype; SPLIT: [splits, M, N] float32 partial sums
     M, N, K, group_size,
     stride_xm, stride_xk, stride_qn, stride_sn, stride_zn, stride_ym,
+    k_split,        # columns a program walks (a multiple of BLOCK_K); K when not split
+    stride_ys,      # SPLIT: elements between two splits' partial sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,      # weight columns a step; divides group_size (one group a step)
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else x's dtype
+    SPLIT: tl.constexpr,        # K split over program_id(2): partial sums out, no bias
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_begin = tl.program_id(2) * k_split
+    k_len = tl.minimum(K - k_begin, k_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -93,7 +98,8 @@ def _w4a16_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # NOTE: the even and the odd columns are two tl.dot of half the step each, so the nibbles
     # never need interleaving in registers: x is read at stride 2 instead
-    for k0 in range(0, K, BLOCK_K):
+    for kk in range(0, k_len, BLOCK_K):
+        k0 = k_begin + kk
         col = k0 + 2 * offs_h
         if perm_ptr is not None:
             col_even = tl.load(perm_ptr + col)
@@ -114,10 +120,34 @@ def _w4a16_kernel(
             x_odd = x_odd.to(tl.float32)
         acc = tl.dot(x_even, w_even, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(x_odd, w_odd, acc, input_precision=DOT_PRECISION)
-    if bias_ptr is not None:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLIT:
+        tl.store(y_ptrs + tl.program_id(2).to(tl.int64) * stride_ys, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["total"])
+def _split_k_reduce_kernel(
+    p_ptr,          # [splits, M, N] float32 partial sums (contiguous)
+    bias_ptr,       # [N] or None
+    y_ptr,          # [M, N] contiguous, x's dtype
+    total, N,       # M * N, N
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """y = sum of the splits' partials in split order (deterministic), + bias, cast once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(p_ptr + s * total + offs, mask=mask, other=0.0)
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -269,6 +299,7 @@ def w4a16_gemm(
     bias: torch.Tensor | None = None,  # [N]
     *,
     route: str = "auto",              # "kernel", "dequant", or "auto": by W4A16_DEQUANT_MIN_ROWS
+    split_k: int | None = None,       # the fused kernel's K splits (None: _split_k's choice)
 ) -> torch.Tensor:                    # [M, N] x's dtype
     """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype
     (kvmesh.kernels.reference.w4a16_gemm).
@@ -301,14 +332,46 @@ def w4a16_gemm(
     upcast = paged_attention.upcast_operands(x)
     block_m, block_n, warps, stages = _tiles(x.shape[0], x.dtype)
     block_k = 64 if group_size % 64 == 0 and x.dtype != torch.float32 else 32
-    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n, block_n))
+    m = x.shape[0]
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    steps = k // block_k
+    splits = _split_k(tiles, steps, x.device) if split_k is None else min(max(int(split_k), 1), steps)
+    k_split = triton.cdiv(steps, splits) * block_k
+    splits = triton.cdiv(k, k_split)                 # no empty split
+    out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
     _w4a16_kernel[grid](
-        x, qweight, scales, zeros, perm, bias, y, x.shape[0], n, k, group_size,
-        *x.stride(), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
+        x, qweight, scales, zeros, perm, bias, out, m, n, k, group_size,
+        *x.stride(), qweight.stride(0), scales.stride(0), zeros.stride(0), n if splits > 1 else y.stride(0),
+        k_split, m * n,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, num_warps=warps, num_stages=stages,
+        DOT_PRECISION=_dot_precision(upcast, x), UPCAST=upcast, SPLIT=splits > 1,
+        num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](out, bias, y, m * n, n, SPLITS=splits, BLOCK=block,
+                                                             UPCAST=upcast, num_warps=4)
     return y
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _split_k(tiles: int, steps: int, device: torch.device) -> int:
+    """K splits for the fused W4A16 kernel: enough programs for ~4 a streaming multiprocessor
+    when the output tiles alone leave SMs idle (decode: N / 32 tiles), each split >= 8 steps.
+
+    NOTE: on an H100 the unsplit decode kernel moved 170-690 GB/s of the weight's 13-62 MB
+    (qkv: 192 programs each walking K = 4096 in 64 steps), far from the 3 TB/s a dense GEMM
+    streams: latency-bound, too few loads in flight."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    want = triton.cdiv(4 * _SM_COUNT[index], tiles)
+    return max(1, min(want, steps // 8, 16))
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -28,3 +28,11 @@ def test_cpu_smoke_rows_and_errors(capsys):
     assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w4a16-dequant", "w8a8", "fp8", "fp8-token")]
     # bf16 results: one rounding (2^-8 of the largest value) plus float32 accumulation over K = 128
     assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
+
+
+def test_w4a16_split_paths_run_the_fused_kernel_split(capsys):
+    assert bench.main(["--device", "cpu", "--rows", "3", "--paths", "w4a16-k2,w4a16-k4"]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tiny")]
+    assert [r[2] for r in rows] == ["w4a16-k2", "w4a16-k4"]
+    assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows

@@ -63,7 +63,11 @@ W4_CASES = {  # name: (M, N, K, group_size, act-order perm, bias)
 }
 
 
-@pytest.mark.parametrize("route", ["kernel", "dequant"])
+ROUTES = {"kernel": {"route": "kernel", "split_k": 1}, "kernel-split-k": {"route": "kernel", "split_k": 3},
+          "dequant": {"route": "dequant"}}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("case", sorted(W4_CASES))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtype, route):
@@ -75,7 +79,7 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     perm = torch.randperm(k, generator=g) if use_perm else None
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
     with kx.poisoned():
-        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, route=route)
+        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, **ROUTES[route])
     assert got.dtype == dtype and got.shape == (m, n)
     want = reference.w4a16_gemm(x, qweight, scales, zeros, group_size, perm, bias)
     w = reference.dequantize_int4(qweight, scales, zeros, group_size).to(dtype).double()
@@ -103,6 +107,16 @@ def test_w4a16_layout_nibbles_zero_points_and_groups(route):
     got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, route=route)
     want_perm = 1.0 * (3 - 8) * 0.5 + 10.0 * (0 - 8) * 0.5 + 100.0 * (15 - 1) * 2.0 + 1000.0 * (0 - 1) * 2.0
     assert got.tolist() == [[want_perm]]
+
+
+def test_split_k_fills_the_streaming_multiprocessors_of_a_decode_step(monkeypatch):
+    """~4 programs an SM when the output tiles are too few, each split at least 8 K steps."""
+    monkeypatch.setitem(triton_gemm._SM_COUNT, 0, 132)         # an H100
+    cuda = torch.device("cuda", 0)
+    # Llama-8B's decode projections: N / 32 tiles, K / 64 steps
+    assert [triton_gemm._split_k(t, s, cuda) for t, s in [(192, 64), (128, 64), (896, 64), (128, 224)]] == [3, 5, 1, 5]
+    assert triton_gemm._split_k(4, 16, cuda) == 2               # a tiny K: never under 8 steps a split
+    assert triton_gemm._split_k(4, 64, torch.device("cpu")) == 1
 
 
 def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_rows(monkeypatch):
