@@ -356,22 +356,26 @@ def w4a16_gemm(
 
 
 _SM_COUNT: dict[int, int] = {}
+_SPLIT_MIN_STEPS = 128  # K steps from which the decode kernel splits K
+_SPLIT_STEPS = 32       # K steps a split walks
 
 
 def _split_k(tiles: int, steps: int, device: torch.device) -> int:
-    """K splits for the fused W4A16 kernel: enough programs for ~4 a streaming multiprocessor
-    when the output tiles alone leave SMs idle (decode: N / 32 tiles), each split >= 8 steps.
+    """K splits for the fused W4A16 kernel: ~32 K steps a split, for long K (>= 128 steps) when
+    the output tiles (decode: N / 32) number under two a streaming multiprocessor.
 
-    NOTE: on an H100 the unsplit decode kernel moved 170-690 GB/s of the weight's 13-62 MB
-    (qkv: 192 programs each walking K = 4096 in 64 steps), far from the 3 TB/s a dense GEMM
-    streams: latency-bound, too few loads in flight."""
-    if device.type != "cuda":
+    NOTE: measured on an H100 (2026-11-26, Llama-8B's projections, bf16, do_bench in eager mode):
+    `down` (K = 14336, 224 steps, 128 tiles) took 167 us unsplit at 1 row and 54 us split 8
+    ways (dense bf16: 56); at K = 4096 (64 steps) every split cost more than it saved: the
+    partial-sum buffer and the reduce kernel's launch (qkv 51 us unsplit, 85-167 split)."""
+    if device.type != "cuda" or steps < _SPLIT_MIN_STEPS:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    want = triton.cdiv(4 * _SM_COUNT[index], tiles)
-    return max(1, min(want, steps // 8, 16))
+    if tiles >= 2 * _SM_COUNT[index]:
+        return 1
+    return min(triton.cdiv(steps, _SPLIT_STEPS), 16)
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

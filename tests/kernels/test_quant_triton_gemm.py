@@ -109,14 +109,15 @@ def test_w4a16_layout_nibbles_zero_points_and_groups(route):
     assert got.tolist() == [[want_perm]]
 
 
-def test_split_k_fills_the_streaming_multiprocessors_of_a_decode_step(monkeypatch):
-    """~4 programs an SM when the output tiles are too few, each split at least 8 K steps."""
+def test_split_k_splits_only_long_k_with_few_output_tiles(monkeypatch):
+    """~32 K steps a split from 128 steps, when the output tiles are under two an SM."""
     monkeypatch.setitem(triton_gemm._SM_COUNT, 0, 132)         # an H100
     cuda = torch.device("cuda", 0)
-    # Llama-8B's decode projections: N / 32 tiles, K / 64 steps
-    assert [triton_gemm._split_k(t, s, cuda) for t, s in [(192, 64), (128, 64), (896, 64), (128, 224)]] == [3, 5, 1, 5]
-    assert triton_gemm._split_k(4, 16, cuda) == 2               # a tiny K: never under 8 steps a split
-    assert triton_gemm._split_k(4, 64, torch.device("cpu")) == 1
+    # Llama-8B's decode projections (qkv, o, gate_up, down): N / 32 tiles, K / 64 steps
+    assert [triton_gemm._split_k(t, s, cuda) for t, s in [(192, 64), (128, 64), (896, 64), (128, 224)]] == [1, 1, 1, 7]
+    assert triton_gemm._split_k(264, 224, cuda) == 1            # two tiles an SM: no split
+    assert triton_gemm._split_k(4, 2048, cuda) == 16            # at most 16 splits
+    assert triton_gemm._split_k(4, 224, torch.device("cpu")) == 1
 
 
 def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_rows(monkeypatch):
