@@ -1,0 +1,46 @@
+#!/bin/bash
+# A lent GPU machine's session in one command (docs/BENCHMARKS.md, "Triton kernels and the engine
+# on a GPU"). The machine has its own torch / triton and no package index:
+#
+#   benchmarks/gpu/session.sh prepare        # here: the wheels it lacks into .gpu/wheels (~16 MB)
+#   benchmarks/gpu/session.sh run [tests|bench|all]    # there, from the checkout's root, with
+#                                            # .gpu carried; results under $OUT
+#
+# `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
+# services/, kvmesh.kernels = kernels/, kvmesh.operator = operator/kvmesh_operator) with
+# symlinks, sets TRITON_INTERPRET=0 and runs the quantized GEMM tests, the HF quantized
+# checkpoints on CUDA (a server included) and benchmarks/quant_gemm_gpu.py ($BENCH_ARGS).
+set -u
+ROOT=$(pwd)
+case "${1:-}" in
+prepare)
+    mkdir -p .gpu/wheels
+    PIP=${PIP:-.venv/bin/pip}
+    exec "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpu/wheels -r benchmarks/gpu/carry-requirements.txt ;;
+run) ;;
+*) echo "usage: $0 prepare | run [tests|bench|all]" >&2; exit 2 ;;
+esac
+STEP=${2:-all}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SITE=/tmp/kvsite; PKG=/tmp/kvpkg
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 --version
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_capability())"; } 2>&1 | tee "$OUT/env.txt"
+python3 -m pip install -q --no-index --no-deps --target $SITE .gpu/wheels/*.whl > "$OUT/pip.txt" 2>&1; echo "pip rc=$?"
+rm -rf $PKG && mkdir -p $PKG/kvmesh
+for f in services/*; do ln -s "$ROOT/$f" "$PKG/kvmesh/$(basename "$f")"; done
+ln -s "$ROOT/kernels" $PKG/kvmesh/kernels; ln -s "$ROOT/operator/kvmesh_operator" $PKG/kvmesh/operator
+export PYTHONPATH=$PKG:$ROOT:$SITE TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_triton_gemm.py \
+        > "$OUT/tests_kernels.txt" 2>&1; echo "kernel tests rc=$?"; tail -5 "$OUT/tests_kernels.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/models/test_hf_quantized.py \
+        -k "cuda or layer_keeps" > "$OUT/tests_models.txt" 2>&1; echo "model tests rc=$?"
+    grep -E "on cuda:|passed|failed|Error" "$OUT/tests_models.txt" | tail -25
+fi
+if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
+    # shellcheck disable=SC2086
+    timeout 200 python3 benchmarks/quant_gemm_gpu.py ${BENCH_ARGS:-} > "$OUT/quant_gemm_gpu.txt" 2>&1
+    echo "bench rc=$?"; head -200 "$OUT/quant_gemm_gpu.txt"
+fi
