@@ -70,14 +70,16 @@ def f32_to_e4m3_bits(y):
 
 
 @triton.jit
-def _int8_quant_kernel(
+def _rows_quant_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32
-    q_ptr,          # [M, K] int8
-    scale_ptr,      # [M] float32: max|x[m]| / 127
+    q_ptr,          # [M, K] int8, or uint8 e4m3fn bits (FP8)
+    scale_ptr,      # [M] float32: max|x[m]| / QMAX
     K,
     stride_xm, stride_xk, stride_qm,
+    FP8: tl.constexpr,          # e4m3 (QMAX 448), else int8 (QMAX 127)
     BLOCK: tl.constexpr,
 ):
+    """Per row (token), one program a row: the row's max, then its values."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
@@ -85,14 +87,19 @@ def _int8_quant_kernel(
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.max(amax, 0), 127.0)
+    qmax: tl.constexpr = 448.0 if FP8 else 127.0
+    scale = tl.math.div_rn(tl.max(amax, 0), qmax)
     div = tl.where(scale > 0, scale, 1.0)       # an all-zero row: scale 0, values 0
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         v = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        q = round_half_even(tl.math.div_rn(v, div))
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(tl.int8), mask=mask)
+        y = tl.math.div_rn(v, div)
+        if FP8:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, f32_to_e4m3_bits(y).to(tl.uint8), mask=mask)
+        else:
+            y = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, y.to(tl.int8), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -115,33 +122,6 @@ def _fp8_quant_kernel(
     tl.store(q_ptr + row * stride_qm + offs, f32_to_e4m3_bits(y).to(tl.uint8), mask=mask)
 
 
-@triton.jit
-def _fp8_quant_rows_kernel(
-    x_ptr,          # [M, K] fp16 / bf16 / fp32
-    q_ptr,          # [M, K] uint8: e4m3fn bits
-    scale_ptr,      # [M] float32: max|x[m]| / 448
-    K,
-    stride_xm, stride_xk, stride_qm,
-    BLOCK: tl.constexpr,
-):
-    """Per token, one program a row (as _int8_quant_kernel): the row's max, then its values."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    x_row = x_ptr + row * stride_xm
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        v = tl.load(x_row + (k0 + offs) * stride_xk, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.max(amax, 0), 448.0)
-    div = tl.where(scale > 0, scale, 1.0)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + offs < K
-        v = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(v, div), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, f32_to_e4m3_bits(y).to(tl.uint8), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
 # ---------------------------------------------------------------------------- launchers
 
 def scaled_int8_quant(x: torch.Tensor,   # [M, K] float16 / bfloat16 / float32
@@ -153,7 +133,7 @@ def scaled_int8_quant(x: torch.Tensor,   # [M, K] float16 / bfloat16 / float32
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        _int8_quant_kernel[(m,)](x, q, scale, k, *x.stride(), q.stride(0), BLOCK=1024, num_warps=4)
+        _rows_quant_kernel[(m,)](x, q, scale, k, *x.stride(), q.stride(0), FP8=False, BLOCK=1024, num_warps=4)
     return q, scale
 
 
@@ -172,7 +152,7 @@ def scaled_fp8_quant(x: torch.Tensor,    # [M, K] float16 / bfloat16 / float32
         # W8A8, whose quantization is one launch, took 22-60 us; in one launch, 22-62 us
         scale = torch.empty((m,), dtype=torch.float32, device=x.device)
         if m:
-            _fp8_quant_rows_kernel[(m,)](x, q, scale, k, *x.stride(), q.stride(0), BLOCK=1024, num_warps=4)
+            _rows_quant_kernel[(m,)](x, q, scale, k, *x.stride(), q.stride(0), FP8=True, BLOCK=1024, num_warps=4)
         return q.view(torch.float8_e4m3fn), scale
     # NOTE: one torch reduction (no host sync) for the tensor's max; the kernel reads it on the
     # device. Divided by a tensor: CUDA divides by a Python scalar as a multiplication by its
