@@ -110,6 +110,7 @@ class EngineSpec:
     max_lora_rank: int = 16  # --max-lora-rank
     max_cpu_loras: int | None = None  # --max-cpu-loras; None: the engine's default (max_loras)
     speculative_config: SpeculativeSpec | None = None  # engine.speculativeConfig; None: no speculation
+    openmp_wait_policy: str = "auto"  # engine.openmpWaitPolicy: auto | active | passive (openmp_wait.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,7 +481,8 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         shared_memory_size=e.get("sharedMemorySize") or ("8Gi" if tp_size > 1 else "2Gi"),
         nccl=NCCLSpec(socket_ifname=nc.get("socketIfname"), debug=nc.get("debug")),
         enable_lora=e.get("enableLora"), max_loras=e.get("maxLoras"), max_lora_rank=e.get("maxLoraRank"),
-        max_cpu_loras=e.get("maxCpuLoras"), speculative_config=_speculative(e, problems))
+        max_cpu_loras=e.get("maxCpuLoras"), speculative_config=_speculative(e, problems),
+        openmp_wait_policy=e.get("openmpWaitPolicy"))
     if (isinstance(engine.max_cpu_loras, int) and isinstance(engine.max_loras, int)
             and engine.max_cpu_loras < engine.max_loras):
         problems.append(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be at least spec.engine.maxLoras "

@@ -14,6 +14,7 @@ from . import API_VERSION, KIND
 from . import model_fetch as MF
 from . import runtimes as RT
 from .crd import InferenceService, SecretRef
+from .openmp_wait import openmp_env
 
 ENGINE_PORT = RT.ENGINE_PORT
 ROUTER_PORT = 8080
@@ -300,7 +301,7 @@ def build_engine_deployment(svc: InferenceService, owner: Owner, replicas: int |
     vllm = svc.engine.runtime == "vllm"
     # NOTE: vLLM engines never talk to Redis (kvmesh's router reads their KV events over ZMQ).
     env = (_pod_env() if vllm else _common_env(svc)) + tracing_env(svc) + runtime_env
-    env += RT.nccl_env(svc)
+    env += RT.nccl_env(svc) + openmp_env(svc)
     mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"},
               {"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [

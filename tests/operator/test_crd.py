@@ -42,7 +42,8 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
                                    "kvCacheMemoryFraction": 0.9, "schedulingPolicy": "fcfs",
                                    "enablePrefixCaching": True, "preemptionMode": "recompute",
                                    "runtime": "kvmesh", "nccl": {"debug": "WARN"},
-                                   "enableLora": False, "maxLoras": 1, "maxLoraRank": 16}
+                                   "enableLora": False, "maxLoras": 1, "maxLoraRank": 16,
+                                   "openmpWaitPolicy": "auto"}
     assert defaulted["router"] == {"enabled": True, "strategy": "kv-aware", "replicas": 1, "mode": "builtin",
                                    "cacheSaltFrom": "none", "exposeRouteHeaders": False, "inferencePool": {
                                        "endpointPickerImage": "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0",
