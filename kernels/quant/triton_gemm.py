@@ -36,8 +36,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MMA_K = 32         # K of one fp8 MMA instruction (sm_89 / sm_90)
 W4A16_ROUTES = ("auto", "kernel", "dequant")
 # NOTE: rows from which w4a16_gemm dequantizes into a buffer for cuBLAS instead of running the
-# fused kernel; on an H100 (2026-11-26, Llama-8B shapes, bf16) the fused kernel took 1.7-2.6x
-# cuBLAS's dense time at 16 rows and 9-24x from 64 (benchmarks/quant_gemm_gpu.py)
+# fused kernel; on an H100 (2026-11-26, Llama-8B shapes, bf16) the fused kernel took 2.1-4.6x
+# cuBLAS's dense time at 16 rows and 6-25x from 64 (benchmarks/quant_gemm_gpu.py)
 W4A16_DEQUANT_MIN_ROWS = int(os.environ.get("KVMESH_W4A16_DEQUANT_ROWS", "16"))
 
 
