@@ -6,7 +6,8 @@
 (no GPUs, runtime kvmesh) whose CPU and memory requests equal its limits with a whole number of
 CPUs, the Guaranteed QoS class that the kubelet's static CPU manager pins to exclusive cores.
 There a spinning worker costs nothing and the forward stays hot between steps (idle beside vLLM's
-CPU build: 1.08-1.48x its requests at concurrency 1-8, docs/BENCHMARKS.md); anywhere else a
+CPU build: 1.08-1.48x its requests at concurrency 1-8 in one run, 0.88x in a repeat at 4, on a
+2-core VM shared with the load generator; docs/BENCHMARKS.md); anywhere else a
 spinning worker would take a neighbour's time or the pod's CFS quota, so the server keeps
 libgomp's passive default. `active` / `passive` set the policy whatever the resources.
 """
