@@ -70,10 +70,10 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     w8_scale = torch.rand(n, device=device, generator=g) * 1e-4 + 1e-5
     fp8 = (torch.randn(n, k, device=device, generator=g) * 20).to(torch.float8_e4m3fn)
     fp8_scale = torch.rand(n, device=device, generator=g) * 1e-3 + 1e-5
-    nbytes = {"dense": dense.numel() * dense.element_size(),
-              "w4a16": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
-              "w4a16-dequant": qweight.numel() + zeros.numel() + scales.numel() * scales.element_size(),
-              "w8a8": w8.numel() + 4 * n, "fp8": fp8.numel() + 4 * n, "fp8-token": fp8.numel() + 4 * n, "scaled_mm": fp8.numel() + 4 * n}
+    int4_bytes = qweight.numel() + zeros.numel() + scales.numel() * scales.element_size()
+    fp8_bytes = fp8.numel() + 4 * n
+    nbytes = {"dense": dense.numel() * dense.element_size(), "w4a16": int4_bytes, "w4a16-dequant": int4_bytes,
+              "w8a8": w8.numel() + 4 * n, "fp8": fp8_bytes, "fp8-token": fp8_bytes, "scaled_mm": fp8_bytes}
     return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
 
 

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .crd import InferenceService
 
-POLICIES = ("auto", "active", "passive")
-
 
 def openmp_env(svc: InferenceService) -> list[dict[str, Any]]:
     policy = svc.engine.openmp_wait_policy

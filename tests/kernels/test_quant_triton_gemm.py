@@ -122,7 +122,6 @@ def test_split_k_splits_only_long_k_with_few_output_tiles(monkeypatch):
 
 def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_rows(monkeypatch):
     g = _gen(9)
-    qweight, scales, zeros = int4_weight(24, 128, 64, torch.bfloat16, g)
     for group_size in (32, 64, 128):
         qweight, scales, zeros = int4_weight(24, 256, group_size, torch.bfloat16, g)
         got = on_device(triton_gemm.dequantize_int4, qweight, scales, zeros, group_size, torch.bfloat16)

@@ -167,7 +167,7 @@ def _compressed_tensors(qc: dict) -> HFQuantConfig:
             raise _refuse(m, f"{name}.input_activations", None, "int8 dynamic per-token (W8A8)")
         _want(a, f"{name}.input_activations", type="int", num_bits=8, symmetric=True,
               strategy="token", dynamic=True)
-        scheme, strategy = "w8a8_int8", "channel"
+        scheme, strategy, activations = "w8a8_int8", "channel", "tensor"   # activations: fp8 only (the default)
     elif wtype == "float":
         _want(w, f"{name}.weights", num_bits=8, dynamic=False)
         if w.get("strategy") not in ("tensor", "channel"):
@@ -178,11 +178,11 @@ def _compressed_tensors(qc: dict) -> HFQuantConfig:
             if a.get("strategy") not in ("tensor", "token"):
                 raise _refuse(m, f"{name}.input_activations.strategy", a.get("strategy"), "tensor or token")
             activations = a["strategy"]
-        return HFQuantConfig(m, "fp8", weight_strategy=w["strategy"], activations=activations,
-                             ignore=_ignore_list(qc, "ignore"))
+        scheme, strategy = "fp8", w["strategy"]
     else:
         raise _refuse(m, f"{name}.weights.type", wtype, "int (W8A8) or float (FP8)")
-    return HFQuantConfig(m, scheme, weight_strategy=strategy, ignore=_ignore_list(qc, "ignore"))
+    return HFQuantConfig(m, scheme, weight_strategy=strategy, activations=activations,
+                         ignore=_ignore_list(qc, "ignore"))
 
 
 def _want(args: dict, where: str, **expected) -> None:
