@@ -203,12 +203,16 @@ def _prebuilt(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[
 def cached() -> bool:
     """Whether loading the native CPU kernels compiles nothing: a build of them is cached here,
     or a prebuilt library fits this CPU."""
+    return _cached(NAME, "cpu-kernels", SOURCES, HEADERS)
+
+
+def _cached(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...]) -> bool:
     try:
-        if any((cache_dir() / "cpu-kernels" / build_key()).glob("*.so")):
+        if any((cache_dir() / subdir / build_key(None, sources, headers)).glob("*.so")):
             return True
     except OSError:
         return False
-    return prebuilt.find(NAME, "cpu-kernels", SOURCES, HEADERS) is not None
+    return prebuilt.find(name, subdir, sources, headers) is not None
 
 
 def build_extension(name: str, subdir: str, sources: tuple[Path, ...], headers: tuple[Path, ...],
@@ -271,6 +275,10 @@ class PathExtensions:
                     log.warning("%s unavailable (%s)", self.what, why)
                 self.state[path] = (ext, why)
             return self.state[path][0]
+
+    def cached(self) -> bool:
+        """Whether loading the native build compiles nothing (built here before, or prebuilt)."""
+        return None in self.state or _cached(self.name, self.subdir, self.sources, self.headers)
 
     def unavailable_reason(self, path: str | None = None) -> str | None:
         self.load(path)

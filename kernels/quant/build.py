@@ -24,6 +24,7 @@ SUBDIR = "quant-kernels"
 _kernels = cpu_kernels.PathExtensions(NAME, SUBDIR, SOURCES, HEADERS, "quantized GEMM kernels")
 _state = _kernels.state
 load = _kernels.load
+cached = _kernels.cached
 unavailable_reason = _kernels.unavailable_reason
 
 

@@ -20,4 +20,5 @@ SUBDIR = "hfquant-kernels"
 _kernels = cpu_kernels.PathExtensions(NAME, SUBDIR, SOURCES, HEADERS, "Hugging Face quantized GEMM kernels")
 _state = _kernels.state
 load = _kernels.load
+cached = _kernels.cached
 unavailable_reason = _kernels.unavailable_reason

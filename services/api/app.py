@@ -258,7 +258,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
              # NOTE: not in OpenAI's or vLLM's model card: what `--dtype auto` chose, for clients
              "dtype": str(ctx.engine.engine.loaded.dtype).removeprefix("torch."),
              # and how the weights are held: "gguf", an HF method (awq, gptq, ...) or null (float)
-             "quantization": ctx.engine.engine.loaded.quantization},
+             "quantization": ctx.engine.engine.loaded.quantization,
+             # and their bytes as held (a rank's share under tensor parallelism)
+             "weight_bytes": ctx.engine.engine.loaded.weight_bytes},
             *state.loras.model_cards(state.created, ctx.max_model_len)]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))

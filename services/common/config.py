@@ -12,7 +12,7 @@ from kvmesh.common.speculative_config import SpeculativeConfig, parse_speculativ
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "none", "gguf", "auto",   # EngineConfig.quantization; None: none
+QUANTIZATIONS = (None, "none", "gguf", "auto",   # EngineConfig.quantization; None: auto
                  "compressed-tensors", "awq", "gptq", "fp8")   # Hugging Face quantized checkpoints
 
 
@@ -226,12 +226,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help="auto: the checkpoint's dtype, a float32 one (or GGUF) in bfloat16 where the device "
               "computes bf16 natively (CUDA; x86 with AVX512-BF16 or AMX), float32 elsewhere")
     flag("--quantization", choices=tuple(q for q in QUANTIZATIONS if q),
-         help="GGUF weights: none (default) dequantizes them to --dtype at load; gguf serves them as "
-              "their quantized blocks (about 1/5 of the memory; 0.75-1.0x the speed of bf16 GEMMs at "
-              "8-64 rows on the CPU measured, docs/KERNELS.md); auto: blocks where the quantized kernels can run. "
-              "Hugging Face quantized checkpoints (config.json's quantization_config): compressed-tensors, "
-              "awq, gptq or fp8 serves them quantized (the name must be the checkpoint's; fp8 on GPU only), "
-              "auto does where it can, none dequantizes them at load")
+         help="auto (default): a GGUF file's block tensors served as blocks (about a third of "
+              "bf16's weight memory for the built-in Q4_1 file) and a Hugging Face quantized checkpoint "
+              "(config.json's quantization_config) by its own method, where the quantized kernels can "
+              "run, dequantized otherwise (the log says why); gguf, compressed-tensors, awq, gptq or "
+              "fp8 insist (the name must be the checkpoint's; fp8 on GPU only); none dequantizes the "
+              "weights to --dtype at load")
     flag("--device")
     flag("--attention-backend", choices=("auto", "triton", "cpu", "reference"))
     flag("--max-model-len", type=int)

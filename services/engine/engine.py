@@ -123,7 +123,7 @@ class LLMEngine:
         else:
             self.loaded = loaded or load_model(config.model, config.dtype, config.device,
                                                config.attention_backend, config.tokenizer,
-                                               quantization=config.quantization or "none")
+                                               quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = config.served_model_name or self.loaded.name
         self.draft = self._load_draft()

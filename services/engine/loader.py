@@ -4,15 +4,16 @@
           └─ .gguf: metadata -> ModelConfig;     block or float tensors;    tokenizer (cached conversion)
                          └────────── model built on the meta device, weights assigned ──────────┘
 
-GGUF quantization (`quantization`, vLLM's name; `--quantization`): "none", the default,
-dequantizes every tensor to `dtype` at load (at the engine's 8-64-row batches the block kernels,
-tiled, still run at 0.75-1.0x of the bf16 GEMMs on the CPU measured: docs/KERNELS.md). "gguf" serves a GGUF file's block-format tensors as they
-are (QuantizedLinear / QuantizedEmbedding over kvmesh.kernels.quant: about a fifth of the
-memory), a ValueError where it cannot (not CPU, tensor parallelism, kernels not built); "auto"
-does so where it can and otherwise dequantizes, saying why in the log. `quant_activations`: "float"
-(default: float32 activations, log-probs within ~1e-5 of the dequantized model) or "int8"
-(per-32-block int8 activations, faster, ~0.1 mean |log-prob| difference on the built-in model:
-see docs/KERNELS.md).
+Quantization (`quantization`, vLLM's name; `--quantization`): "auto" (the default, as None)
+serves a GGUF file's block-format tensors as they are (QuantizedLinear / QuantizedEmbedding over
+kvmesh.kernels.quant: about a third of bf16's memory for the built-in Q4_1 file) and a Hugging
+Face quantized checkpoint by its own method (engine/quantization/serving.py) where the kernels
+can run, and otherwise dequantizes, saying why in the log; "gguf" (or the checkpoint's method)
+insists, a ValueError where it cannot (not CPU, tensor parallelism, kernels not built); "none"
+dequantizes every tensor to `dtype` at load. `quant_activations`: "float" (default: float32
+activations, log-probs within ~1e-5 of the dequantized model) or "int8" (per-32-block int8
+activations, faster at one row, ~0.1 mean |log-prob| difference on the built-in model: see
+docs/KERNELS.md).
 
 Every user-facing failure is a FileNotFoundError / ValueError naming the file and the problem.
 
@@ -75,6 +76,7 @@ class LoadedModel:
     plan: TPPlan | None = None  # tensor-parallel: this rank's share (config stays the full model's)
     quantization: str | None = None  # "gguf": block-format tensors served as blocks; an HF method
     # name (awq, gptq, compressed-tensors, fp8): that checkpoint served quantized; None: all float
+    weight_bytes: int = 0       # the weights as held (loader.weight_bytes): /v1/models reports it
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -129,15 +131,15 @@ def checkpoint_dtype(hf_config: dict) -> torch.dtype | None:
 def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "auto", attention_backend: str = "auto",
                tokenizer_path: str | os.PathLike | None = None, tp=None,
-               load_tokenizer: bool = True, quantization: str | None = "none",
+               load_tokenizer: bool = True, quantization: str | None = None,
                quant_activations: str = "float") -> LoadedModel:
     """Load an HF directory or a .gguf file (None: the built-in SmolLM2 GGUF); with `tp` (a
     TPGroup, connected or not) only that rank's shard; `load_tokenizer=False` skips the
     tokenizer (and importing transformers: a worker process starts faster). `quantization`
-    ("auto", "gguf", "none"/None) and `quant_activations` ("int8", "float"): see the module doc."""
+    ("auto"/None, "gguf", "none", an HF method) and `quant_activations` ("int8", "float"): see the module doc."""
     p = _model_path(path)
     dev = resolve_device(device)
-    backend = _resolve_backend(attention_backend, dev)
+    backend = _resolve_backend(attention_backend, dev, _quant_kernels(p, quantization))
     with startup_phase("loading weights", BUILTIN_MODEL_NAME if path is None else str(p),
                        phase="weight_load"):
         return _load(p, path is None, dtype, dev, backend, tokenizer_path, tp, load_tokenizer,
@@ -148,14 +150,25 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 CPU_KERNELS_BUILD_ESTIMATE_S = 60.0
 
 
-def _resolve_backend(requested: str, dev: torch.device) -> str:
-    """resolve_backend, with the C++ CPU kernels it may use built (once per machine) or loaded
-    first, as a start-up phase of their own."""
+def _quant_kernels(p: Path, quantization: str | None) -> tuple:
+    """The quantized-GEMM extensions (their build modules) that serving `p` quantized on the CPU
+    would load: built in the CPU kernels' start-up phase rather than inside the weights'."""
+    if str(quantization).lower() == "none":
+        return ()
+    from kvmesh.kernels.quant import build, hf_build  # noqa: PLC0415
+    if not p.is_dir():
+        return (build,)
+    return (hf_build,) if _hf_quantization(p) is not None else ()
+
+
+def _resolve_backend(requested: str, dev: torch.device, extensions: tuple = ()) -> str:
+    """resolve_backend, with the C++ CPU kernels it may use (and the quantized GEMMs' `extensions`)
+    built (once per machine) or loaded first, as a start-up phase of their own."""
     from kvmesh.kernels import cpu_kernels  # noqa: PLC0415
     if dev.type != "cpu" or requested not in ("auto", "cpu") or not cpu_kernels.enabled():
         return resolve_backend(requested, dev)
     where = cache_dir() / "cpu-kernels"
-    if cpu_kernels.cached():
+    if cpu_kernels.cached() and all(ext.cached() for ext in extensions):
         phase = startup_phase("loading CPU kernels", f"cached in {where}", phase="kernel_build")
     else:
         phase = startup_phase("building CPU kernels", f"once per machine, usually about "
@@ -163,6 +176,8 @@ def _resolve_backend(requested: str, dev: torch.device) -> str:
                               CPU_KERNELS_BUILD_ESTIMATE_S, phase="kernel_build")
     with phase:
         cpu_kernels.load()
+        for ext in extensions:
+            ext.load()
     return resolve_backend(requested, dev)
 
 
@@ -209,10 +224,17 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
     hf_quant = _hf_quantization(p) if p.is_dir() else None
-    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt, hf_quant)
+    cut = None
+    if rules and not p.is_dir():
+        from kvmesh.engine.parallel.sharding import block_cut  # noqa: PLC0415
+        cut = block_cut(rules, gguf.block_tensors(), plan.size)
+    elif rules and hf_quant is not None:
+        from kvmesh.engine.parallel.sharding import hf_cut  # noqa: PLC0415
+        cut = hf_cut(rules, hf_quant, plan.size)
+    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt, hf_quant, cut)
     if hf_quant is not None:
-        # NOTE: a module's quantized pieces are converted whole, then (dequantized, tensor
-        # parallelism) cut by the shard rules: serving them quantized with TP is refused above.
+        # NOTE: a module's quantized pieces are converted whole, then cut by the shard rules
+        # (dequantized, or packed along whole groups: sharding.ShardRule.take).
         weights = hf_quantized_weights(_safetensors_weights(files), hf_quant, dev, dequantize=quant is None)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
@@ -227,15 +249,29 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
+    held = weight_bytes(model)
     if quant == "gguf":
-        log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights as blocks",
-                 p.name, quant_activations, quantized_bytes(model) / 1e6)
+        log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights, %.1f MB "
+                 "of them blocks", p.name, quant_activations, held / 1e6, quantized_bytes(model) / 1e6)
     elif quant is not None:
-        log.info("%s: served quantized as %s: %.1f MB of quantized weights", p.name,
-                 hf_quant.describe, hf_quantized_bytes(model) / 1e6)
+        log.info("%s: served quantized as %s: %.1f MB of weights, %.1f MB of them quantized", p.name,
+                 hf_quant.describe, held / 1e6, hf_quantized_bytes(model) / 1e6)
+    else:
+        log.info("%s: weights held in %s: %.1f MB", p.name, _dtype_name(dt), held / 1e6)
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
                        dtype=dt, device=dev, attention_backend=backend, plan=plan,
-                       quantization=quant)
+                       quantization=quant, weight_bytes=held)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: parameters and its quantized modules' packed
+    buffers (persistent state), each storage once (a tied head shares the embedding's); not the
+    RoPE tables."""
+    seen: dict[int, int] = {}
+    for t in model.state_dict(keep_vars=True).values():
+        if t is not None and t.device.type != "meta":
+            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.nbytes)
+    return sum(seen.values())
 
 
 QUANTIZATIONS = ("auto", "gguf", "none", *METHODS)
@@ -243,19 +279,23 @@ QUANTIZATIONS = ("auto", "gguf", "none", *METHODS)
 
 def resolve_quantization(quantization: str | None, activations: str, path: Path,
                          device: torch.device, plan: TPPlan | None,
-                         dtype: torch.dtype = torch.float32, hf: HFQuantConfig | None = None) -> str | None:
+                         dtype: torch.dtype = torch.float32, hf: HFQuantConfig | None = None,
+                         block_cut: str | None = None) -> str | None:
     """"gguf" when `path`'s block tensors are to be served as blocks; for a Hugging Face
     directory whose quantization_config is `hf`, its method when served quantized
-    (engine/quantization/serving.py); else None (dequantized, or a float checkpoint)."""
-    choice = "none" if quantization is None else str(quantization).lower()
+    (engine/quantization/serving.py); else None (dequantized, or a float checkpoint).
+    `block_cut`: why the tensor-parallel `plan` would cut a GGUF block or an int4 group
+    (sharding.block_cut / hf_cut)."""
+    choice = "auto" if quantization is None else str(quantization).lower()
     if choice not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} "
-                         "(none, the default, dequantizes a GGUF file or a quantized checkpoint)")
+                         "(auto, the default, serves a GGUF file or a quantized checkpoint quantized "
+                         "where it can; none dequantizes it)")
     if activations not in ACTIVATIONS:
         raise ValueError(f"unsupported quantized activations {activations!r}; use "
                          f"{' or '.join(ACTIVATIONS)}")
     if path.is_dir() and choice != "gguf":
-        return serve_quantized(choice, hf, path.name, device, plan is not None, dtype)
+        return serve_quantized(choice, hf, path.name, device, block_cut, dtype)
     if choice in METHODS:
         raise ValueError(f"quantization {choice!r} needs a Hugging Face checkpoint directory, got {path.name}")
     if choice == "none":
@@ -265,8 +305,8 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
     why = None
     if device.type != "cpu":
         why = f"the quantized kernels run on CPU only (device {device})"
-    elif plan is not None:
-        why = "tensor parallelism shards dequantized tensors"
+    elif block_cut is not None:
+        why = block_cut
     elif dtype == torch.float64:
         why = "the quantized kernels compute in float32, the model is float64"
     elif not kernels_available():
@@ -344,10 +384,20 @@ def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: Qua
         replacement = QuantizedLinear(weight, module.bias)
     elif leaf == "weight" and isinstance(module, nn.Embedding):
         replacement = QuantizedEmbedding(weight, dtype)
+    elif leaf == "weight" and _sharded_twin(module, weight, dtype) is not None:
+        replacement = _sharded_twin(module, weight, dtype)
     else:
         raise ValueError(f"tensor {module_name}.{leaf} in {source} is {weight.format} blocks, "
                          f"but {type(module).__name__} cannot hold a quantized weight")
     setattr(parent, child, replacement)
+
+
+def _sharded_twin(module: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> nn.Module | None:
+    """A tensor-parallel module's quantized twin (the vocab-parallel embedding), or None."""
+    if not isinstance(weight, QuantizedWeight):
+        return None
+    from kvmesh.engine.parallel.sharding import quantized_twin  # noqa: PLC0415
+    return quantized_twin(module, weight, dtype)
 
 
 def _hf_quantization(path: Path) -> HFQuantConfig | None:

@@ -12,10 +12,12 @@ API_KEY = "test-key"
 def server(tmp_path_factory):
     """One engine server for the e2e tests (API key on, room for 64 concurrent clients).
 
-    NOTE: float32 asked for explicitly: its outputs are compared token for token with the
-    in-process float32 engine and with transformers (`--dtype auto` serves bfloat16 on a CPU
-    with AVX512-BF16 or AMX)."""
-    srv = start_server(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--api-key", API_KEY,
+    NOTE: float32 and dequantized weights asked for explicitly: its outputs are compared token
+    for token with the in-process float32 engine and with transformers (`--dtype auto` serves
+    bfloat16 on a CPU with AVX512-BF16 or AMX, and `--quantization auto` the GGUF's blocks, whose
+    float32 sums differ from the dense GEMM's in the last bits)."""
+    srv = start_server(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--quantization", "none",
+                       "--api-key", API_KEY,
                        "--num-kv-blocks", "768", "--max-num-seqs", "64", "--max-model-len", "2048",
                        "--max-waiting", "256")
     yield srv

@@ -27,11 +27,12 @@ def offline_greedy(smollm, prompt, max_tokens):
                 return out.outputs[0]
 
 
-def test_models_lists_the_served_model(client):
+def test_models_lists_the_served_model(client, smollm):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["dtype"] == "float32"       # the suite's servers ask for it
     assert models.data[0].model_extra["quantization"] is None     # the built-in GGUF, dequantized
+    assert models.data[0].model_extra["weight_bytes"] == smollm.weight_bytes == 538_060_032
 
 
 def test_greedy_completion_is_identical_to_the_offline_llm(client, smollm):

@@ -92,7 +92,7 @@ def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_t
     write_tiny_gguf(path, qtype, hidden=hidden, tied=tied, v_type=v_type)
     quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf",
                        quant_activations="float")
-    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False)     # none: the default
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
     assert quant.quantization == "gguf" and dense.quantization is None
     attn = quant.model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, QuantizedLinear) and attn.q_proj.weight.format == qtype.name
@@ -136,11 +136,13 @@ def test_quantization_option(tmp_path, monkeypatch, caplog):
         load_model(str(path), device="cpu", load_tokenizer=False, quantization="awq")
     with pytest.raises(ValueError, match="unsupported quantized activations 'fp8'"):
         load_model(str(path), device="cpu", load_tokenizer=False, quant_activations="fp8")
-    assert load_model(str(path), device="cpu", load_tokenizer=False).quantization is None   # the default
-    for none in (None, "none"):
-        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization=none)
-        assert loaded.quantization is None
-        assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
+    for default in (None, "auto"):      # the default: blocks served as blocks
+        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization=default)
+        assert loaded.quantization == "gguf"
+        assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization="none")
+    assert loaded.quantization is None
+    assert not any(isinstance(m, QuantizedLinear) for m in loaded.model.modules())
     with caplog.at_level(logging.WARNING):
         f64 = load_model(str(path), dtype=torch.float64, device="cpu", load_tokenizer=False,
                          quantization="auto")
@@ -151,10 +153,12 @@ def test_quantization_option(tmp_path, monkeypatch, caplog):
     with pytest.raises(ValueError, match="cannot serve tiny.gguf quantized: the quantized kernels "
                                          "are unavailable here: build failed: injected"):
         load_model(str(path), device="cpu", load_tokenizer=False, quantization="gguf")
-    with caplog.at_level(logging.WARNING):
-        loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization="auto")
-    assert loaded.quantization is None
-    assert "tiny.gguf: serving GGUF tensors dequantized to float: the quantized kernels" in caplog.text
+    for default in (None, "auto"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization=default)
+        assert loaded.quantization is None
+        assert "tiny.gguf: serving GGUF tensors dequantized to float: the quantized kernels" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -213,11 +217,13 @@ def test_builtin_weight_bytes(builtin_pair):
     d = sum(p.numel() * p.element_size() for p in dense.model.parameters())
     print(f"built-in model weights: {q / 1e6:.1f} MB as GGUF blocks, {d / 1e6:.1f} MB as float32")
     assert q < d / 4
+    # what the loader reports (/v1/models' weight_bytes): the same sums, the tied head once
+    assert quant["int8"].weight_bytes == q and dense.weight_bytes == d
 
 
 def test_quantization_flag_reaches_the_engine(monkeypatch):
-    """`kvmesh serve --quantization gguf` (EngineConfig.quantization) serves the built-in GGUF as
-    blocks; the default dequantizes it; an unknown method is refused naming the choices."""
+    """`kvmesh serve` (EngineConfig.quantization None: auto) serves the built-in GGUF as blocks,
+    `--quantization none` dequantizes it; an unknown method is refused naming the choices."""
     from kvmesh.common.config import EngineConfig, add_engine_args, engine_config_from_args
     from kvmesh.engine.engine import LLMEngine
     import argparse
@@ -225,13 +231,48 @@ def test_quantization_flag_reaches_the_engine(monkeypatch):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([])).quantization is None
-    config = engine_config_from_args(parser.parse_args(["--quantization", "gguf", "--dtype", "float32",
-                                                        "--num-kv-blocks", "16", "--max-model-len", "64"]))
-    engine = LLMEngine(config)
-    assert engine.loaded.quantization == "gguf"
-    assert isinstance(engine.loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    small = ["--dtype", "float32", "--num-kv-blocks", "16", "--max-model-len", "64"]
+    for flags in ([], ["--quantization", "gguf"]):
+        engine = LLMEngine(engine_config_from_args(parser.parse_args(flags + small)))
+        assert engine.loaded.quantization == "gguf"
+        assert isinstance(engine.loaded.model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    engine = LLMEngine(engine_config_from_args(parser.parse_args(["--quantization", "none"] + small)))
+    assert engine.loaded.quantization is None
+    assert type(engine.loaded.model.model.layers[0].self_attn.q_proj) is nn.Linear
     with pytest.raises(ValueError, match="quantization must be one of none, gguf, auto, "
                                          "compressed-tensors, awq, gptq, fp8, got 'int3'"):
         EngineConfig(quantization="int3")
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+def test_kvmesh_serve_serves_the_builtin_gguf_as_blocks_by_default(tmp_path):
+    """A real `kvmesh serve` with no --quantization: the built-in Q4_1 file held as blocks, said
+    by /v1/models (quantization, weight_bytes) and the start-up log; a greedy completion through
+    the official client equals the in-process engine's over the same blocks."""
+    from openai import OpenAI
+    from servers import start_server
+
+    from kvmesh.common.config import EngineConfig
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    loaded = load_model(None, "float32", device="cpu")
+    assert loaded.quantization == "gguf"
+    engine = LLMEngine(EngineConfig(num_kv_blocks=32, max_model_len=256), loaded=loaded)
+    prompt = "The capital of France is"
+    engine.add_request("x", loaded.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=8))
+    want = None
+    while engine.has_unfinished_requests():
+        want = next((o.outputs[0].text for o in engine.step() if o.finished), want)
+    srv = start_server(tmp_path, "--dtype", "float32", "--num-kv-blocks", "32", "--max-model-len", "256")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        card = client.models.list().data[0].model_extra
+        assert card["quantization"] == "gguf" and card["weight_bytes"] == loaded.weight_bytes == 96_576_768
+        res = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0)
+        assert res.choices[0].text == want
+        assert ("SmolLM2-135M-Instruct.Q4_1.gguf: GGUF blocks served quantized (float activations): "
+                "96.6 MB of weights, 96.4 MB of them blocks") in srv.log()      # float32 norms
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -222,7 +223,7 @@ def _served_quantized_matches_dequantized(spec, device, float_dir, out, paged_ge
     method, opts, bound, fused = spec
     path, deq = make_checkpoint(float_dir, out, method, **opts)
     quant = load_model(str(path), "float32", device=device, load_tokenizer=False, quantization=method)
-    dense = load_model(str(path), "float32", device=device, load_tokenizer=False)   # none: dequantized
+    dense = load_model(str(path), "float32", device=device, load_tokenizer=False, quantization="none")
     assert quant.quantization == method and dense.quantization is None
     for module, want in deq.items():     # the loader reads back exactly what was packed
         assert torch.equal(dense.model.get_submodule(module).weight.cpu(), want), module
@@ -258,9 +259,11 @@ def test_fp8_is_refused_on_cpu_and_dequantized_with_none(float_dir, tmp_path):
     path, deq = make_checkpoint(float_dir, tmp_path / "fp8", "compressed-tensors", kind="float")
     with pytest.raises(ValueError, match="cannot serve fp8 quantized: fp8 checkpoints are served on GPU only"):
         load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="compressed-tensors")
-    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False)
     module = "model.layers.1.mlp.up_proj"
-    assert torch.equal(dense.model.get_submodule(module).weight, deq[module])
+    for choice in (None, "none"):      # the default (auto) dequantizes where it cannot serve it
+        dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization=choice)
+        assert dense.quantization is None
+        assert torch.equal(dense.model.get_submodule(module).weight, deq[module])
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +279,11 @@ def test_startup_log_and_memory_accounting_count_the_quantized_bytes(awq_dir, ca
     # per projection: K/2 bytes of codes a row, a float32 scale and a uint8 zero per group of 128
     sizes = [m.out_features * m.in_features for m in loaded.model.modules() if isinstance(m, HFQuantizedLinear)]
     assert len(sizes) == 14 and held == sum(s // 2 + s // 128 * 5 for s in sizes)
-    assert f"ckpt: served quantized as awq int4, group 128: {held / 1e6:.1f} MB of quantized weights" in caplog.text
-    # the KV-cache budget (gpu_memory.weight_bytes) takes the quantized buffers, not float copies
     floats = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert (f"ckpt: served quantized as awq int4, group 128: {(held + floats) / 1e6:.1f} MB of weights, "
+            f"{held / 1e6:.1f} MB of them quantized") in caplog.text
+    assert loaded.weight_bytes == held + floats        # /v1/models' weight_bytes
+    # the KV-cache budget (gpu_memory.weight_bytes) takes the quantized buffers, not float copies
     rope = sum(b.numel() * b.element_size() for n, b in loaded.model.named_buffers()
                if n.startswith("cos_sin_cache"))
     assert rope > 0 and weight_bytes(loaded.model) == held + floats + rope
@@ -287,10 +292,17 @@ def test_startup_log_and_memory_accounting_count_the_quantized_bytes(awq_dir, ca
 def test_requested_method_must_match_and_auto_follows_the_checkpoint(awq_dir):
     with pytest.raises(ValueError, match="--quantization gptq does not match ckpt, a awq checkpoint"):
         load_model(str(awq_dir), device="cpu", load_tokenizer=False, quantization="gptq")
-    assert load_model(str(awq_dir), device="cpu", load_tokenizer=False, quantization="auto").quantization == "awq"
+    for default in (None, "auto"):
+        assert load_model(str(awq_dir), device="cpu", load_tokenizer=False,
+                          quantization=default).quantization == "awq"
     cfg = parse_quantization_config(json.loads((awq_dir / "config.json").read_text()))
-    with pytest.raises(ValueError, match="tensor parallelism is not supported for quantized checkpoints"):
-        serve_quantized("awq", cfg, "ckpt", torch.device("cpu"), True, torch.float32)
+    # a tensor-parallel split through an int4 group (parallel/sharding.py's hf_cut says why)
+    cut = "--tensor-parallel-size 3 gives each rank columns [0, 85) of x, which cut its int4 groups of 128"
+    with pytest.raises(ValueError, match=re.escape(f"cannot serve ckpt quantized: {cut}; use another "
+                                                   "--tensor-parallel-size, or --quantization none")):
+        serve_quantized("awq", cfg, "ckpt", torch.device("cpu"), cut, torch.float32)
+    assert serve_quantized("auto", cfg, "ckpt", torch.device("cpu"), cut, torch.float32) is None
+    assert serve_quantized("auto", cfg, "ckpt", torch.device("cpu"), None, torch.float32) == "awq"
 
 
 def test_server_serves_the_checkpoint_quantized_to_the_openai_client(awq_dir, tmp_path):
@@ -300,12 +312,15 @@ def test_server_serves_the_checkpoint_quantized_to_the_openai_client(awq_dir, tm
     from openai import OpenAI
     from servers import start_server
 
+    # NOTE: start_server asks for float32 (servers.with_float32), as this load does
+    held = load_model(str(awq_dir), "float32", device="cpu", load_tokenizer=False).weight_bytes
     srv = start_server(tmp_path, "--model", str(awq_dir), "--quantization", "awq", "--num-kv-blocks", "32",
                        "--max-model-len", "128")
     try:
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
         card = client.models.list().data[0]
         assert card.id == "ckpt" and card.model_extra["quantization"] == "awq"
+        assert card.model_extra["weight_bytes"] == held
         res = client.completions.create(model="ckpt", prompt="w5 w9 w17", max_tokens=5, temperature=0)
         assert res.usage.completion_tokens == 5
         assert "ckpt: served quantized as awq int4, group 128" in srv.log()
@@ -384,3 +399,63 @@ def test_faults_are_named(awq_dir, tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         loaded = load_model(str(awq_dir), device="cpu", load_tokenizer=False, quantization="auto")
     assert loaded.quantization is None and "ckpt: serving the awq checkpoint dequantized" in caplog.text
+
+
+# ---- mixture-of-experts: every expert's projections held quantized ------------------------------
+def make_moe_checkpoint(out, method: str):
+    """A tiny Qwen3-MoE (hidden 256, 4 experts of width 256, top 2) whose attention and expert
+    projections are quantized by `method` (awq, or compressed-tensors W8A8); the router stays
+    float, as quantizers leave it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tiny_models import save_tiny_model
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = save_tiny_model(Qwen3MoeForCausalLM(cfg), out.parent / f"{out.name}-float", seed=8)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized = [n for n in tensors if n.endswith(".weight") and tensors[n].dim() == 2
+                 and (".experts." in n or ".self_attn." in n and n.endswith("_proj.weight"))]
+    for name in quantized:
+        w = tensors.pop(name)
+        pieces, _ = awq_tensors(w, 128) if method == "awq" else ct_tensors(w, "int")
+        tensors.update({f"{name.removesuffix('.weight')}.{leaf}": t for leaf, t in pieces.items()})
+    if method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    else:
+        qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
+                                format="int-quantized", ignore=["lm_head", "re:.*mlp.gate$"],
+                                quantization_status="compressed").model_dump(mode="json")
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return out, len(quantized)
+
+
+@cpu_kernels
+@pytest.mark.parametrize("method,bound", [("awq", 1e-3), ("compressed-tensors", 0.25)], ids=["awq", "w8a8"])
+def test_moe_experts_served_quantized_match_dequantized(method, bound, tmp_path, paged_generate):
+    """Every expert's gate / up / down stays packed (HFQuantizedLinear) and the block runs them per
+    expert; log-probs against the same checkpoint dequantized at load (the stacked fused MoE)."""
+    path, n_quantized = make_moe_checkpoint(tmp_path / "moe", method)
+    quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False)     # auto: quantized
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
+    assert quant.quantization == method and dense.quantization is None
+    moe = quant.model.model.layers[0].mlp
+    assert type(moe).__name__ == "SparseMoeBlock" and isinstance(moe.gate, torch.nn.Linear)
+    held = [m for m in quant.model.modules() if isinstance(m, HFQuantizedLinear)]
+    assert len(held) == n_quantized == 2 * (4 + 4 * 3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (120, 100, 90)]
+    got = paged_generate(quant.model, prompts, 4, block_size=16, prefill_chunk=40, seed=2)
+    ref = paged_generate(dense.model, prompts, 4, block_size=16, prefill_chunk=40, seed=2)
+    diff = _logprob_diffs(got, ref, prompts)
+    print(f"MoE {method}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
+          f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
+    assert diff.numel() >= 300 and diff.mean().item() <= bound

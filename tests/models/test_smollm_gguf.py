@@ -57,7 +57,7 @@ def test_bfloat16_logits_within_bf16_tolerance_of_transformers_bf16(builtin_path
     from transformers import AutoModelForCausalLM
 
     from kvmesh.engine.loader import load_model
-    ours = load_model(None, dtype="bfloat16", device="cpu")
+    ours = load_model(None, dtype="bfloat16", device="cpu", quantization="none")     # the dense bf16 path
     assert all(p.dtype == torch.bfloat16 for p in ours.model.parameters())
     hf16 = AutoModelForCausalLM.from_pretrained(str(builtin_path.parent), gguf_file=builtin_path.name,
                                                 dtype=torch.bfloat16).eval()

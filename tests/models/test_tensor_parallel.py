@@ -21,8 +21,12 @@ import signal
 import threading
 import time
 
+import logging
+
+import numpy as np
 import psutil
 import pytest
+from gguf.constants import GGMLQuantizationType as GT
 import torch
 import torch.distributed as dist
 from model_families import FAMILIES
@@ -40,6 +44,14 @@ from kvmesh.engine.parallel.group import TPGroup
 from kvmesh.engine.parallel.plan import make_plan, validate_tensor_parallel
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.kernels.metadata import AttentionMetadata
+from kvmesh.kernels.quant import QuantizedWeight, kernels_available
+from kvmesh.kernels.quant import build as quant_build
+from kvmesh.kernels.quant import hf_build
+from kvmesh.kernels.quant.ops import dequantize as quant_dequantize
+from kvmesh.kernels.quant.weight import FORMATS
+from kvmesh.engine.layers.quantized import QuantizedLinear
+from kvmesh.engine.parallel.sharding import QuantizedVocabParallelEmbedding, ShardRule
+from tests.models.test_gguf_quantized import write_tiny_gguf
 
 BLOCK = 4
 NEW_TOKENS = 10
@@ -218,6 +230,193 @@ def test_mixtral_experts_split_over_two_ranks(tmp_path, hf_greedy_logits, assert
     assert moe.gate.weight.shape == (4, 64)                               # the router: replicated
 
 
+# ---- GGUF blocks sharded without dequantizing ------------------------------------------------------
+needs_hf_quant_kernels = pytest.mark.skipif(hf_build.load() is None,
+                                            reason=f"quantized kernels unavailable: {hf_build.unavailable_reason()}")
+needs_quant_kernels = pytest.mark.skipif(not kernels_available(),
+                                         reason=f"quantized kernels unavailable: {quant_build.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_K, GT.Q6_K], ids=lambda t: t.name)
+def test_a_block_shard_decodes_to_the_float_shard(qtype):
+    """Rows (column-parallel, the padded vocabulary) and whole blocks of columns (row-parallel)
+    of a QuantizedWeight decode to exactly the same slice of the dequantized matrix."""
+    from tests.kernels.test_quant_gemm import random_blocks
+    n, k = 24, 1024
+    name, qk, size = FORMATS[int(qtype)]
+    w = QuantizedWeight(torch.from_numpy(random_blocks(qtype, n, k, np.random.default_rng(1))),
+                        int(qtype), (n, k), "float")
+    full = quant_dequantize(w)
+    rows = ShardRule(0, ((4, 10), (16, 20)), pad_to=12)
+    got = rows.take(w)
+    assert got.shape == (12, k) and got.data.shape == (12, k // qk * size)
+    assert torch.equal(quant_dequantize(got), torch.cat([full[4:10], full[16:20], torch.zeros(2, k)]))
+    cols = ShardRule(1, ((qk, 3 * qk),))
+    assert torch.equal(quant_dequantize(cols.take(w)), full[:, qk:3 * qk])
+    assert rows.cut(qk) is None and cols.cut(qk) is None
+    half = ShardRule(1, ((qk // 2, qk),))
+    assert half.cut(qk) == (qk // 2, qk)
+    with pytest.raises(ValueError, match=f"columns \\[{qk // 2}, {qk}\\) of a {name} weight cut its "
+                                         f"{qk}-element blocks"):
+        half.take(w)
+
+
+def _gguf_ranks(path, size: int, quantization: str):
+    def rank(group):
+        loaded = load_model(str(path), dtype="float32", device="cpu", load_tokenizer=False, tp=group,
+                            quantization=quantization)
+        return loaded, _chunked_logits(loaded.model, SWEEP_PROMPTS[0])
+    return _run_ranks(size, rank)
+
+
+@needs_quant_kernels
+@pytest.mark.parametrize("qtype,hidden,tied", [(GT.Q4_1, 64, True), (GT.Q8_0, 64, False),
+                                               (GT.Q4_K, 512, True)], ids=lambda c: getattr(c, "name", None))
+def test_gguf_blocks_split_over_two_ranks(qtype, hidden, tied, tmp_path, assert_close_to_scale):
+    """Each rank holds its share of the blocks (the embedding and a tied head too) and the gathered
+    logits equal one rank's over the same blocks to float32 rounding."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype, hidden=hidden, tied=tied)
+    one = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf")
+    want = _chunked_logits(one.model, SWEEP_PROMPTS[0])
+    (r0, got), (r1, rest) = _gguf_ranks(path, 2, "gguf")
+    assert rest is None and r0.quantization == r1.quantization == "gguf"
+    assert_close_to_scale(got, want, rel=1e-5)
+    for r in (r0, r1):
+        layer = r.model.model.layers[0]
+        assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
+        assert layer.self_attn.o_proj.weight.shape == (hidden, hidden // 2)        # row-parallel
+        assert layer.mlp.up_proj.weight.shape == (hidden, hidden)                  # inter 2h / 2
+        assert isinstance(r.model.model.embed_tokens, QuantizedVocabParallelEmbedding)
+        assert r.model.lm_head.weight.shape == (256, hidden)
+        if tied:   # the head multiplies the embedding shard's own bytes
+            assert r.model.lm_head.qweight.data_ptr() == r.model.model.embed_tokens.qweight.data_ptr()
+    # every weight byte is held once across the ranks (norms replicated)
+    norms = sum(p.nbytes for p in one.model.parameters())
+    assert r0.weight_bytes + r1.weight_bytes == one.weight_bytes + norms
+
+
+@needs_quant_kernels
+def test_a_shard_that_would_cut_a_block_is_refused_or_dequantized(tmp_path, caplog, assert_close_to_scale):
+    """Q4_K blocks are 256 wide: o_proj's 128 columns a rank (hidden 256 over two) cut them.
+    `gguf` refuses, naming the tensor; the default dequantizes, saying why."""
+    path = tmp_path / "tiny-q4k.gguf"
+    write_tiny_gguf(path, GT.Q4_K, hidden=256, tied=True)
+    with pytest.raises(ValueError, match=r"cannot serve tiny-q4k.gguf quantized: --tensor-parallel-size 2 "
+                                         r"gives each rank columns \[(0, 128|128, 256)\) of model.layers.0.self_attn."
+                                         r"o_proj.weight, which cut its Q4_K blocks of 256"):
+        _gguf_ranks(path, 2, "gguf")
+    with caplog.at_level(logging.WARNING):
+        (r0, got), _ = _gguf_ranks(path, 2, None)
+    assert r0.quantization is None and "serving GGUF tensors dequantized to float: --tensor-parallel" in caplog.text
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
+    assert_close_to_scale(got, _chunked_logits(dense.model, SWEEP_PROMPTS[0]))
+
+
+@pytest.fixture(scope="module")
+def hf_float_dir(tmp_path_factory):
+    """A tiny Llama (hidden 256, 4 heads of 64, intermediate 512) to quantize: at two ranks each
+    row-parallel slice is whole groups of 128 (o_proj 128 columns, down_proj 256)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return save_tiny_model(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny-float"), seed=3)
+
+
+def _next_token_logprob_gap(got: torch.Tensor, want: torch.Tensor, tokens: list[int]) -> float:
+    nxt = torch.tensor(tokens[1:])[:, None]
+    lg, lw = got[:-1].double().log_softmax(-1), want[:-1].double().log_softmax(-1)
+    return (lg.gather(1, nxt) - lw.gather(1, nxt)).abs().mean().item()
+
+
+@needs_hf_quant_kernels
+@pytest.mark.parametrize("method,opts", [("awq", {}), ("gptq", {"desc_act": False, "sym": True}),
+                                         ("compressed-tensors", {"kind": "int"})],
+                         ids=["awq", "gptq-sym", "w8a8"])
+def test_hf_quantized_checkpoint_split_over_two_ranks(method, opts, hf_float_dir, tmp_path,
+                                                      assert_close_to_scale):
+    """Packed int4 codes with their scales and zeros, or int8 codes with their row scales, cut per
+    rank without dequantizing; the gathered logits equal one rank's (int4: float32 rounding;
+    W8A8 quantizes each rank's slice of the activations per token, so within its rounding)."""
+    from tests.models.test_hf_quantized import make_checkpoint
+    path, _ = make_checkpoint(hf_float_dir, tmp_path / "ckpt", method, **opts)
+    tokens = SWEEP_PROMPTS[0]
+    one = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization=method)
+    want = _chunked_logits(one.model, tokens)
+
+    def rank(group):
+        loaded = load_model(str(path), "float32", device="cpu", load_tokenizer=False, tp=group)
+        return loaded, _chunked_logits(loaded.model, tokens)
+
+    (r0, got), (r1, _) = _run_ranks(2, rank)
+    assert r0.quantization == r1.quantization == method         # the default serves it quantized
+    if method == "compressed-tensors":
+        gap = _next_token_logprob_gap(got, want, tokens)
+        print(f"W8A8 over two ranks against one: mean |log-prob difference| {gap:.3g}")
+        assert gap <= 0.1         # NOTE: measured 0.034 (each rank's per-token scales differ)
+    else:
+        assert_close_to_scale(got, want, rel=1e-5)
+    down = r1.model.model.layers[1].mlp.down_proj.weight
+    assert down.shape == (256, 256)                                # row-parallel: K 512 / 2
+    full = one.model.model.layers[1].mlp.down_proj.weight
+    if method == "compressed-tensors":
+        assert torch.equal(down.weight, full.weight[:, 256:])
+        assert torch.equal(down.w_sum, full.weight[:, 256:].sum(1, dtype=torch.int32))
+    else:
+        assert torch.equal(down.qweight, full.qweight[:, 128:]) and torch.equal(down.scales, full.scales[:, 2:])
+    assert r0.model.model.layers[0].self_attn.q_proj.weight.shape == (128, 256)   # column-parallel
+
+
+@needs_hf_quant_kernels
+def test_quantized_moe_experts_split_over_two_ranks(tmp_path, assert_close_to_scale):
+    """AWQ experts: each rank holds its half of every expert's gate / up rows and down columns
+    (whole groups of 128), runs them per expert, and the all-reduced logits equal one rank's."""
+    from tests.models.test_hf_quantized import make_moe_checkpoint
+    path, _ = make_moe_checkpoint(tmp_path / "moe", "awq")
+    tokens = SWEEP_PROMPTS[0]
+    one = load_model(str(path), "float32", device="cpu", load_tokenizer=False)
+    want = _chunked_logits(one.model, tokens)
+
+    def rank(group):
+        loaded = load_model(str(path), "float32", device="cpu", load_tokenizer=False, tp=group)
+        return loaded, _chunked_logits(loaded.model, tokens)
+
+    (r0, got), (r1, _) = _run_ranks(2, rank)
+    assert r0.quantization == r1.quantization == "awq"
+    assert_close_to_scale(got, want, rel=1e-5)
+    expert = r1.model.model.layers[0].mlp.experts[3]
+    full = one.model.model.layers[0].mlp.experts[3]
+    assert expert.up_proj.weight.shape == (128, 256) and expert.down_proj.weight.shape == (256, 128)
+    assert torch.equal(expert.down_proj.weight.qweight, full.down_proj.weight.qweight[:, 64:])
+
+
+@needs_hf_quant_kernels
+def test_act_order_gptq_is_not_split_along_k(hf_float_dir, tmp_path, caplog, assert_close_to_scale):
+    """GPTQ act-order permutes K: a row-parallel split would mix columns across ranks. Asked for
+    by name it is refused; the default dequantizes, saying why."""
+    from tests.models.test_hf_quantized import make_checkpoint
+    path, _ = make_checkpoint(hf_float_dir, tmp_path / "ckpt", "gptq", desc_act=True, sym=False)
+
+    def rank(choice):
+        def run(group):
+            loaded = load_model(str(path), "float32", device="cpu", load_tokenizer=False, tp=group,
+                                quantization=choice)
+            return loaded, _chunked_logits(loaded.model, SWEEP_PROMPTS[0])
+        return run
+
+    with pytest.raises(ValueError, match=r"cannot serve ckpt quantized: --tensor-parallel-size 2 splits the "
+                                         r"input columns of model.layers.0.mlp.down_proj.weight, and act-order "
+                                         r"GPTQ weights \(desc_act\) permute them across ranks"):
+        _run_ranks(2, rank("gptq"))
+    with caplog.at_level(logging.WARNING):
+        (r0, got), _ = _run_ranks(2, rank(None))
+    assert r0.quantization is None and "act-order GPTQ weights (desc_act)" in caplog.text
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
+    assert_close_to_scale(got, _chunked_logits(dense.model, SWEEP_PROMPTS[0]))
+
+
 # ---- the engine with worker processes ------------------------------------------------------------
 def _prompts(vocab: int) -> list[list[int]]:
     """10 prompts of 1 to 45 tokens; 4 share a 13-token prefix (3 full blocks + 1)."""
@@ -371,7 +570,8 @@ def test_engine_qwen3_moe_replicated_kv_two_ranks_recompute(tmp_path, hf_greedy_
 
 
 def test_engine_smollm_three_ranks(hf_smollm, hf_greedy_logits, assert_close_to_scale):
-    """The built-in model (9 query heads, 3 KV heads, intermediate 1536, vocab 49152) over 3 ranks."""
+    """The built-in model (9 query heads, 3 KV heads, intermediate 1536, vocab 49152) over 3 ranks,
+    its Q4_1 / Q8_0 blocks sharded as blocks (the default): every slice is whole 32-blocks."""
     rng = random.Random(5)
     shared = [rng.randrange(100, 40000) for _ in range(13)]
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (6, 21)]
@@ -383,6 +583,8 @@ def test_engine_smollm_three_ranks(hf_smollm, hf_greedy_logits, assert_close_to_
     pids = _worker_pids(engine)
     try:
         assert engine.runner.kv_cache.shape[4] == 1                      # one KV head per rank
+        assert engine.loaded.quantization == "gguf"
+        assert isinstance(engine.loaded.model.model.layers[0].mlp.down_proj, QuantizedLinear)
         assert_close_to_scale(_first_step_logits(engine, prompts[1]), want[1][0])
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         for i, p in enumerate(prompts):

@@ -7,12 +7,16 @@ projections (Mixtral: `experts.N.w1 / w3 / w2`; Qwen3-MoE: `experts.N.gate_proj 
 down_proj`), so a checkpoint loads as is. The experts' weights are stacked once into
 `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, the layout of the grouped
 kernels; each expert's parameters are then views of the stacked buffers (one copy in memory).
+Experts held quantized (a quantized checkpoint served as such: their projections are
+HFQuantizedLinear / QuantizedLinear) are not stacked: each expert with tokens runs its own three
+quantized GEMMs over them (`per_expert_moe`, the grouping of the reference fused_moe).
 """
 from __future__ import annotations
 
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels.reference import select_experts
@@ -84,6 +88,33 @@ class SparseMoeBlock(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()
-        w13, w2 = self.stacked_weights()
-        out = self.ops.fused_moe(x, w13, w2, weights, ids)
+        if isinstance(self.experts[0].linears()[0], nn.Linear):
+            w13, w2 = self.stacked_weights()
+            out = self.ops.fused_moe(x, w13, w2, weights, ids)
+        else:
+            out = per_expert_moe(x, self.experts, weights, ids)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+
+def per_expert_moe(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)), each expert's projections called as modules
+    (quantized ones included) on the tokens routed to it, in one GEMM per projection."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)                  # pair ids grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    pair_weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = pairs // top_k
+        gate, up, down = experts[e].linears()
+        h = x[tokens]
+        y = down(F.silu(gate(h)) * up(h))
+        out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
+    return out

@@ -147,6 +147,14 @@ class GGUFFile:
                 tensor = unpermute_rows(tensor, num_kv_heads)
             yield name, tensor
 
+    def block_tensors(self) -> Iterator[tuple[str, int]]:
+        """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if (name is not None and t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2
+                    and is_supported(t.ggml_type)):
+                yield name, t.ggml_type
+
     def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
                    activations: str) -> QuantizedWeight:
         # NOTE: a copy in process memory, not a view of the mmap: the file may be replaced while

@@ -97,7 +97,7 @@ class TPExecutor:
             executor.group.connect("127.0.0.1", store.port, device, timeout, store=store)
             loaded = load_model(config.model, config.dtype, device, config.attention_backend,
                                 config.tokenizer, tp=executor.group,
-                                quantization=config.quantization or "none")
+                                quantization=config.quantization)
             executor.worker_free_memory = [m.free_memory for m in executor._expect(Ready, STARTUP_TIMEOUT_S)]
         except BaseException:
             executor.shutdown()

@@ -52,7 +52,7 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
     group.connect("127.0.0.1", port, device, timeout_s)
     loaded = load_model(config.model, config.dtype, device, config.attention_backend,
                         config.tokenizer, tp=group, load_tokenizer=False,
-                        quantization=config.quantization or "none")
+                        quantization=config.quantization)
     conn.send_bytes(encode(Ready(rank, free_memory(device))))
     init = decode(conn.recv_bytes())
     if isinstance(init, Shutdown):

@@ -1,11 +1,12 @@
 """Whether a Hugging Face quantized checkpoint is served quantized here, or dequantized at load.
 
-    serve_quantized(choice, cfg, where, device, tp, dtype) -> method name or None
+    serve_quantized(choice, cfg, where, device, tp_cut, dtype) -> method name or None
 
 `choice` is `--quantization`: "none" dequantizes (as it does a GGUF file); "auto" serves the
 checkpoint's own method where it can and otherwise dequantizes, saying why in the log; a method
 name (compressed-tensors, awq, gptq, fp8) must be the checkpoint's, and is refused with the
-reason where it cannot be served.
+reason where it cannot be served. `tp_cut`: why tensor parallelism would split the packed
+weights through a group (parallel/sharding.py's hf_cut), None where the shards are whole.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def serve_quantized(choice: str, cfg: HFQuantConfig | None, where: str, device: torch.device,
-                    tensor_parallel: bool, dtype: torch.dtype) -> str | None:
+                    tp_cut: str | None, dtype: torch.dtype) -> str | None:
     if choice == "none":
         if cfg is not None:
             log.info("%s: %s checkpoint dequantized to %s at load (--quantization none)", where,
@@ -29,7 +30,7 @@ def serve_quantized(choice: str, cfg: HFQuantConfig | None, where: str, device: 
         check_requested(choice, cfg, where)
     if cfg is None:
         return None
-    why = _why_not(cfg, device, tensor_parallel, dtype)
+    why = _why_not(cfg, device, tp_cut, dtype)
     if why is None:
         return cfg.method
     if choice != "auto":
@@ -38,13 +39,10 @@ def serve_quantized(choice: str, cfg: HFQuantConfig | None, where: str, device: 
     return None
 
 
-def _why_not(cfg: HFQuantConfig, device: torch.device, tensor_parallel: bool,
+def _why_not(cfg: HFQuantConfig, device: torch.device, tp_cut: str | None,
              dtype: torch.dtype) -> str | None:
-    if tensor_parallel:
-        # NOTE: a rank would need the packed tensors cut along whole groups (and GPTQ's act-order
-        # permutation split with them); not built yet, so refused rather than sliced wrongly.
-        return ("tensor parallelism is not supported for quantized checkpoints yet; use "
-                "--tensor-parallel-size 1, or --quantization none to dequantize")
+    if tp_cut is not None:
+        return f"{tp_cut}; use another --tensor-parallel-size, or --quantization none to dequantize"
     if dtype == torch.float64:
         return "the quantized kernels compute in float32, the model is float64"
     if device.type == "cuda":
