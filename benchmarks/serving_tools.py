@@ -101,9 +101,16 @@ def tool_prefix(tool: str, venv: Path | None = None) -> list[str]:
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+# NOTE: kvmesh's OpenMP wait policy (benchmarks/serving_systems.py): a load generator beside the
+# servers must not spin on the cores they are measured on
+OPENMP_WAIT_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
 def tool_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """Every tool loads the tokenizer from a local directory: never from the Hub."""
-    return {**(os.environ if base is None else base), **_OFFLINE}
+    """Every tool loads the tokenizer from a local directory: never from the Hub; and never
+    inherits an OpenMP wait policy meant for kvmesh's server."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in OPENMP_WAIT_KEYS}
+    return {**env, **_OFFLINE}
 
 
 def shell_line(argv: list[str]) -> str:

@@ -127,9 +127,21 @@ def test_a_tool_command_line_shows_its_environment():
     assert shell_line(["/v/bin/guidellm", "run", "--data", "kind=a,b=1 2"]) == (
         "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false "
         "/v/bin/guidellm run --data 'kind=a,b=1 2'")
-    env = tool_env({"PATH": "/bin", "HF_HUB_OFFLINE": "0"})
+    env = tool_env({"PATH": "/bin", "HF_HUB_OFFLINE": "0", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "9"})
     assert env == {"PATH": "/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false"}
+                   "TOKENIZERS_PARALLELISM": "false"}        # kvmesh's wait policy is kvmesh's alone
+
+
+def test_vllm_keeps_its_own_openmp_wait_policy(tmp_path):
+    from benchmarks.serving_systems import EngineSettings, vllm_env
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 2, "num_key_value_heads": 1, "hidden_size": 64, '
+                                       '"num_attention_heads": 2}')
+    s = EngineSettings(model, "bfloat16", 4, 128, 128, tmp_path / "venv")
+    env, _ = vllm_env(s, {"PATH": "/bin", "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "9"})
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
+    assert env["PATH"] == "/bin" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 def test_kvmesh_command_line_names_the_openmp_wait_policy_when_set():
