@@ -299,21 +299,31 @@ def fused_moe(
     Grouped per expert: the (token, k) pairs are sorted by expert and every expert with tokens
     runs one matmul over all of them; the results are added back with index_add_.
     """
-    num_tokens, top_k = topk_ids.shape
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(h, w13[e]).chunk(2, dim=-1)                 # [n, inter] each
+        return linear(F.silu(gate) * up, w2[e])                       # [n, hidden]
+    return moe_by_expert(x, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  num_experts: int, expert) -> torch.Tensor:
+    """sum_k w_k * expert(e, x) over each token's experts e = ids[t, k], with `expert(e, rows)`
+    called once per expert that has tokens, on all of them (the (token, k) pairs sorted by
+    expert, stable); the results are added back with index_add_."""
+    top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)                  # pair ids grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     pair_weights = topk_weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
-    for expert, n in enumerate(counts):
+    for e, n in enumerate(counts):
         if n == 0:
             continue
         pairs = order[start:start + n]
         start += n
         tokens = pairs // top_k
-        gate, up = linear(x[tokens], w13[expert]).chunk(2, dim=-1)   # [n, inter] each
-        y = linear(F.silu(gate) * up, w2[expert])                     # [n, hidden]
+        y = expert(e, x[tokens])
         out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
     return out
 

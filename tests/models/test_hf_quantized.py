@@ -181,6 +181,20 @@ def _logprob_diffs(got, ref, prompts):
     return torch.cat(out)
 
 
+def _against_dequantized(quant, dense, label: str, paged_generate, *, prompt_seed: int, seed: int,
+                         new_tokens: int, chunk: int):
+    """Greedy runs of both models over three random prompts (307 tokens): (quantized outputs,
+    dequantized outputs, |log-prob difference| of every prompt token), the mean printed."""
+    g = torch.Generator().manual_seed(prompt_seed)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (120, 100, 90)]
+    got = paged_generate(quant.model, prompts, new_tokens, block_size=16, prefill_chunk=chunk, seed=seed)
+    ref = paged_generate(dense.model, prompts, new_tokens, block_size=16, prefill_chunk=chunk, seed=seed)
+    diff = _logprob_diffs(got, ref, prompts)
+    print(f"{label}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
+          f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
+    return got, ref, diff
+
+
 CASES = {   # id: (method, options, mean |log-prob difference| bound, fused q/k/v)
     "awq": ("awq", {}, 1e-3, True),
     "gptq-act-order": ("gptq", {"desc_act": True, "sym": False}, 1e-3, False),
@@ -232,13 +246,8 @@ def _served_quantized_matches_dequantized(spec, device, float_dir, out, paged_ge
     assert type(quant.model.lm_head) is nn.Linear
     dense_bytes = sum(dense.model.get_submodule(m).weight.numel() * 4 for m in deq)
     assert hf_quantized_bytes(quant.model) < dense_bytes / 3
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (120, 100, 90)]
-    got = paged_generate(quant.model, prompts, 8, block_size=16, prefill_chunk=32, seed=1)
-    ref = paged_generate(dense.model, prompts, 8, block_size=16, prefill_chunk=32, seed=1)
-    diff = _logprob_diffs(got, ref, prompts)
-    print(f"{out.name} on {device}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
-          f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
+    got, ref, diff = _against_dequantized(quant, dense, f"{out.name} on {device}", paged_generate,
+                                          prompt_seed=1, seed=1, new_tokens=8, chunk=32)
     assert diff.numel() >= 300 and diff.mean().item() <= bound
     same = 0
     for gt, rf in zip(got, ref):
@@ -451,11 +460,6 @@ def test_moe_experts_served_quantized_match_dequantized(method, bound, tmp_path,
     assert type(moe).__name__ == "SparseMoeBlock" and isinstance(moe.gate, torch.nn.Linear)
     held = [m for m in quant.model.modules() if isinstance(m, HFQuantizedLinear)]
     assert len(held) == n_quantized == 2 * (4 + 4 * 3)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (120, 100, 90)]
-    got = paged_generate(quant.model, prompts, 4, block_size=16, prefill_chunk=40, seed=2)
-    ref = paged_generate(dense.model, prompts, 4, block_size=16, prefill_chunk=40, seed=2)
-    diff = _logprob_diffs(got, ref, prompts)
-    print(f"MoE {method}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
-          f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
+    _, _, diff = _against_dequantized(quant, dense, f"MoE {method}", paged_generate, prompt_seed=3, seed=2,
+                                      new_tokens=4, chunk=40)
     assert diff.numel() >= 300 and diff.mean().item() <= bound

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.kernels.reference import select_experts
+from kvmesh.kernels.reference import moe_by_expert, select_experts
 
 
 class _Expert(nn.Module):
@@ -100,21 +100,7 @@ def per_expert_moe(x: torch.Tensor, experts: nn.ModuleList, topk_weights: torch.
                    topk_ids: torch.Tensor) -> torch.Tensor:
     """sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)), each expert's projections called as modules
     (quantized ones included) on the tokens routed to it, in one GEMM per projection."""
-    top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)                  # pair ids grouped by expert
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    pair_weights = topk_weights.reshape(-1)
-    out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start:start + n]
-        start += n
-        tokens = pairs // top_k
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
         gate, up, down = experts[e].linears()
-        h = x[tokens]
-        y = down(F.silu(gate(h)) * up(h))
-        out.index_add_(0, tokens, (y * pair_weights[pairs, None]).to(out.dtype))
-    return out
+        return down(F.silu(gate(h)) * up(h))
+    return moe_by_expert(x, topk_weights, topk_ids, len(experts), expert)
