@@ -1,15 +1,17 @@
 """How the engine pods' OpenMP workers wait between parallel regions (spec.engine.openmpWaitPolicy).
 
-    openmp_env(svc) -> [{"name": "OMP_WAIT_POLICY", "value": ...}] or []
+    openmp_env(svc) -> [{"name": "GOMP_SPINCOUNT" | "OMP_WAIT_POLICY", "value": ...}] or []
 
-`auto` (the default) asks for ACTIVE only where the cores are the engine's own: a CPU engine
+`auto` (the default) asks for spinning only where the cores are the engine's own: a CPU engine
 (no GPUs, runtime kvmesh) whose CPU and memory requests equal its limits with a whole number of
 CPUs, the Guaranteed QoS class that the kubelet's static CPU manager pins to exclusive cores.
-There a spinning worker costs nothing and the forward stays hot between steps (idle beside vLLM's
-CPU build: 1.08-1.48x its requests at concurrency 1-8 in one run, 0.88x in a repeat at 4, on a
-2-core VM shared with the load generator; docs/BENCHMARKS.md); anywhere else a
+There a worker that spins keeps the forward hot between steps; `auto` bounds the spin
+(GOMP_SPINCOUNT=BOUNDED_SPIN rounds, about 200 ms, as long as vLLM's Intel OpenMP spins by
+default) so that an idle engine sleeps instead of holding its cores at 100 % (ACTIVE spins
+forever: an idle server measured 67 % of a core busy against 0 % bounded). Anywhere else a
 spinning worker would take a neighbour's time or the pod's CFS quota, so the server keeps
-libgomp's passive default. `active` / `passive` set the policy whatever the resources.
+libgomp's passive default. `active` / `passive` set OMP_WAIT_POLICY whatever the resources.
+Measured idle beside vLLM's CPU build: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -20,11 +22,16 @@ if TYPE_CHECKING:
     from .crd import InferenceService
 
 
+# NOTE: libgomp's spin rounds before a worker sleeps (300,000 by default, ~3 ms on the 2026-11-26
+# test VM): 20 million keep it spinning ~200 ms, across every gap between steps while serving
+BOUNDED_SPIN = 20_000_000
+
+
 def openmp_env(svc: InferenceService) -> list[dict[str, Any]]:
     policy = svc.engine.openmp_wait_policy
     if policy == "auto":
-        policy = "active" if dedicated_cpus(svc) else None
-    return [] if policy is None else [{"name": "OMP_WAIT_POLICY", "value": policy.upper()}]
+        return [{"name": "GOMP_SPINCOUNT", "value": str(BOUNDED_SPIN)}] if dedicated_cpus(svc) else []
+    return [{"name": "OMP_WAIT_POLICY", "value": policy.upper()}]
 
 
 def dedicated_cpus(svc: InferenceService) -> bool:

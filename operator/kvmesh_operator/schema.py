@@ -270,11 +270,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                                enum=PREEMPTION_MODES, default="recompute"),
         "runtime": _str("kvmesh (`kvmesh serve`) or vllm (`vllm serve` from spec.image, kvmesh's router and index "
                         "in front, fed by vLLM's KV events).", enum=RUNTIMES, default="kvmesh"),
-        "openmpWaitPolicy": _str("How the engine's OpenMP workers wait between parallel regions "
-                                 "(OMP_WAIT_POLICY): auto spins (ACTIVE) on a CPU engine whose CPU and "
-                                 "memory requests equal its limits with whole CPUs (Guaranteed QoS, "
-                                 "exclusive cores under the static CPU manager) and keeps the passive "
-                                 "default elsewhere; active or passive set it.",
+        "openmpWaitPolicy": _str("How the engine's OpenMP workers wait between parallel regions: "
+                                 "auto lets them spin about 200 ms before sleeping (GOMP_SPINCOUNT) on a "
+                                 "CPU engine whose CPU and memory requests equal its limits with whole CPUs "
+                                 "(Guaranteed QoS, exclusive cores under the static CPU manager) and keeps "
+                                 "the passive default elsewhere; active or passive set OMP_WAIT_POLICY.",
                                  enum=OPENMP_WAIT_POLICIES, default="auto"),
         "tensorParallelSize": _int("GPUs one model is sharded across (--tensor-parallel-size); must divide "
                                    "gpu.count. Default: gpu.count (1 on CPU).", minimum=1, maximum=16),

@@ -9,7 +9,8 @@ serves a GGUF file's block-format tensors as they are (QuantizedLinear / Quantiz
 kvmesh.kernels.quant: about a third of bf16's memory for the built-in Q4_1 file) and a Hugging
 Face quantized checkpoint by its own method (engine/quantization/serving.py) where the kernels
 can run, and otherwise dequantizes, saying why in the log; "gguf" (or the checkpoint's method)
-insists, a ValueError where it cannot (not CPU, tensor parallelism, kernels not built); "none"
+insists, a ValueError where it cannot (GGUF off the CPU, a tensor-parallel split that would cut
+a block or a group, kernels not built); "none"
 dequantizes every tensor to `dtype` at load. `quant_activations`: "float" (default: float32
 activations, log-probs within ~1e-5 of the dequantized model) or "int8" (per-32-block int8
 activations, faster at one row, ~0.1 mean |log-prob| difference on the built-in model: see

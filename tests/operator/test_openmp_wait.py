@@ -26,8 +26,9 @@ def _guaranteed(cpu: Any, memory: str = "8Gi", **over: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("cpu", ["4", 4, "4000m"])
-def test_auto_spins_on_a_cpu_engine_with_exclusive_whole_cpus(cpu):
-    assert _engine_env(_guaranteed(cpu))["OMP_WAIT_POLICY"] == "ACTIVE"
+def test_auto_spins_a_while_on_a_cpu_engine_with_exclusive_whole_cpus(cpu):
+    env = _engine_env(_guaranteed(cpu))
+    assert env["GOMP_SPINCOUNT"] == "20000000" and "OMP_WAIT_POLICY" not in env   # ~200 ms, then sleep
 
 
 @pytest.mark.parametrize("spec", [
@@ -42,12 +43,21 @@ def test_auto_spins_on_a_cpu_engine_with_exclusive_whole_cpus(cpu):
                                         "limits": {"cpu": "4", "memory": "8Gi"}}},  # a GPU engine
 ])
 def test_auto_keeps_the_passive_default_where_the_cores_may_be_shared(spec):
-    assert "OMP_WAIT_POLICY" not in _engine_env(spec)
+    env = _engine_env(spec)
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env
 
 
 def test_active_and_passive_are_set_whatever_the_resources():
     assert _engine_env({"gpu": {"count": 0}, "engine": {"openmpWaitPolicy": "active"}})["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert _engine_env(_guaranteed("4", engine={"openmpWaitPolicy": "passive"}))["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = _engine_env(_guaranteed("4", engine={"openmpWaitPolicy": "passive"}))
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_the_engine_takes_the_bounded_spin_as_a_request_to_spin():
+    """kvmesh serve releases its event loop's OpenMP team when the environment asks for spinning
+    (kvmesh.common.openmp): the operator's bounded spin must count as asking."""
+    from kvmesh.common.openmp import spin_requested
+    assert spin_requested(_engine_env(_guaranteed("4")))
 
 
 def test_an_unknown_policy_is_a_named_problem():
