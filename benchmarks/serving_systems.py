@@ -96,9 +96,8 @@ def vllm_env(s: EngineSettings, base: dict[str, str] | None = None) -> tuple[dic
     An OpenMP wait policy set for kvmesh (OMP_WAIT_POLICY, GOMP_SPINCOUNT) is not passed on:
     vLLM keeps its own Intel OpenMP default (spinning 200 ms after each parallel region)."""
     from benchmarks.peer import peer_env
-    from benchmarks.serving_tools import OPENMP_WAIT_KEYS
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in OPENMP_WAIT_KEYS}
-    return peer_env(s.vllm_venv, os.cpu_count() or 1, s.kv_cache_gib(), base=env)
+    from benchmarks.serving_tools import without_openmp_wait
+    return peer_env(s.vllm_venv, os.cpu_count() or 1, s.kv_cache_gib(), base=without_openmp_wait(base))
 
 
 # NOTE: OpenMP's wait policy, when set, is part of kvmesh's command (kvmesh.common.openmp)

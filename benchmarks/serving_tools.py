@@ -106,11 +106,15 @@ _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARA
 OPENMP_WAIT_KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
+def without_openmp_wait(base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) less kvmesh's OpenMP wait policy."""
+    return {k: v for k, v in (os.environ if base is None else base).items() if k not in OPENMP_WAIT_KEYS}
+
+
 def tool_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Every tool loads the tokenizer from a local directory: never from the Hub; and never
     inherits an OpenMP wait policy meant for kvmesh's server."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in OPENMP_WAIT_KEYS}
-    return {**env, **_OFFLINE}
+    return {**without_openmp_wait(base), **_OFFLINE}
 
 
 def shell_line(argv: list[str]) -> str:

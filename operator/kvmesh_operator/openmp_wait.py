@@ -8,7 +8,8 @@ CPUs, the Guaranteed QoS class that the kubelet's static CPU manager pins to exc
 There a worker that spins keeps the forward hot between steps; `auto` bounds the spin
 (GOMP_SPINCOUNT=BOUNDED_SPIN rounds, about 200 ms, as long as vLLM's Intel OpenMP spins by
 default) so that an idle engine sleeps instead of holding its cores at 100 % (ACTIVE spins
-forever: an idle server measured 67 % of a core busy against 0 % bounded). Anywhere else a
+forever: an idle server measured 100 % of a core busy against 0 % bounded,
+benchmarks/openmp_idle.py). Anywhere else a
 spinning worker would take a neighbour's time or the pod's CFS quota, so the server keeps
 libgomp's passive default. `active` / `passive` set OMP_WAIT_POLICY whatever the resources.
 Measured idle beside vLLM's CPU build: docs/BENCHMARKS.md.

@@ -158,7 +158,9 @@ def _quant_kernels(p: Path, quantization: str | None) -> tuple:
         return ()
     from kvmesh.kernels.quant import build, hf_build  # noqa: PLC0415
     if not p.is_dir():
-        return (build,)
+        # NOTE: a float GGUF file (F32 / F16 tensors only) has no blocks to serve
+        gguf = p.suffix.lower() == ".gguf" or _has_gguf_magic(p)
+        return (build,) if gguf and any(GGUFFile(p).block_tensors()) else ()
     return (hf_build,) if _hf_quantization(p) is not None else ()
 
 
@@ -225,14 +227,16 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
     hf_quant = _hf_quantization(p) if p.is_dir() else None
+    blocks = None if p.is_dir() else list(gguf.block_tensors())
     cut = None
-    if rules and not p.is_dir():
+    if rules and blocks:
         from kvmesh.engine.parallel.sharding import block_cut  # noqa: PLC0415
-        cut = block_cut(rules, gguf.block_tensors(), plan.size)
+        cut = block_cut(rules, blocks, plan.size)
     elif rules and hf_quant is not None:
         from kvmesh.engine.parallel.sharding import hf_cut  # noqa: PLC0415
         cut = hf_cut(rules, hf_quant, plan.size)
-    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt, hf_quant, cut)
+    quant = resolve_quantization(quantization, quant_activations, p, dev, plan, dt, hf_quant, cut,
+                                 has_blocks=bool(blocks))
     if hf_quant is not None:
         # NOTE: a module's quantized pieces are converted whole, then cut by the shard rules
         # (dequantized, or packed along whole groups: sharding.ShardRule.take).
@@ -281,12 +285,13 @@ QUANTIZATIONS = ("auto", "gguf", "none", *METHODS)
 def resolve_quantization(quantization: str | None, activations: str, path: Path,
                          device: torch.device, plan: TPPlan | None,
                          dtype: torch.dtype = torch.float32, hf: HFQuantConfig | None = None,
-                         block_cut: str | None = None) -> str | None:
+                         block_cut: str | None = None, has_blocks: bool = True) -> str | None:
     """"gguf" when `path`'s block tensors are to be served as blocks; for a Hugging Face
     directory whose quantization_config is `hf`, its method when served quantized
     (engine/quantization/serving.py); else None (dequantized, or a float checkpoint).
     `block_cut`: why the tensor-parallel `plan` would cut a GGUF block or an int4 group
-    (sharding.block_cut / hf_cut)."""
+    (sharding.block_cut / hf_cut). `has_blocks`: whether the GGUF file has any tensor the
+    kernels read as blocks (a float file has none: `auto` then loads no kernels)."""
     choice = "auto" if quantization is None else str(quantization).lower()
     if choice not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} "
@@ -303,6 +308,8 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
         return None
     if path.is_dir():
         raise ValueError(f"quantization 'gguf' needs a .gguf file, got the directory {path}")
+    if choice == "auto" and not has_blocks:
+        return None
     why = None
     if device.type != "cpu":
         why = f"the quantized kernels run on CPU only (device {device})"
@@ -385,8 +392,8 @@ def _assign_quantized(model: nn.Module, module_name: str, leaf: str, weight: Qua
         replacement = QuantizedLinear(weight, module.bias)
     elif leaf == "weight" and isinstance(module, nn.Embedding):
         replacement = QuantizedEmbedding(weight, dtype)
-    elif leaf == "weight" and _sharded_twin(module, weight, dtype) is not None:
-        replacement = _sharded_twin(module, weight, dtype)
+    elif leaf == "weight" and (twin := _sharded_twin(module, weight, dtype)) is not None:
+        replacement = twin
     else:
         raise ValueError(f"tensor {module_name}.{leaf} in {source} is {weight.format} blocks, "
                          f"but {type(module).__name__} cannot hold a quantized weight")

@@ -124,8 +124,7 @@ class GGUFFile:
             if name is None:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
                 continue
-            block_format = t.ggml_type not in _FLOAT_TYPES
-            if keep_quantized and block_format and len(t.shape) == 2:
+            if keep_quantized and _block_matrix(t):
                 if is_supported(t.ggml_type):
                     yield name, self._quantized(t, name, num_heads, num_kv_heads, activations)
                     continue
@@ -151,8 +150,7 @@ class GGUFFile:
         """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
-            if (name is not None and t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2
-                    and is_supported(t.ggml_type)):
+            if name is not None and _block_matrix(t) and is_supported(t.ggml_type):
                 yield name, t.ggml_type
 
     def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
@@ -169,6 +167,11 @@ class GGUFFile:
             order = unpermute_rows(np.arange(t.shape[0]), heads)
             weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
         return weight
+
+
+def _block_matrix(t) -> bool:
+    """Whether a GGUF tensor is a matrix in a block format (a candidate to stay blocks)."""
+    return t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -69,7 +69,6 @@ class ShardRule:
             out = torch.cat([out, out.new_zeros(self.pad_to - out.shape[0], *out.shape[1:])])
         return out
 
-
     def cut(self, block: int) -> tuple[int, int] | None:
         """The first column range of a row-parallel rule that does not start and end on a
         multiple of `block` (elements a block), or None: the shard keeps whole blocks."""
@@ -81,24 +80,25 @@ class ShardRule:
         name, qk, size = FORMATS[w.qtype]
         n, k = w.shape
         if self.dim == 0:
-            data = torch.cat([w.data[a:b] for a, b in self.ranges if b > a])
-            if self.pad_to and data.shape[0] < self.pad_to:
-                data = torch.cat([data, data.new_zeros(self.pad_to - data.shape[0], data.shape[1])])
-            return QuantizedWeight(data.contiguous(), w.qtype, (data.shape[0], k), w.activations)
+            data = self._rows(w.data)
+            return QuantizedWeight(data, w.qtype, (data.shape[0], k), w.activations)
         cut = self.cut(qk)
         if cut is not None:
             raise ValueError(f"columns [{cut[0]}, {cut[1]}) of a {name} weight cut its {qk}-element blocks")
         data = torch.cat([w.data[:, a // qk * size:b // qk * size] for a, b in self.ranges if b > a], dim=1)
         return QuantizedWeight(data.contiguous(), w.qtype, (n, data.shape[1] // size * qk), w.activations)
 
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The rule's rows of a packed tensor, contiguous, padded with zero rows up to pad_to
+        (zero bytes, codes and scales decode to zero weights in every format)."""
+        out = torch.cat([t[a:b] for a, b in self.ranges if b > a])
+        if self.pad_to and out.shape[0] < self.pad_to:
+            out = torch.cat([out, out.new_zeros(self.pad_to - out.shape[0], *out.shape[1:])])
+        return out.contiguous()
 
     def _take_hf(self, w: HFWeight) -> HFWeight:
         if self.dim == 0:
-            def rows(t: torch.Tensor) -> torch.Tensor:
-                out = torch.cat([t[a:b] for a, b in self.ranges if b > a])
-                if self.pad_to and out.shape[0] < self.pad_to:   # zero codes and scales: zero rows
-                    out = torch.cat([out, out.new_zeros(self.pad_to - out.shape[0], *out.shape[1:])])
-                return out.contiguous()
+            rows = self._rows
             if isinstance(w, Int4GroupWeight):
                 return Int4GroupWeight(rows(w.qweight), rows(w.scales), rows(w.zeros), w.group_size, w.perm)
             if isinstance(w, Int8ChannelWeight):
