@@ -10,7 +10,7 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 FROM ghcr.io/astral-sh/uv:0.9.5 AS uv
 
 # The C++ CPU kernels, built for the CPU targets the image serves (kernels/prebuilt.py: x86-64-v3
-# and x86-64-v4, with the VNNI and BF16 extensions) in a stage that has a compiler; only the
+# and x86-64-v4, with the VNNI, BF16 and AMX extensions) in a stage that has a compiler; only the
 # libraries and the OpenMP runtime they link reach the image, so a CPU engine pod loads them
 # instead of compiling for minutes (a CPU without any of these targets, or a changed source,
 # still builds natively).

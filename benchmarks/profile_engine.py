@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--torch-profile", type=int, default=0, metavar="N")
+    p.add_argument("--quantization", default="auto", choices=("auto", "gguf", "none"),
+                   help="load_model's GGUF quantization (auto: the blocks, as `kvmesh serve`)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.engine.loader import load_model
     from kvmesh.engine.sampling_params import SamplingParams
 
-    loaded = load_model(None, dtype=args.dtype, device="cpu", attention_backend=args.attention_backend)
+    loaded = load_model(None, dtype=args.dtype, device="cpu", attention_backend=args.attention_backend,
+                        quantization=args.quantization)
     ns = argparse.Namespace(workload=args.workload, seed=args.seed, scale=10.0, max_total_len=1024,
                             prompt_fraction=0.5, num_requests=64)
     reqs, summary = ot.build_requests(loaded.tokenizer, ns)

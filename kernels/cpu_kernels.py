@@ -53,7 +53,8 @@ _default: tuple[dict, object] | None = None    # (the _state it came from, load(
 PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512_bf16": ((), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
     "avx512": (("-mno-avx512bf16",), ("avx512f", "avx512bw")),
-    "avx2": (("-mno-avx512f",), ("avx2", "fma")),
+    # NOTE: AVX-VNNI off too: an AVX2-only CPU's int8 dot products (maddubs + madd), not AVX-VNNI's
+    "avx2": (("-mno-avx512f", "-mno-avxvnni"), ("avx2", "fma")),
     "portable": (("-mno-avx512f", "-mno-avx2", "-mno-fma"), ()),
 }
 

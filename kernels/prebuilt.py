@@ -6,7 +6,7 @@ compiler when this machine has no native build cached.
 
 A native build (`-march=native`, cpu_kernels) is keyed by this CPU's model and flags, so one
 built on the image builder never matches a node. A target here is built for an ISA level instead
-(`-march=x86-64-v3` or `x86-64-v4`, with AVX-VNNI, AVX512-VNNI, AVX512-BF16 where named), into
+(`-march=x86-64-v3` or `x86-64-v4`, with AVX-VNNI, AVX512-VNNI, AVX512-BF16, AMX where named), into
 `DIR/<subdir>/<target>-<key>/`,
 the key hashing the sources, headers, flags and torch version but no machine. At load, the widest
 target whose CPU flags this machine has is imported as it is (no ninja, no compiler). The image
@@ -44,6 +44,9 @@ _V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 # quantized GEMM. NOTE: every CPU with AVX512-BF16 known (Cooper Lake, Sapphire Rapids, Zen 4)
 # also has AVX512-VNNI.
 TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # Sapphire Rapids and later: AMX tiles (the quantized GEMM's AMX path) over avx512_bf16
+    "amx": (("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            (*_V4, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
     "avx512_bf16": (("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
                     (*_V4, "avx512_vnni", "avx512_bf16")),
     "avx512_vnni": (("-march=x86-64-v4", "-mavx512vnni"), (*_V4, "avx512_vnni")),

@@ -2,6 +2,7 @@
 
     quant_linear(x, w, bias, activations)   y = x @ W^T (+ b), W a QuantizedWeight
     gemm_path(rows, dtype, activations)     which kernel a call of `rows` activation rows takes
+    amx_ready()                             whether the AMX path runs on this CPU and kernel
     embedding_rows(w, ids)                  the float rows `ids` of W (a quantized embedding)
     dequantize(w)                           the whole float32 matrix (tests, comparisons only)
 
@@ -16,6 +17,11 @@ dequantizes 16 weight rows at a time into a scratch tile and multiplies every ac
 it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AVX512-BF16, float32
 FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled";
 int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
+
+"amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers), takes
+bf16 activations from AMX_MIN_ROWS rows up to the slabs instead of "tiled": 32 weight rows at a
+time are dequantized into a bf16 scratch by the tiles' arithmetic and multiplied by every
+activation row on the tiles (csrc/amx.cpp): the bf16 tiles' result at several times their speed.
 
 "slabs", from SLAB_MIN_ROWS rows on (a prefill's hundreds of rows): the weight is dequantized a
 slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
@@ -37,7 +43,7 @@ from kvmesh.kernels.quant.build import load
 from kvmesh.kernels.quant.weight import QuantizedWeight
 
 ACTIVATIONS = ("float", "int8")
-PATHS = ("rows", "tiled", "slabs")
+PATHS = ("rows", "tiled", "amx", "slabs")
 # NOTE: the fewest activation rows at which the tiled kernel beat the per-row one on the built-in
 # model's shapes (benchmarks/quant_gemm.py, docs/KERNELS.md): bf16 tiles (vdpbf16ps, 32 products
 # an instruction) pay for the tile from 8 rows, float32 tiles only from 32.
@@ -50,6 +56,10 @@ INT8_TILED_MIN_ROWS: dict[str, int | None] = {"bf16": 8, "float32": None}
 # NOTE: the fewest rows at which dequantizing slabs for oneDNN beat the tiles on the built-in
 # model's shapes (benchmarks/quant_gemm.py's "slabs" column, docs/KERNELS.md); any activations.
 SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
+# NOTE: the fewest bf16 rows at which the AMX path beat the per-row and tiled kernels on the built-in
+# model's shapes (benchmarks/quant_gemm.py's "amx" column, docs/KERNELS.md); it replaces the bf16
+# tiles where the CPU has AMX, up to SLAB_MIN_ROWS["bf16"].
+AMX_MIN_ROWS = 8
 # the scratch slab's budget: rows of W dequantized at once (the LM head takes several slabs)
 SLAB_BYTES = 4 << 20
 
@@ -63,6 +73,8 @@ def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = 
     """"slabs", "tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
     if rows >= SLAB_MIN_ROWS[tile_kind(dtype)]:
         return "slabs"
+    if rows >= AMX_MIN_ROWS and tile_kind(dtype) == "bf16" and amx_ready():
+        return "amx"
     at = (TILED_MIN_ROWS if activations == "float" else INT8_TILED_MIN_ROWS)[tile_kind(dtype)]
     return "tiled" if at is not None and rows >= at else "rows"
 
@@ -91,9 +103,13 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None 
     x2 = x.reshape(-1, k)
     if path is not None and (path not in PATHS or (path == "tiled" and activations != "float")):
         raise ValueError(f"path must be one of {PATHS} ('tiled' takes float activations), got {path!r}")
+    if path == "amx" and not (x2.dtype == torch.bfloat16 and amx_ready()):
+        raise ValueError("path 'amx' takes bfloat16 activations on a CPU with AMX bf16 tiles")
     path = path or gemm_path(x2.shape[0], x2.dtype, activations)
     if path == "slabs":
         y = _slab_gemm(x2, w)
+    elif path == "amx":
+        y = _ext().quant_gemm_amx(x2.contiguous(), w.data, w.qtype, w.shape[1])
     elif path == "tiled":
         # NOTE: bf16 activations go in as they are: the bf16 tile path reads them directly
         xt = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
@@ -153,6 +169,13 @@ def tiled_isa() -> str:
     """The tiled kernel's instruction set here: avx512_bf16 (bf16 tiles for bf16 activations),
     avx512, avx2 or portable (float32 tiles)."""
     return _ext().tiled_isa()
+
+
+@functools.lru_cache(maxsize=1)
+def amx_ready() -> bool:
+    """Whether the AMX path runs here: built with AMX bf16 tiles (this CPU has them) and the
+    kernel let this process use the tile registers."""
+    return _ext().amx_isa() == "amx_bf16"
 
 
 def int8_isa() -> str:

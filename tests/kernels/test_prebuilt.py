@@ -66,6 +66,8 @@ def test_find_takes_the_widest_target_built_that_this_cpu_runs(probe):
     def find(flags):
         return prebuilt.find("kvmesh_probe_build", "probe", (source,), (), where=out, flags=flags)
     assert prebuilt.runnable(V4_BF16) == ["avx512_bf16", "avx512_vnni", "avx512", "avx2"]
+    assert prebuilt.runnable(V4_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}) == [
+        "amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2"]
     assert prebuilt.runnable(V3 | {"avx_vnni"}) == ["avx2_vnni", "avx2"]
     assert prebuilt.runnable(V3) == ["avx2"]
     assert find(V4_BF16) == lib            # avx512 targets not built: the avx2 one
@@ -138,5 +140,5 @@ def test_the_command_line_refuses_an_unknown_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prebuilt.main([str(tmp_path), "--targets", "avx2,sse2"])
     assert e.value.code == 2
-    assert ("unknown target(s) sse2; use avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2"
+    assert ("unknown target(s) sse2; use amx, avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2"
             in capsys.readouterr().err)

@@ -17,6 +17,7 @@
 
 #include "blocks.h"
 #include "simd.h"
+#include "amx.h"
 #include "tiled.h"
 
 #if defined(__AVX2__)
@@ -551,4 +552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_into", &kvmesh_quant::dequantize_into,
         "rows [n0, n0 + out.size(0)) of a GGUF-block weight dequantized into out (float32 or bf16)");
   m.def("tiled_isa", &kvmesh_quant::tiled_isa, "the instruction set of the tiled path's kernels");
+  m.def("quant_gemm_amx", &kvmesh_quant::quant_gemm_amx,
+        "y = x @ W^T on AMX bf16 tiles: W dequantized 32 rows at a time (bfloat16 x)");
+  m.def("amx_isa", &kvmesh_quant::amx_isa, "'amx_bf16' where the AMX path runs here, else ''");
 }

@@ -393,6 +393,19 @@ void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& ou
   dequantize_range<float>(fmt, w.data_ptr<uint8_t>(), n0, rows, K, row_bytes, out.data_ptr<float>());
 }
 
+void dequantize_rows_bf16(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K,
+                          uint16_t* out) {
+#if KQ_BF16
+  dispatch(fmt, [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    for (int64_t r = 0; r < rows; ++r) dequantize_slab<F, bf16_t>(w + r * row_bytes, 0, K, out + r * K);
+  });
+#else
+  (void)fmt, (void)w, (void)row_bytes, (void)rows, (void)K, (void)out;
+  TORCH_CHECK(false, "dequantize_rows_bf16: this build has no bf16 tiles");
+#endif
+}
+
 std::string tiled_isa() {
 #if KQ_BF16
   return "avx512_bf16";

@@ -17,6 +17,12 @@ torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, i
 // build has bf16 tiles): the large-batch path's transient slab (ops.py), the tiles' arithmetic.
 void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& out, int64_t fmt, int64_t K);
 
+// `rows` whole weight rows from `w` (row_bytes apart) dequantized into out ([rows, K] bf16 bits,
+// row-major), serially: the bf16 tiles' weights, for the AMX path (amx.cpp). Only in builds with
+// bf16 tiles (AVX512-BF16); elsewhere an error.
+void dequantize_rows_bf16(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K,
+                          uint16_t* out);
+
 // The tile kernels this build has: "avx512_bf16", "avx512", "avx2" or "portable".
 std::string tiled_isa();
 

@@ -1,0 +1,221 @@
+// y[M, N] = x[M, K] @ W^T on AMX's bf16 tiles, W as GGUF blocks: the "amx" path (ops.py).
+//
+// One AMX instruction multiplies tiles: C[16 x 16] float32 += A[16 x 32] bf16 . B, where B holds
+// 32 x 16 bf16 as pairs (tile row r: for each of its 16 columns, elements 2r and 2r + 1). The
+// weights are A and the activations B, so each accumulator is a 16 x 16 block of Y^T:
+//   - a task takes TN = 32 weight rows and dequantizes them once, whole K, into a row-major bf16
+//     scratch (tiled.cpp's arithmetic: the same bf16 weights as the bf16 tiles and slabs), which
+//     is A as it stands: two tiles of 16 rows, loaded with the scratch's row stride;
+//   - the activations are packed once a call into B's pair layout, 16 rows a group, zero rows
+//     padding the last group (their results are dropped);
+//   - per two groups, 4 accumulator tiles (2 weight tiles x 2 groups) run over K, 32 elements a
+//     step, then are stored and written transposed into y.
+// So the result is a bf16 GEMM of the dequantized weights with float32 accumulation, as the bf16
+// tiles'; the weights are read from their blocks once a call and no copy of the matrix is made.
+// Tiles: 0-3 accumulators, 4-5 weights, 6-7 activations (palette 1: 16 rows of 64 bytes each).
+#include "amx.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "blocks.h"
+#include "tiled.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KQ_AMX 1
+#else
+#define KQ_AMX 0
+#endif
+
+namespace kvmesh_quant {
+namespace {
+
+#if KQ_AMX
+constexpr int64_t TN = 32;   // weight rows a task: two A tiles
+constexpr int64_t TK = 32;   // K elements a tile step
+constexpr int64_t TM = 16;   // activation rows a group: one B tile's columns
+
+// Linux keeps the tile registers off until a process asks (arch_prctl, process-wide, 5.16+).
+constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+
+bool tiles_permitted() {
+  static const bool ok = [] {
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bits) == 0 && (bits >> kXfeatureXtiledata & 1)) return true;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A 16 x 16 matrix of 32-bit elements, one row a register, transposed in place.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * h + j] = _mm512_shuffle_i32x4(r[8 * h + j], r[8 * h + 4 + j], 0x88);
+      t[8 * h + 4 + j] = _mm512_shuffle_i32x4(r[8 * h + j], r[8 * h + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// x [M, K] bf16 -> xp: for group g (16 rows) and K step s, the B tile (16 x 16 pairs, 1 KB) at
+// xp + (g * S + s) * 256: xp[r * 16 + m] = the pair (x[16g + m, 32s + 2r], x[16g + m, 32s + 2r + 1]),
+// i.e. the 16 x 16 pairs of x's block transposed.
+void pack_activations(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t G = (M + TM - 1) / TM, S = K / TK;
+  at::parallel_for(0, G * S, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t g = i / S, s = i % S;
+      __m512i r[16];
+      for (int64_t m = 0; m < TM; ++m) {
+        const int64_t row = g * TM + m;
+        r[m] = row < M ? _mm512_loadu_si512(x + row * K + s * TK) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(xp + i * 256 + j * 16, r[j]);
+    }
+  });
+}
+
+// Accumulator tile `c` (16 weight rows x 16 activation rows, float32) into y's rows m0 .. m0 + rows
+// and columns n0 .. n0 + cols (cols <= 16), transposed.
+inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
+                             int64_t cols) {
+  __m512i r[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
+  transpose16(r);
+  const __mmask16 keep = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t m = 0; m < rows; ++m)
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
+}
+
+// Accumulators of groups g (and g + 1 when TWO) over all of K, then into y.
+template <bool TWO>
+inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_t S, int64_t K, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint32_t* b0 = xp + g * S * 256;
+  const uint32_t* b1 = b0 + S * 256;
+  for (int64_t s = 0; s < S; ++s) {
+    _tile_loadd(4, wt + s * TK, K * 2);
+    _tile_loadd(5, wt + 16 * K + s * TK, K * 2);
+    _tile_loadd(6, b0 + s * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (TWO) {
+      _tile_loadd(7, b1 + s * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (TWO) {
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+  }
+}
+
+void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+              int64_t row_bytes, float* y) {
+  const int64_t G = (M + TM - 1) / TM, S = K / TK;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
+    // NOTE: tile rows 64-byte aligned (K * 2 bytes a row is a multiple of 64): a row split over two
+    // cache lines made every tile load about twice as slow (measured)
+    const std::unique_ptr<uint16_t, decltype(&std::free)> scratch(
+        static_cast<uint16_t*>(std::aligned_alloc(64, TN * K * sizeof(uint16_t))), &std::free);
+    TORCH_CHECK(scratch, "quant_gemm_amx: out of memory for the weight scratch");
+    uint16_t* wt = scratch.get();
+    alignas(64) float c[4 * 256];
+    // NOTE: the tile configuration is per thread and oneDNN's GEMMs load their own between ours
+    _tile_loadconfig(&cfg);
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = ti * TN, nt = std::min(TN, N - n0);
+      dequantize_rows_bf16(fmt, w + n0 * row_bytes, row_bytes, nt, K, wt);
+      if (nt < TN) std::memset(wt + nt * K, 0, (TN - nt) * K * sizeof(uint16_t));
+      for (int64_t g = 0; g < G; g += 2) {
+        const bool two = g + 1 < G;
+        if (two) group_pair<true>(wt, xp, g, S, K, c);
+        else group_pair<false>(wt, xp, g, S, K, c);
+        // tile (a + 2b) holds y[16 (g + b) + m, n0 + 16a + i] at [i, m]
+        for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
+          const int64_t m0 = (g + b) * TM, rows = std::min(TM, M - m0);
+          for (int64_t a = 0; a < 2 && 16 * a < nt; ++a)
+            store_transposed(c + (a + 2 * b) * 256, y, N, m0, rows, n0 + 16 * a, nt - 16 * a);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+              "quant_gemm_amx: x must be a CPU bfloat16 [M, K] tensor");
+  const int64_t row_bytes = check_weight(w, fmt, K);
+  TORCH_CHECK(K % 32 == 0, "quant_gemm_amx: K=", K, " is not a multiple of 32");
+  TORCH_CHECK(!amx_isa().empty(), "quant_gemm_amx: no AMX bf16 tiles in this build or process");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  if (M == 0 || N == 0) return y;
+#if KQ_AMX
+  const auto xc = x.contiguous();
+  // NOTE: torch's CPU allocator aligns to 64 bytes, as the tile loads want
+  auto xp = torch::empty({(M + TM - 1) / TM * TM * K / 2}, torch::TensorOptions().dtype(torch::kInt32));
+  uint32_t* xpp = reinterpret_cast<uint32_t*>(xp.data_ptr<int32_t>());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(xpp) % 64 == 0, "quant_gemm_amx: unaligned activation tiles");
+  pack_activations(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K, xpp);
+  gemm_amx(fmt, xpp, M, w.data_ptr<uint8_t>(), N, K, row_bytes, y.data_ptr<float>());
+#endif
+  return y;
+}
+
+std::string amx_isa() {
+#if KQ_AMX
+  return tiles_permitted() ? "amx_bf16" : "";
+#else
+  return "";
+#endif
+}
+
+}  // namespace kvmesh_quant

@@ -1,0 +1,17 @@
+// The AMX path of the quantized GEMM (amx.cpp), registered beside the others in gemm.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+
+namespace kvmesh_quant {
+
+// y[M, N] float32 = x[M, K] @ W^T on AMX bf16 tiles: x bfloat16, W as GGUF blocks [N, row_bytes].
+torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K);
+
+// "amx_bf16" where this build has the AMX path and the kernel lets this process use the tiles
+// (Linux's arch_prctl permission, asked once); "" otherwise.
+std::string amx_isa();
+
+}  // namespace kvmesh_quant
