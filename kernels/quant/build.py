@@ -16,7 +16,7 @@ from kvmesh.kernels import cpu_kernels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp", _CSRC / "amx.cpp")
-HEADERS = (_CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h")
+HEADERS = (_CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h", _CSRC / "amx_tiles.h")
 NAME = "kvmesh_quant_kernels"
 SUBDIR = "quant-kernels"
 

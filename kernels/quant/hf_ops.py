@@ -5,7 +5,8 @@
     reference_linear(x, w, bias)    the same product from the dequantized float32 weight (tests)
 
 On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run (float32 activations,
-or bf16 ones for the int4 GEMM's bf16 tiles); on CUDA the Triton GEMMs
+or bf16 ones for the int4 GEMM's bf16 tiles; W8A8 from W8A8_AMX_MIN_ROWS rows on AMX's int8
+tiles where the CPU has them, `csrc/hf_amx.cpp`, the same bits as the VNNI path); on CUDA the Triton GEMMs
 of `kvmesh.kernels.quant.triton_gemm`, imported only there, so a CPU process never loads Triton.
 FP8 weights run on CUDA only.
 """
@@ -13,8 +14,15 @@ from __future__ import annotations
 
 import torch
 
+import functools
+
 from kvmesh.kernels.quant.hf_build import load, unavailable_reason
 from kvmesh.kernels.quant.hf_weight import Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight
+
+
+# NOTE: the fewest rows at which the AMX int8 tiles beat the VNNI kernel on the built-in model's
+# shapes (docs/KERNELS.md): at one row the two tie, from two the tiles win (4-5x at 64 rows).
+W8A8_AMX_MIN_ROWS = 2
 
 
 def kernels_available() -> bool:
@@ -52,6 +60,8 @@ def _cpu_linear(x: torch.Tensor, w: HFWeight) -> torch.Tensor:
         return _ext().w4a16_gemm(xq.contiguous(), w.qweight, w.scales, w.zeros, w.group_size)
     xf = x.float().contiguous()
     if isinstance(w, Int8ChannelWeight):
+        if xf.shape[0] >= W8A8_AMX_MIN_ROWS and xf.shape[1] % 64 == 0 and w8a8_amx_ready():
+            return _ext().w8a8_gemm_amx(xf, w.weight, w.weight_scale)
         return _ext().w8a8_gemm(xf, w.weight, w.weight_scale, w.w_sum)
     raise ValueError(f"{w.format} weights are served on GPU only")
 
@@ -77,7 +87,15 @@ def reference_linear(x: torch.Tensor, w: HFWeight, bias: torch.Tensor | None = N
     return y if bias is None else y + bias
 
 
+@functools.lru_cache(maxsize=1)
+def w8a8_amx_ready() -> bool:
+    """Whether W8A8 runs on AMX int8 tiles here (built with them, and the kernel's permission)."""
+    return _ext().w8a8_amx_isa() == "amx_int8"
+
+
 def isa() -> dict[str, str]:
-    """The instruction sets this machine's build uses: {"w8a8": ..., "w4a16": ...}."""
+    """The instruction sets this machine's build uses: {"w8a8": ..., "w4a16": ...} ("w8a8":
+    "amx_int8+avx512vnni" where calls of W8A8_AMX_MIN_ROWS rows and more take the tiles)."""
     ext = _ext()
-    return {"w8a8": ext.w8a8_isa(), "w4a16": ext.w4a16_isa()}
+    w8a8 = ext.w8a8_isa() if not w8a8_amx_ready() else f"amx_int8+{ext.w8a8_isa()}"
+    return {"w8a8": w8a8, "w4a16": ext.w4a16_isa()}

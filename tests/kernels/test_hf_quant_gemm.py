@@ -144,3 +144,70 @@ def test_isa_names_the_widest_int8_path_this_cpu_built():
         "avx2" if "avx2" in flags else "portable"
     assert ext.w8a8_isa() == want
     assert ext_for("portable").w8a8_isa() == "portable" and ext_for("avx2").w4a16_isa() == "avx2"
+
+
+# ---- W8A8 on AMX int8 tiles (csrc/hf_amx.cpp): where the CPU has them, the VNNI path's bits
+
+def _amx_ext():
+    from kvmesh.kernels.quant.hf_ops import w8a8_amx_ready
+    ext = ext_for(None)
+    if not w8a8_amx_ready():
+        pytest.skip("no AMX int8 tiles here (CPU flags, or the kernel's permission)")
+    return ext
+
+
+# (M, N, K): M around the 16-row activation groups (one padded, a pair, an odd third); N around
+# the 32-row weight tasks (a partial tile, a partial task from the zero-padded copy); K one to
+# several 64-element steps
+@pytest.mark.parametrize("m, n, k", [(1, 7, 64), (2, 16, 128), (16, 33, 576), (17, 32, 192),
+                                     (47, 80, 1536), (64, 96, 256)])
+def test_w8a8_on_amx_tiles_gives_the_vnni_paths_bits(m, n, k):
+    ext = _amx_ext()
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = int8_weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, :7] = 40.0                     # an outlier row: large codes, int32 sums past int16
+    y = ext.w8a8_gemm_amx(x, w.weight, w.weight_scale)
+    assert torch.equal(y, ext.w8a8_gemm(x, w.weight, w.weight_scale, w.w_sum))
+    q, s = _quantize_rows(x)
+    exact = (q.double() @ w.weight.double().T) * s.double()[:, None] * w.weight_scale.double()[None]
+    assert ((y.double() - exact).abs() <= 1e-6 * exact.abs() + 1e-9).all()
+
+
+def test_hf_linear_takes_the_amx_tiles_from_their_threshold(monkeypatch):
+    from kvmesh.kernels.quant import hf_ops
+    ext = _amx_ext()
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ext, name)
+    monkeypatch.setattr(hf_ops, "_ext", Spy)
+    gen = torch.Generator().manual_seed(5)
+    at = hf_ops.W8A8_AMX_MIN_ROWS
+    for rows, k, kernel in ((at, 128, "w8a8_gemm_amx"), (at - 1, 128, "w8a8_gemm"),
+                            (at + 3, 72, "w8a8_gemm")):          # K not a multiple of 64: VNNI
+        calls.clear()
+        w = int8_weight(9, k, gen)
+        assert hf_linear(torch.randn(rows, k, generator=gen), w).shape == (rows, 9)
+        assert calls == [kernel]
+    assert hf_ops.isa()["w8a8"].startswith("amx_int8+")
+
+
+def test_w8a8_amx_refusals_and_where_it_is_absent():
+    from kvmesh.kernels.cpu_features import cpu_flags
+    from kvmesh.kernels.quant.hf_ops import w8a8_amx_ready
+    ext = ext_for(None)
+    w = int8_weight(8, 96, torch.Generator().manual_seed(2))
+    if "amx_int8" not in cpu_flags():
+        assert not w8a8_amx_ready() and ext.w8a8_amx_isa() == ""
+    if not w8a8_amx_ready():
+        with pytest.raises(RuntimeError, match="no AMX int8 tiles"):
+            ext.w8a8_gemm_amx(torch.zeros(4, 128), int8_weight(8, 128, torch.Generator()).weight, w.weight_scale)
+    with pytest.raises(RuntimeError, match="not a multiple of 64"):
+        ext.w8a8_gemm_amx(torch.zeros(4, 96), w.weight, w.weight_scale)
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        ext.w8a8_gemm_amx(torch.zeros(4, 96, dtype=torch.bfloat16), w.weight, w.weight_scale)
+    with pytest.raises(RuntimeError, match="w_scale must be float32"):
+        ext.w8a8_gemm_amx(torch.zeros(4, 96), w.weight, w.weight_scale[:3])

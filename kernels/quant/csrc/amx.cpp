@@ -22,13 +22,11 @@
 #include <cstring>
 #include <memory>
 
+#include "amx_tiles.h"
 #include "blocks.h"
 #include "tiled.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#if KQ_AMX_TILES && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KQ_AMX 1
 #else
 #define KQ_AMX 0
@@ -42,66 +40,14 @@ constexpr int64_t TN = 32;   // weight rows a task: two A tiles
 constexpr int64_t TK = 32;   // K elements a tile step
 constexpr int64_t TM = 16;   // activation rows a group: one B tile's columns
 
-// Linux keeps the tile registers off until a process asks (arch_prctl, process-wide, 5.16+).
-constexpr int kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-
-bool tiles_permitted() {
-  static const bool ok = [] {
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bits) == 0 && (bits >> kXfeatureXtiledata & 1)) return true;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// A 16 x 16 matrix of 32-bit elements, one row a register, transposed in place.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * h + j] = _mm512_shuffle_i32x4(r[8 * h + j], r[8 * h + 4 + j], 0x88);
-      t[8 * h + 4 + j] = _mm512_shuffle_i32x4(r[8 * h + j], r[8 * h + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-  }
-}
-
 // x [M, K] bf16 -> xp: for group g (16 rows) and K step s, the B tile (16 x 16 pairs, 1 KB) at
 // xp + (g * S + s) * 256: xp[r * 16 + m] = the pair (x[16g + m, 32s + 2r], x[16g + m, 32s + 2r + 1]),
 // i.e. the 16 x 16 pairs of x's block transposed.
 void pack_activations(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
   const int64_t G = (M + TM - 1) / TM, S = K / TK;
   at::parallel_for(0, G * S, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t g = i / S, s = i % S;
-      __m512i r[16];
-      for (int64_t m = 0; m < TM; ++m) {
-        const int64_t row = g * TM + m;
-        r[m] = row < M ? _mm512_loadu_si512(x + row * K + s * TK) : _mm512_setzero_si512();
-      }
-      transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(xp + i * 256 + j * 16, r[j]);
-    }
+    for (int64_t i = b; i < e; ++i)
+      kvmesh_amx::pack_b_tile(reinterpret_cast<const uint8_t*>(x), K * 2, M, i / S, i % S * TK * 2, xp + i * 256);
   });
 }
 
@@ -111,7 +57,7 @@ inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, in
                              int64_t cols) {
   __m512i r[16];
   for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
-  transpose16(r);
+  kvmesh_amx::transpose16(r);
   const __mmask16 keep = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   for (int64_t m = 0; m < rows; ++m)
     _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
@@ -151,11 +97,7 @@ inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_
 void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int64_t N, int64_t K,
               int64_t row_bytes, float* y) {
   const int64_t G = (M + TM - 1) / TM, S = K / TK;
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
+  const kvmesh_amx::TileConfig cfg;
   at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
     // NOTE: tile rows 64-byte aligned (K * 2 bytes a row is a multiple of 64): a row split over two
     // cache lines made every tile load about twice as slow (measured)
@@ -212,7 +154,7 @@ torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int
 
 std::string amx_isa() {
 #if KQ_AMX
-  return tiles_permitted() ? "amx_bf16" : "";
+  return kvmesh_amx::tiles_permitted() ? "amx_bf16" : "";
 #else
   return "";
 #endif

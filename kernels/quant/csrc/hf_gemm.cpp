@@ -17,8 +17,8 @@
 //           AVX2 or portable code; the matrix is never dequantized whole.
 //
 // Which instruction set is used is fixed at compile time by what -march=native (or a narrower
-// cpu_kernels.PATHS build) enables, as in gemm.cpp. AMX-INT8 is not written: no CPU it could be
-// tested on was at hand. Work is split over output rows (at::parallel_for).
+// cpu_kernels.PATHS build) enables, as in gemm.cpp; where the CPU has AMX, W8A8 calls of many rows
+// take the int8 tiles instead (hf_amx.cpp). Work is split over output rows (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "hf_amx.h"
 #include "simd.h"
 
 namespace kvmesh_hfquant {
@@ -458,6 +459,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_int8", &kvmesh_hfquant::quantize_rows_int8,
         "x -> (int8 codes, float32 per-row scales): the activation quantization of w8a8_gemm");
   m.def("w8a8_isa", &kvmesh_hfquant::w8a8_isa, "the instruction set of the int8 dot product");
+  m.def("w8a8_gemm_amx", &kvmesh_hfquant::w8a8_gemm_amx,
+        "w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits");
+  m.def("w8a8_amx_isa", &kvmesh_hfquant::w8a8_amx_isa, "'amx_int8' where the AMX path runs here, else ''");
   m.def("w4a16_gemm", &kvmesh_hfquant::w4a16_gemm,
         "y = x @ W^T: 4-bit group weights (scales, zeros) x float32 activations");
   m.def("w4a16_isa", &kvmesh_hfquant::w4a16_isa, "the instruction set of the int4 GEMM");

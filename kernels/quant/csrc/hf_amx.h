@@ -1,0 +1,20 @@
+// W8A8 on AMX's int8 tiles (hf_amx.cpp), registered beside the other Hugging Face GEMMs in hf_gemm.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+namespace kvmesh_hfquant {
+
+// x float32 [M, K] -> (int8 codes [M, K], float32 scales [M]): hf_gemm.cpp's activation quantization.
+std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x);
+
+// w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits as the VNNI path.
+torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale);
+
+// "amx_int8" where this build has the path and the kernel lets this process use the tiles; "" otherwise.
+std::string w8a8_amx_isa();
+
+}  // namespace kvmesh_hfquant
