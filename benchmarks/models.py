@@ -13,6 +13,11 @@
                      ~81 M parameters, ~31 M active per token), random weights, seed 0
     random-moe-tiny  the same architecture at toy size
     random-glue      SmolLM2-135M's 30 layers and heads at width 72: a step costs its Python
+    builtin-w8a8     the built-in model (its float32 HF directory, kvmesh.engine.hf_export) with
+                     every decoder projection quantized to compressed-tensors W8A8 (int8 weights
+                     per channel, rounded by compressed-tensors' own `quantize`; int8 activations
+                     per token at run time), embedding / head and norms as they were: the int8
+                     checkpoint kvmesh and vLLM's CPU build both serve
 
 A random model is written once as an HF directory (config.json, model.safetensors, and the
 built-in model's tokenizer files, so prompts tokenize as usual) under the cache directory and
@@ -68,9 +73,11 @@ def resolve_model(spec: str, cache: Path, tokenizer: Path | None = None) -> str 
         return None
     if spec in RANDOM_MODELS:
         return str(ensure_random_model(spec, cache, tokenizer=tokenizer))
+    if spec == "builtin-w8a8":
+        return str(ensure_builtin_w8a8(cache))
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise SystemExit(f"--model must be builtin, {', '.join(RANDOM_MODELS)} or an HF model "
+        raise SystemExit(f"--model must be builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} or an HF model "
                          f"directory; {spec!r} is none of them")
     return str(path)
 
@@ -101,6 +108,50 @@ def ensure_random_model(name: str, cache: Path, seed: int = 0, tokenizer: Path |
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     _copy_tokenizer(tokenizer or builtin_tokenizer_dir(), tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+W8A8_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def ensure_builtin_w8a8(cache: Path) -> Path:
+    """The built-in model as a compressed-tensors W8A8 checkpoint, written once under `cache`."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from safetensors.torch import load_file, save_file
+
+    from kvmesh.engine.hf_export import builtin_hf_dir
+
+    out = cache / "builtin-w8a8"
+    if (out / "model.safetensors").is_file():
+        return out
+    src = builtin_hf_dir("float32")
+    tensors = load_file(str(src / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj in W8A8_PROJ:
+            name = f"model.layers.{layer}.{proj}"
+            w = tensors.pop(f"{name}.weight").float()
+            scale = w.abs().amax(1, keepdim=True) / 127
+            tensors[f"{name}.weight"] = quantize(w, scale, torch.zeros_like(scale, dtype=torch.int8), args,
+                                                 dtype=torch.int8)
+            tensors[f"{name}.weight_scale"] = scale
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
+                            format="int-quantized", ignore=["lm_head"], quantization_status="compressed")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, tmp / f.name)
+    (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc.model_dump(mode="json")}))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
