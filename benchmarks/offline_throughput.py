@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--model", default="builtin", help=f"builtin, {', '.join(RANDOM_MODELS)} or an "
+    p.add_argument("--model", default="builtin", help=f"builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} or an "
                    "HF model directory (see benchmarks/models.py)")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                    help="a tokenizer directory (tokenizer.json): a random model's, where the "

@@ -17,6 +17,8 @@ passes: robust to other processes on the cores):
     slabs       quant_linear(path="slabs"), float32 activations: the weight dequantized a slab
                 at a time into a reused buffer, each slab through oneDNN's dense GEMM
     slabs bf16  the same with bfloat16 activations (bf16 slabs on AVX512-BF16)
+    amx bf16    quant_linear(path="amx"), bfloat16 activations: 32 weight rows dequantized at a
+                time and multiplied on AMX bf16 tiles (nan where the CPU has none)
     dense f32   kvmesh.kernels.linear on the dequantized float32 weight (--quantization none)
     dense bf16  the same on the weight rounded to bfloat16 (--dtype bfloat16)
     auto/bf16   dense bf16 time over what quant_linear picks for bf16 activations (gemm_path):
@@ -49,7 +51,7 @@ from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
 from kvmesh.kernels.quant.ops import (INT8_TILED_MIN_ROWS, SLAB_MIN_ROWS, TILED_MIN_ROWS,  # noqa: E402
-                                      gemm_path, tiled_isa)  # noqa: E402
+                                      amx_ready, gemm_path, tiled_isa)  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 49152, 64, 9, 3
 SHAPES = {   # name -> (N, K) as the engine multiplies them
@@ -59,7 +61,8 @@ SHAPES = {   # name -> (N, K) as the engine multiplies them
     "down": (HIDDEN, INTER),
     "lm_head": (VOCAB, HIDDEN),
 }
-COLUMNS = ("rows", "rows i8", "tiled", "tiled bf16", "slabs", "slabs bf16", "dense f32", "dense bf16")
+COLUMNS = ("rows", "rows i8", "tiled", "tiled bf16", "slabs", "slabs bf16", "amx bf16", "dense f32",
+           "dense bf16")
 
 
 def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -117,13 +120,18 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
         "tiled bf16": (lambda x, w: quant_linear(x, w, path="tiled"), quant, torch.bfloat16),
         "slabs": (lambda x, w: quant_linear(x, w, path="slabs"), quant, torch.float32),
         "slabs bf16": (lambda x, w: quant_linear(x, w, path="slabs"), quant, torch.bfloat16),
+        "amx bf16": (lambda x, w: quant_linear(x, w, path="amx"), quant, torch.bfloat16),
         "dense f32": (linear, dense32, torch.float32),
         "dense bf16": (linear, dense16, torch.bfloat16),
     }
+    if not amx_ready():
+        del fns["amx bf16"]
     for m in rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         us = {col: low_us(fn, x.to(dt), ws, reps) for col, (fn, ws, dt) in fns.items()}
-        picked = {"rows": "rows", "tiled": "tiled bf16", "slabs": "slabs bf16"}[gemm_path(m, torch.bfloat16)]
+        us.setdefault("amx bf16", float("nan"))
+        picked = {"rows": "rows", "tiled": "tiled bf16", "slabs": "slabs bf16",
+                  "amx": "amx bf16"}[gemm_path(m, torch.bfloat16)]
         xb = x.to(torch.bfloat16)
         got = quant_linear(xb, qw).double()
         want = linear(xb, dense16[0]).double()
