@@ -50,7 +50,8 @@ if __package__ in (None, ""):
 from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
-from kvmesh.kernels.quant.ops import (INT8_TILED_MIN_ROWS, SLAB_MIN_ROWS, TILED_MIN_ROWS,  # noqa: E402
+from kvmesh.kernels.quant.ops import (AMX_MIN_ROWS, AMX_SLAB_MIN_ROWS, INT8_TILED_MIN_ROWS,  # noqa: E402
+                                      SLAB_MIN_ROWS, TILED_MIN_ROWS,
                                       amx_ready, gemm_path, tiled_isa)  # noqa: E402
 
 HIDDEN, INTER, VOCAB, HEAD_DIM, HEADS, KV_HEADS = 576, 1536, 49152, 64, 9, 3
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# int8 activations take the tiled path from {INT8_TILED_MIN_ROWS} rows (None: never)")
     print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
           + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items())
-          + "; the slabs from " + ", ".join(f"{n} rows ({kind})" for kind, n in SLAB_MIN_ROWS.items()))
+          + "; the slabs from " + ", ".join(f"{n} rows ({kind})" for kind, n in SLAB_MIN_ROWS.items())
+          + (f"; on AMX: bf16 from {AMX_MIN_ROWS} rows, the slabs from {AMX_SLAB_MIN_ROWS}" if amx_ready() else ""))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
           + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'i8/bf16':>7} {'GB/s i8':>7} {'GB/s bf16':>9} {'bf16 err':>9}"
           + "   (us per call)")

@@ -19,11 +19,12 @@ FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations ta
 int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
 
 "amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers), takes
-bf16 activations from AMX_MIN_ROWS rows up to the slabs instead of "tiled": 32 weight rows at a
+bf16 activations from AMX_MIN_ROWS rows up to the slabs (from AMX_SLAB_MIN_ROWS there) instead of
+"tiled": 32 weight rows at a
 time are dequantized into a bf16 scratch by the tiles' arithmetic and multiplied by every
 activation row on the tiles (csrc/amx.cpp): the bf16 tiles' result at several times their speed.
 
-"slabs", from SLAB_MIN_ROWS rows on (a prefill's hundreds of rows): the weight is dequantized a
+"slabs", from SLAB_MIN_ROWS rows on (`slab_min_rows`) (a prefill's hundreds of rows): the weight is dequantized a
 slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
 never the matrix) by the tiles' own arithmetic, and each slab multiplied by oneDNN's dense GEMM,
 whose register blocking the tile micro-kernel does not match at that many rows (docs/KERNELS.md,
@@ -60,6 +61,10 @@ SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
 # model's shapes (benchmarks/quant_gemm.py's "amx" column, docs/KERNELS.md); it replaces the bf16
 # tiles where the CPU has AMX, up to SLAB_MIN_ROWS["bf16"].
 AMX_MIN_ROWS = 8
+# NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: the
+# tiles beat the slabs up to 256 rows on the built-in model's layer shapes, and lost at 512 on
+# gate_up (benchmarks/quant_gemm.py, docs/KERNELS.md)
+AMX_SLAB_MIN_ROWS = 512
 # the scratch slab's budget: rows of W dequantized at once (the LM head takes several slabs)
 SLAB_BYTES = 4 << 20
 
@@ -69,9 +74,16 @@ def tile_kind(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 and tiled_isa() == "avx512_bf16" else "float32"
 
 
+def slab_min_rows(dtype: torch.dtype) -> int:
+    """The fewest activation rows of `dtype` that take the slabs on this CPU."""
+    kind = tile_kind(dtype)
+    return AMX_SLAB_MIN_ROWS if kind == "bf16" and amx_ready() else SLAB_MIN_ROWS[kind]
+
+
 def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = "float") -> str:
-    """"slabs", "tiled" or "rows": the kernel quant_linear runs for `rows` activation rows of `dtype`."""
-    if rows >= SLAB_MIN_ROWS[tile_kind(dtype)]:
+    """"slabs", "amx", "tiled" or "rows": the kernel quant_linear runs for `rows` activation rows
+    of `dtype`."""
+    if rows >= slab_min_rows(dtype):
         return "slabs"
     if rows >= AMX_MIN_ROWS and tile_kind(dtype) == "bf16" and amx_ready():
         return "amx"

@@ -15,7 +15,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from kvmesh.kernels.cpu_features import cpu_flags
 from kvmesh.kernels.quant import build, kernels_available, ops, quant_linear
-from kvmesh.kernels.quant.ops import AMX_MIN_ROWS, SLAB_MIN_ROWS, amx_ready, gemm_path
+from kvmesh.kernels.quant.ops import AMX_MIN_ROWS, AMX_SLAB_MIN_ROWS, amx_ready, gemm_path, slab_min_rows
 from tests.kernels.test_quant_gemm import FORMATS, _weight
 from tests.kernels.test_quant_tiled import _exact
 
@@ -52,9 +52,10 @@ def test_quant_linear_takes_amx_between_the_tiles_and_the_slabs(monkeypatch):
     w, _ = _weight(T.Q4_1, 40, 256, activations="float")
     bf16 = torch.bfloat16
     assert gemm_path(AMX_MIN_ROWS - 1, bf16) == "rows"
-    assert gemm_path(AMX_MIN_ROWS, bf16) == gemm_path(SLAB_MIN_ROWS["bf16"] - 1, bf16) == "amx"
+    assert slab_min_rows(bf16) == AMX_SLAB_MIN_ROWS
+    assert gemm_path(AMX_MIN_ROWS, bf16) == gemm_path(AMX_SLAB_MIN_ROWS - 1, bf16) == "amx"
     assert gemm_path(AMX_MIN_ROWS, bf16, activations="int8") == "amx"     # taken as floats, as the tiles
-    assert gemm_path(SLAB_MIN_ROWS["bf16"], bf16) == "slabs"
+    assert gemm_path(AMX_SLAB_MIN_ROWS, bf16) == "slabs"
     assert gemm_path(64, torch.float32) == "slabs" and gemm_path(32, torch.float32) == "tiled"
     x = torch.randn(AMX_MIN_ROWS + 3, 256, generator=torch.Generator().manual_seed(3)).to(bf16)
     wi, _ = _weight(T.Q4_1, 40, 256, activations="int8")

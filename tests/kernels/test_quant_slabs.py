@@ -16,7 +16,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from kvmesh.kernels.quant import build, kernels_available, quant_linear
 from kvmesh.kernels.quant import ops
-from kvmesh.kernels.quant.ops import SLAB_MIN_ROWS, TILED_MIN_ROWS, amx_ready, gemm_path, tile_kind
+from kvmesh.kernels.quant.ops import SLAB_MIN_ROWS, TILED_MIN_ROWS, amx_ready, gemm_path, slab_min_rows, tile_kind
 from tests.kernels.test_quant_gemm import FORMATS, U, _weight
 
 pytestmark = pytest.mark.skipif(not kernels_available(),
@@ -84,7 +84,8 @@ def test_quant_linear_takes_the_slabs_from_the_threshold(monkeypatch):
     monkeypatch.setattr(ops, "_slab_gemm", lambda x, w: calls.append(x.shape[0]) or slab_gemm(x, w))
     for dtype in (torch.float32, torch.bfloat16):
         kind = tile_kind(dtype)
-        at = SLAB_MIN_ROWS[kind]
+        at = slab_min_rows(dtype)
+        assert at == SLAB_MIN_ROWS[kind] or (dtype == torch.bfloat16 and amx_ready())
         assert at > TILED_MIN_ROWS[kind]
         below = "amx" if dtype == torch.bfloat16 and amx_ready() else "tiled"
         assert (gemm_path(at - 1, dtype), gemm_path(at, dtype)) == (below, "slabs")

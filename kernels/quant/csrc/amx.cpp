@@ -63,9 +63,27 @@ inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, in
     _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
 }
 
-// Accumulators of groups g (and g + 1 when TWO) over all of K, then into y.
+// The next task's weight rows, dequantized a few at a time between the current task's tile
+// multiplies: the AVX-512 work runs while the tile unit is busy, instead of after it.
+struct NextRows {
+  int64_t fmt, row_bytes, K;
+  const uint8_t* w = nullptr;   // the next task's first row (nullptr: none)
+  int64_t rows = 0, done = 0;   // its row count, and how many are in `out`
+  uint16_t* out = nullptr;
+
+  void some(int64_t count) {
+    const int64_t n = std::min(count, rows - done);
+    if (n <= 0) return;
+    dequantize_rows_bf16(fmt, w + done * row_bytes, row_bytes, n, K, out + done * K);
+    done += n;
+  }
+};
+
+// Accumulators of groups g (and g + 1 when TWO) over all of K, then into y; `per_step` rows of
+// `next` dequantized after each step's multiplies.
 template <bool TWO>
-inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_t S, int64_t K, float* c) {
+inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_t S, int64_t K, float* c,
+                       NextRows& next, int64_t per_step) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TWO) {
@@ -85,6 +103,7 @@ inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
+    next.some(per_step);
   }
   _tile_stored(0, c, 64);
   _tile_stored(1, c + 256, 64);
@@ -100,22 +119,36 @@ void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int6
   const kvmesh_amx::TileConfig cfg;
   at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
     // NOTE: tile rows 64-byte aligned (K * 2 bytes a row is a multiple of 64): a row split over two
-    // cache lines made every tile load about twice as slow (measured)
+    // cache lines made every tile load about twice as slow (measured). Two scratches: the task's
+    // rows, and the next task's, filled between the multiplies.
     const std::unique_ptr<uint16_t, decltype(&std::free)> scratch(
-        static_cast<uint16_t*>(std::aligned_alloc(64, TN * K * sizeof(uint16_t))), &std::free);
+        static_cast<uint16_t*>(std::aligned_alloc(64, 2 * TN * K * sizeof(uint16_t))), &std::free);
     TORCH_CHECK(scratch, "quant_gemm_amx: out of memory for the weight scratch");
     uint16_t* wt = scratch.get();
+    uint16_t* wn = wt + TN * K;
     alignas(64) float c[4 * 256];
     // NOTE: the tile configuration is per thread and oneDNN's GEMMs load their own between ours
     _tile_loadconfig(&cfg);
+    // rows of the next task a step: all of them within this task's steps (S per group pair)
+    const int64_t per_step = (TN + S * ((G + 1) / 2) - 1) / (S * ((G + 1) / 2));
+    NextRows next{fmt, row_bytes, K};
+    next.rows = std::min(TN, N - t0 * TN);
+    next.w = w + t0 * TN * row_bytes;
+    next.out = wt;
+    next.some(next.rows);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = ti * TN, nt = std::min(TN, N - n0);
-      dequantize_rows_bf16(fmt, w + n0 * row_bytes, row_bytes, nt, K, wt);
       if (nt < TN) std::memset(wt + nt * K, 0, (TN - nt) * K * sizeof(uint16_t));
+      next = NextRows{fmt, row_bytes, K};
+      if (ti + 1 < t1) {
+        next.rows = std::min(TN, N - n0 - TN);
+        next.w = w + (n0 + TN) * row_bytes;
+        next.out = wn;
+      }
       for (int64_t g = 0; g < G; g += 2) {
         const bool two = g + 1 < G;
-        if (two) group_pair<true>(wt, xp, g, S, K, c);
-        else group_pair<false>(wt, xp, g, S, K, c);
+        if (two) group_pair<true>(wt, xp, g, S, K, c, next, per_step);
+        else group_pair<false>(wt, xp, g, S, K, c, next, per_step);
         // tile (a + 2b) holds y[16 (g + b) + m, n0 + 16a + i] at [i, m]
         for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
           const int64_t m0 = (g + b) * TM, rows = std::min(TM, M - m0);
@@ -123,6 +156,8 @@ void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int6
             store_transposed(c + (a + 2 * b) * 256, y, N, m0, rows, n0 + 16 * a, nt - 16 * a);
         }
       }
+      next.some(next.rows);     // whatever the steps left
+      std::swap(wt, wn);
     }
     _tile_release();
   });
