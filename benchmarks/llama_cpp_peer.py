@@ -60,10 +60,12 @@ class LlamaRun:
 
 
 def server_command(binary: Path, gguf: Path, port: int, slots: int, ctx_per_slot: int,
-                   threads: int) -> list[str]:
+                   threads: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """llama-server's argv; `extra` goes last (e.g. `--no-repack`: on the 2026-11-26 Intel Xeon
+    with AMX, the build's AMX kernels for repacked Q4_1 died of SIGILL at their first tile op)."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-            "--cont-batching", "--no-webui", "--log-disable"]
+            "--cont-batching", "--no-webui", "--log-disable", *extra]
 
 
 def completion_body(prompt_ids: list[int], n: int) -> dict:
@@ -126,7 +128,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float, log: Path) 
 
 def run(gguf: Path, requests: list[tuple[list[int], int]], warmup: list[tuple[list[int], int]],
         slots: int, threads: int, binary: Path | None = None, timeout: float = 3600.0,
-        log: Path | None = None) -> LlamaRun:
+        log: Path | None = None, extra: tuple[str, ...] = ()) -> LlamaRun:
     """Serve `gguf` with llama-server and time `requests` ((prompt ids, output length) each)."""
     binary = binary or default_binary()
     if not binary.is_file():
@@ -137,7 +139,7 @@ def run(gguf: Path, requests: list[tuple[list[int], int]], warmup: list[tuple[li
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = log or Path(f"/tmp/llama-server-{port}.log")
-    cmd = server_command(binary, gguf, port, slots, ctx, threads)
+    cmd = server_command(binary, gguf, port, slots, ctx, threads, extra)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -60,6 +60,7 @@ import dataclasses
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -328,7 +329,8 @@ def run_llama_cpp(model_path: str | None, reqs: list[BenchRequest], args) -> tup
     res = llama_cpp_peer.run(gguf, [(r.prompt_ids, r.output_len) for r in reqs],
                              [(r.prompt_ids, r.output_len) for r in _warmup_requests(reqs)],
                              slots=args.max_num_seqs, threads=threads, binary=binary,
-                             log=Path(args.llama_log) if args.llama_log else None)
+                             log=Path(args.llama_log) if args.llama_log else None,
+                             extra=tuple(shlex.split(args.llama_args)))
     print(f"# llama.cpp: {gguf.stat().st_size / 1e6:.1f} MB GGUF file served as it is; "
           f"start-up {res.start_s:.1f} s; peak RSS {res.peak_rss_bytes / 1e6:.0f} MB", flush=True)
     return res.wall_s, res.cpu_s, res.outputs, res.note
@@ -412,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="llama.cpp's llama-server binary (default: $KVMESH_LLAMA_SERVER or the "
                    "build under ~/.cache/kvmesh/llama.cpp, see benchmarks/llama_cpp_peer.py)")
     p.add_argument("--llama-log", default=None, help="write llama-server's output here")
+    p.add_argument("--llama-args", default="", help="more llama-server arguments, as one string "
+                   "(e.g. '--no-repack')")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16 or float16; or a comma list to run kvmesh once per dtype, side by "
                         "side (kvmesh-float32, kvmesh-bfloat16, ...; vLLM and transformers get the first)")
@@ -534,9 +538,10 @@ def _rss_bytes() -> int:
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    """Parameters plus GGUF-block buffers (a tied head's shared bytes once)."""
-    from kvmesh.engine.layers.quantized import quantized_bytes
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model)
+    """The weights as held: parameters and GGUF / Hugging Face quantized buffers, a tied head's
+    shared bytes once (what `/v1/models` reports)."""
+    from kvmesh.engine.loader import weight_bytes
+    return weight_bytes(model)
 
 
 if __name__ == "__main__":

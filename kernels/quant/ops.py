@@ -1,4 +1,5 @@
-"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`, `csrc/tiled.cpp`).
+"""The quantized linear and embedding operations, on the C++ kernels (`csrc/gemm.cpp`, `csrc/tiled.cpp`,
+`csrc/amx.cpp`).
 
     quant_linear(x, w, bias, activations)   y = x @ W^T (+ b), W a QuantizedWeight
     gemm_path(rows, dtype, activations)     which kernel a call of `rows` activation rows takes
@@ -18,14 +19,14 @@ it, bf16 x bf16 with vdpbf16ps where the activations are bf16 and the CPU has AV
 FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations take "tiled";
 int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
 
-"amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers), takes
-bf16 activations from AMX_MIN_ROWS rows up to the slabs (from AMX_SLAB_MIN_ROWS there) instead of
-"tiled": 32 weight rows at a
-time are dequantized into a bf16 scratch by the tiles' arithmetic and multiplied by every
-activation row on the tiles (csrc/amx.cpp): the bf16 tiles' result at several times their speed.
+"amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers),
+takes bf16 activations from AMX_MIN_ROWS rows up to the slabs (from AMX_SLAB_MIN_ROWS there)
+instead of "tiled": 32 weight rows at a time are dequantized into a bf16 scratch by the tiles'
+arithmetic and multiplied by every activation row on the tiles (csrc/amx.cpp): the bf16 tiles'
+result at several times their speed.
 
-"slabs", from SLAB_MIN_ROWS rows on (`slab_min_rows`) (a prefill's hundreds of rows): the weight is dequantized a
-slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
+"slabs", from `slab_min_rows(dtype)` rows on (a prefill's hundreds of rows): the weight is
+dequantized a slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
 never the matrix) by the tiles' own arithmetic, and each slab multiplied by oneDNN's dense GEMM,
 whose register blocking the tile micro-kernel does not match at that many rows (docs/KERNELS.md,
 "Many rows"). The dequantization is read once per call and its cost spread over the rows, so the
@@ -59,7 +60,7 @@ INT8_TILED_MIN_ROWS: dict[str, int | None] = {"bf16": 8, "float32": None}
 SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
 # NOTE: the fewest bf16 rows at which the AMX path beat the per-row and tiled kernels on the built-in
 # model's shapes (benchmarks/quant_gemm.py's "amx" column, docs/KERNELS.md); it replaces the bf16
-# tiles where the CPU has AMX, up to SLAB_MIN_ROWS["bf16"].
+# tiles where the CPU has AMX, up to AMX_SLAB_MIN_ROWS.
 AMX_MIN_ROWS = 8
 # NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: the
 # tiles beat the slabs up to 256 rows on the built-in model's layer shapes, and lost at 512 on

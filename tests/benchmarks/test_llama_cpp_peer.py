@@ -130,3 +130,13 @@ def test_real_llama_server():
     ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     # a real prompt: no near-tie in the first tokens (Q4_1 blocks in llama.cpp, float32 here)
     assert res.outputs[0][:4] == list(ours[0].outputs[0].token_ids)[:4]
+
+
+def test_extra_arguments_go_to_the_server_last(fake_server, tmp_path):
+    exe, seen = fake_server
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    llama_cpp_peer.run(gguf, [([5], 1)], [], slots=1, threads=1, binary=exe, log=tmp_path / "log",
+                       extra=("--no-repack",))
+    argv = __import__("json").loads(seen.read_text().splitlines()[0])
+    assert argv[-1] == "--no-repack" and argv.count("--no-repack") == 1

@@ -3,9 +3,11 @@
 // One AMX instruction multiplies tiles: C[16 x 16] float32 += A[16 x 32] bf16 . B, where B holds
 // 32 x 16 bf16 as pairs (tile row r: for each of its 16 columns, elements 2r and 2r + 1). The
 // weights are A and the activations B, so each accumulator is a 16 x 16 block of Y^T:
-//   - a task takes TN = 32 weight rows and dequantizes them once, whole K, into a row-major bf16
-//     scratch (tiled.cpp's arithmetic: the same bf16 weights as the bf16 tiles and slabs), which
-//     is A as it stands: two tiles of 16 rows, loaded with the scratch's row stride;
+//   - a task takes TN = 32 weight rows, dequantized once, whole K, into a row-major bf16 scratch
+//     (tiled.cpp's arithmetic: the same bf16 weights as the bf16 tiles and slabs), which is A as
+//     it stands: two tiles of 16 rows, loaded with the scratch's row stride. The next task's rows
+//     are dequantized into a second scratch a few at a time between this task's tile multiplies,
+//     so the AVX-512 work runs while the tile unit is busy (about 2x at 64 rows);
 //   - the activations are packed once a call into B's pair layout, 16 rows a group, zero rows
 //     padding the last group (their results are dropped);
 //   - per two groups, 4 accumulator tiles (2 weight tiles x 2 groups) run over K, 32 elements a

@@ -46,11 +46,30 @@ constexpr int64_t ROWS_MIN = 12;
 
 // Row m of x to int8: q = round_half_even(x / scale), scale = max|x| / 127 (0 for a zero row).
 void quantize_row(const float* x, int64_t K, int8_t* q, float* scale) {
+  int64_t k = 0;
   float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 mv = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  amax = _mm512_reduce_max_ps(mv);
+#endif
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float s = amax / 127.f;
   *scale = s;
-  for (int64_t k = 0; k < K; ++k) {
+  k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // NOTE: the same IEEE division and round-half-even as the scalar loop, 16 lanes at a time
+  // (a scalar division a weight was as long as the AMX GEMM it feeds)
+  if (s > 0.f) {
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; k + 16 <= K; k += 16) {
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+  }
+#endif
+  for (; k < K; ++k) {
     // NOTE: nearbyint rounds half to even in the default rounding mode, as torch.round does
     q[k] = s > 0.f ? static_cast<int8_t>(std::nearbyint(x[k] / s)) : 0;
   }
