@@ -28,7 +28,7 @@
 #include "blocks.h"
 #include "tiled.h"
 
-#if KQ_AMX_TILES && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define KQ_AMX 1
 #else
 #define KQ_AMX 0
@@ -81,40 +81,6 @@ struct NextRows {
   }
 };
 
-// Accumulators of groups g (and g + 1 when TWO) over all of K, then into y; `per_step` rows of
-// `next` dequantized after each step's multiplies.
-template <bool TWO>
-inline void group_pair(const uint16_t* wt, const uint32_t* xp, int64_t g, int64_t S, int64_t K, float* c,
-                       NextRows& next, int64_t per_step) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint32_t* b0 = xp + g * S * 256;
-  const uint32_t* b1 = b0 + S * 256;
-  for (int64_t s = 0; s < S; ++s) {
-    _tile_loadd(4, wt + s * TK, K * 2);
-    _tile_loadd(5, wt + 16 * K + s * TK, K * 2);
-    _tile_loadd(6, b0 + s * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    if constexpr (TWO) {
-      _tile_loadd(7, b1 + s * 256, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    next.some(per_step);
-  }
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  if constexpr (TWO) {
-    _tile_stored(2, c + 512, 64);
-    _tile_stored(3, c + 768, 64);
-  }
-}
-
 void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int64_t N, int64_t K,
               int64_t row_bytes, float* y) {
   const int64_t G = (M + TM - 1) / TM, S = K / TK;
@@ -147,17 +113,12 @@ void gemm_amx(int64_t fmt, const uint32_t* xp, int64_t M, const uint8_t* w, int6
         next.w = w + (n0 + TN) * row_bytes;
         next.out = wn;
       }
-      for (int64_t g = 0; g < G; g += 2) {
-        const bool two = g + 1 < G;
-        if (two) group_pair<true>(wt, xp, g, S, K, c, next, per_step);
-        else group_pair<false>(wt, xp, g, S, K, c, next, per_step);
-        // tile (a + 2b) holds y[16 (g + b) + m, n0 + 16a + i] at [i, m]
-        for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
-          const int64_t m0 = (g + b) * TM, rows = std::min(TM, M - m0);
-          for (int64_t a = 0; a < 2 && 16 * a < nt; ++a)
-            store_transposed(c + (a + 2 * b) * 256, y, N, m0, rows, n0 + 16 * a, nt - 16 * a);
-        }
-      }
+      kvmesh_amx::each_group_pair<kvmesh_amx::Dot::bf16>(
+          reinterpret_cast<const uint8_t*>(wt), K * 2, TK * 2, xp, M, S, nt, c,
+          [&] { next.some(per_step); },
+          [&](const uint8_t* tile, int64_t m0, int64_t rows, int64_t col, int64_t cols) {
+            store_transposed(reinterpret_cast<const float*>(tile), y, N, m0, rows, n0 + col, cols);
+          });
       next.some(next.rows);     // whatever the steps left
       std::swap(wt, wn);
     }

@@ -1,15 +1,17 @@
 // What the AMX kernels share (amx.cpp: GGUF blocks on bf16 tiles; hf_amx.cpp: W8A8 on int8 tiles):
-// the process's permission to use the tile registers, the tile configuration, and a 16 x 16
-// transpose of 32-bit elements (activation rows into a B tile's pair / quad layout, accumulator
-// tiles back into y's rows). Only in builds with AMX (KQ_AMX_TILES).
+// the process's permission to use the tile registers, the tile configuration, a 16 x 16 transpose
+// of 32-bit elements (activation rows into a B tile's pair / quad layout, accumulator tiles back
+// into y's rows), and the one loop both run: 2 weight tiles x 2 activation tiles into 4
+// accumulators over K. Only in builds with AMX (KQ_AMX_TILES).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define KQ_AMX_TILES 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kvmesh_amx {
@@ -75,6 +77,87 @@ inline void pack_b_tile(const uint8_t* x, int64_t ld, int64_t M, int64_t g, int6
   }
   transpose16(r);
   for (int j = 0; j < 16; ++j) _mm512_store_si512(out + j * 16, r[j]);
+}
+
+enum class Dot { bf16, int8 };   // tdpbf16ps (float32 sums) or tdpbssd (int32 sums)
+
+// Accumulators 0 and 1 += weight tiles 4, 5 times activation tile 6 (`upper`: 2 and 3 by tile 7).
+// NOTE: the tile numbers are literals: GCC's tile intrinsics paste them into the asm text.
+template <Dot D>
+inline void dot_pair(bool upper) {
+  if constexpr (D == Dot::bf16) {
+    if (upper) {
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+  } else {
+    if (upper) {
+      _tile_dpbssd(2, 4, 7);
+      _tile_dpbssd(3, 5, 7);
+    } else {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 5, 6);
+    }
+  }
+}
+
+// Accumulators 0-3 over S steps of K for activation groups g (and g + 1 when TWO), stored into c
+// (four 1 KB tiles: tile h + 2b = weight rows 16h.. against group g + b). Weight tiles 4 and 5
+// load rows 0-15 and 16-31 of `a` (row stride lda bytes), `step_bytes` further along each step;
+// activation tiles 6 and 7 the packed B tiles at xp (1 KB each, S a group). `between()` runs
+// after each step's multiplies: AVX-512 work the tile unit's latency hides.
+template <Dot D, bool TWO, typename Between>
+inline void accumulate_pair(const uint8_t* a, int64_t lda, int64_t step_bytes, const uint32_t* xp, int64_t g,
+                            int64_t S, void* c, Between&& between) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint8_t* a1 = a + 16 * lda;
+  const uint32_t* b0 = xp + g * S * 256;
+  const uint32_t* b1 = b0 + S * 256;
+  for (int64_t s = 0; s < S; ++s) {
+    _tile_loadd(4, a + s * step_bytes, lda);
+    _tile_loadd(5, a1 + s * step_bytes, lda);
+    _tile_loadd(6, b0 + s * 256, 64);
+    dot_pair<D>(false);
+    if constexpr (TWO) {
+      _tile_loadd(7, b1 + s * 256, 64);
+      dot_pair<D>(true);
+    }
+    between();
+  }
+  uint8_t* out = static_cast<uint8_t*>(c);
+  _tile_stored(0, out, 64);
+  _tile_stored(1, out + 1024, 64);
+  if constexpr (TWO) {
+    _tile_stored(2, out + 2048, 64);
+    _tile_stored(3, out + 3072, 64);
+  }
+}
+
+// Every group pair of M activation rows against one task's nt (<= 32) weight rows: the
+// accumulators (accumulate_pair's, with `between`), then fn(tile, m0, rows, col, cols) for each
+// stored tile: activation rows m0 .. m0 + rows, task columns col .. col + cols.
+template <Dot D, typename Between, typename Fn>
+inline void each_group_pair(const uint8_t* a, int64_t lda, int64_t step_bytes, const uint32_t* xp, int64_t M,
+                            int64_t S, int64_t nt, void* c, Between&& between, Fn&& fn) {
+  const int64_t G = (M + 15) / 16;
+  for (int64_t g = 0; g < G; g += 2) {
+    const bool two = g + 1 < G;
+    if (two) accumulate_pair<D, true>(a, lda, step_bytes, xp, g, S, c, between);
+    else accumulate_pair<D, false>(a, lda, step_bytes, xp, g, S, c, between);
+    for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
+      const int64_t m0 = (g + b) * 16, rows = std::min<int64_t>(16, M - m0);
+      for (int64_t h = 0; h < 2 && 16 * h < nt; ++h)
+        fn(static_cast<const uint8_t*>(c) + (h + 2 * b) * 1024, m0, rows, 16 * h, nt - 16 * h);
+    }
+  }
 }
 
 }  // namespace kvmesh_amx

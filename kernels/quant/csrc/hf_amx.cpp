@@ -20,7 +20,7 @@
 
 #include "amx_tiles.h"
 
-#if KQ_AMX_TILES && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if KQ_AMX_TILES && defined(__AVX512BW__)
 #define KQ_AMX_INT8 1
 #else
 #define KQ_AMX_INT8 0
@@ -33,38 +33,6 @@ namespace {
 constexpr int64_t TN = 32;   // weight rows a task: two A tiles
 constexpr int64_t TK = 64;   // K elements a tile step
 constexpr int64_t TM = 16;   // activation rows a group: one B tile's columns
-
-// Accumulators of groups g (and g + 1 when TWO) over all of K into c (4 tiles of 16 x 16 int32).
-template <bool TWO>
-inline void group_pair(const int8_t* a0, const int8_t* a1, int64_t lda, const uint32_t* xp, int64_t g,
-                       int64_t S, int32_t* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint32_t* b0 = xp + g * S * 256;
-  const uint32_t* b1 = b0 + S * 256;
-  for (int64_t s = 0; s < S; ++s) {
-    _tile_loadd(4, a0 + s * TK, lda);
-    _tile_loadd(5, a1 + s * TK, lda);
-    _tile_loadd(6, b0 + s * 256, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 5, 6);
-    if constexpr (TWO) {
-      _tile_loadd(7, b1 + s * 256, 64);
-      _tile_dpbssd(2, 4, 7);
-      _tile_dpbssd(3, 5, 7);
-    }
-  }
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  if constexpr (TWO) {
-    _tile_stored(2, c + 512, 64);
-    _tile_stored(3, c + 768, 64);
-  }
-}
 
 // Accumulator tile `c` ([i, m] = row n0 + i of W against activation row m0 + m) into y, scaled.
 inline void store_scaled(const int32_t* c, float* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
@@ -84,13 +52,8 @@ inline void store_scaled(const int32_t* c, float* y, int64_t N, int64_t m0, int6
 }  // namespace
 
 torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(1) == x.size(1),
-              "w must be contiguous int8 [N, K] with x's K");
+  check_w8a8(x, w, w_scale);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N && w_scale.is_contiguous(),
-              "w_scale must be float32 [N]");
   TORCH_CHECK(K % 64 == 0, "w8a8_gemm_amx: K=", K, " is not a multiple of 64");
   TORCH_CHECK(!w8a8_amx_isa().empty(), "w8a8_gemm_amx: no AMX int8 tiles in this build or process");
   auto y = torch::empty({M, N}, x.options());
@@ -124,16 +87,11 @@ torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, cons
         std::memcpy(tail.get(), a, nt * K);
         a = tail.get();
       }
-      for (int64_t g = 0; g < G; g += 2) {
-        const bool two = g + 1 < G;
-        if (two) group_pair<true>(a, a + 16 * K, K, xp, g, S, c);
-        else group_pair<false>(a, a + 16 * K, K, xp, g, S, c);
-        for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
-          const int64_t m0 = (g + b) * TM, rows = std::min(TM, M - m0);
-          for (int64_t h = 0; h < 2 && 16 * h < nt; ++h)
-            store_scaled(c + (h + 2 * b) * 256, yp, N, m0, rows, n0 + 16 * h, nt - 16 * h, sx, sw);
-        }
-      }
+      kvmesh_amx::each_group_pair<kvmesh_amx::Dot::int8>(
+          reinterpret_cast<const uint8_t*>(a), K, TK, xp, M, S, nt, c, [] {},
+          [&](const uint8_t* tile, int64_t m0, int64_t rows, int64_t col, int64_t cols) {
+            store_scaled(reinterpret_cast<const int32_t*>(tile), yp, N, m0, rows, n0 + col, cols, sx, sw);
+          });
     }
     _tile_release();
   });

@@ -11,6 +11,9 @@ namespace kvmesh_hfquant {
 // x float32 [M, K] -> (int8 codes [M, K], float32 scales [M]): hf_gemm.cpp's activation quantization.
 std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x);
 
+// The W8A8 GEMMs' argument checks: x contiguous float32 [M, K], w int8 [N, K], w_scale float32 [N].
+void check_w8a8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale);
+
 // w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits as the VNNI path.
 torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale);
 

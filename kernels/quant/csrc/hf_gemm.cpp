@@ -146,15 +146,19 @@ std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x) {
   return {q, s};
 }
 
-torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale,
-                        const torch::Tensor& w_sum) {
+void check_w8a8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be contiguous float32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be contiguous int8 [N, K] with x's K");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == N && w_scale.is_contiguous(),
+  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == w.size(0) && w_scale.is_contiguous(),
               "w_scale must be float32 [N]");
+}
+
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale,
+                        const torch::Tensor& w_sum) {
+  check_w8a8(x, w, w_scale);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w_sum.scalar_type() == torch::kInt32 && w_sum.numel() == N && w_sum.is_contiguous(),
               "w_sum must be int32 [N]");
   auto qs = quantize_rows_int8(x);
