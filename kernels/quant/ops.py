@@ -63,9 +63,9 @@ SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
 # tiles where the CPU has AMX, up to AMX_SLAB_MIN_ROWS.
 AMX_MIN_ROWS = 8
 # NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: the
-# tiles beat the slabs up to 256 rows on the built-in model's layer shapes, and lost at 512 on
-# gate_up (benchmarks/quant_gemm.py, docs/KERNELS.md)
-AMX_SLAB_MIN_ROWS = 512
+# tiles beat the slabs at 128 rows on every layer shape of the built-in model, the slabs won at
+# 256 on qkv and gate_up in the idle run (benchmarks/quant_gemm.py, docs/KERNELS.md)
+AMX_SLAB_MIN_ROWS = 256
 # the scratch slab's budget: rows of W dequantized at once (the LM head takes several slabs)
 SLAB_BYTES = 4 << 20
 
