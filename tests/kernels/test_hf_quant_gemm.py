@@ -64,9 +64,9 @@ def test_int4_gemm_equals_dequantized_matmul(path, m, k, group):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m, n", [(3, 8), (14, 19)])
 def test_int4_gemm_with_bf16_activations(path, m, n):
-    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16, the product of the
-    bf16-rounded weight and activations to float32 rounding; elsewhere the float32 product of the
-    bf16 activations."""
+    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16 (from 8 on AMX tiles), the
+    product of the bf16-rounded weight and activations to float32 rounding; elsewhere the float32
+    product of the bf16 activations."""
     ext = ext_for(path)
     gen = torch.Generator().manual_seed(m + n)
     w = int4_weight(n, 256, 64, gen)
@@ -74,7 +74,7 @@ def test_int4_gemm_with_bf16_activations(path, m, n):
     y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, 64)
     assert y.dtype == torch.float32
     wd = w.dequantize()
-    bf16_tiles = m >= 12 and ext.w4a16_isa() == "avx512_bf16"
+    bf16_tiles = (m >= 12 and ext.w4a16_isa() == "avx512_bf16") or (m >= 8 and ext.w4a16_amx_isa() != "")
     want = x.double() @ (wd.bfloat16() if bf16_tiles else wd).double().T
     bound = 2e-6 * (x.double().abs() @ wd.double().abs().T) + 1e-7
     assert ((y.double() - want).abs() <= bound).all()
@@ -211,3 +211,32 @@ def test_w8a8_amx_refusals_and_where_it_is_absent():
         ext.w8a8_gemm_amx(torch.zeros(4, 96, dtype=torch.bfloat16), w.weight, w.weight_scale)
     with pytest.raises(RuntimeError, match="w_scale must be float32"):
         ext.w8a8_gemm_amx(torch.zeros(4, 96), w.weight, w.weight_scale[:3])
+
+
+# ---- the int4 GEMM on AMX bf16 tiles (hf_gemm.cpp over amx_tiles.h): the bf16 tiles' product
+
+@pytest.mark.parametrize("m, n, k, group", [(1, 7, 128, 128), (8, 33, 256, 64), (17, 48, 512, 32),
+                                            (47, 80, 1024, 128)])
+def test_int4_on_amx_tiles_is_a_bf16_gemm_of_the_rounded_weights(m, n, k, group):
+    ext = ext_for(None)
+    if not ext.w4a16_amx_isa():
+        pytest.skip("no AMX bf16 tiles here (CPU flags, or the kernel's permission)")
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = int4_weight(n, k, group, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    y = ext.w4a16_gemm_amx(x, w.qweight, w.scales, w.zeros, group)
+    wd = w.dequantize().bfloat16().double()
+    exact = x.double() @ wd.T
+    assert ((y.double() - exact).abs() <= (k + 2) * 2.0 ** -24 * (x.double().abs() @ wd.abs().T)).all()
+    # w4a16_gemm takes the tiles from 8 bf16 rows
+    assert torch.equal(ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group), y) == (m >= 8)
+
+
+def test_int4_amx_refusals_and_where_it_is_absent():
+    from kvmesh.kernels.cpu_features import cpu_flags
+    ext = ext_for(None)
+    w = int4_weight(8, 128, 64, torch.Generator().manual_seed(1))
+    if "amx_bf16" not in cpu_flags():
+        assert ext.w4a16_amx_isa() == ""
+    with pytest.raises(RuntimeError, match="bfloat16 x and AMX bf16 tiles"):
+        ext.w4a16_gemm_amx(torch.zeros(9, 128), w.qweight, w.scales, w.zeros, 64)

@@ -11,8 +11,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <utility>
 
 namespace kvmesh_amx {
 
@@ -158,6 +165,73 @@ inline void each_group_pair(const uint8_t* a, int64_t lda, int64_t step_bytes, c
         fn(static_cast<const uint8_t*>(c) + (h + 2 * b) * 1024, m0, rows, 16 * h, nt - 16 * h);
     }
   }
+}
+
+// Accumulator tile `c` (16 weight rows x 16 activation rows, float32) into y's rows m0 .. m0 + rows
+// and columns n0 .. n0 + cols (cols <= 16), transposed.
+inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
+                             int64_t cols) {
+  __m512i r[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
+  transpose16(r);
+  const __mmask16 keep = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t m = 0; m < rows; ++m)
+    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
+}
+
+// y[M, N] float32 = x[M, K] (bf16) @ W^T on bf16 tiles, for a W whose rows are rebuilt in bf16 by
+// `rebuild(first_row, count, out)` (count rows of K bf16 into out, row stride K; K a multiple of
+// 32): the GGUF blocks' and the int4 groups' AMX paths. x is packed once into pair tiles (zero rows
+// pad the last 16-row group); a task takes 32 weight rows, rebuilt into a 64-byte aligned scratch
+// (a row split over two cache lines made every tile load about twice as slow, measured), and the
+// next task's rows are rebuilt into a second scratch a few at a time between this task's tile
+// multiplies, so the AVX-512 work runs while the tile unit is busy (about 2x at 64 rows).
+template <typename Rebuild>
+void bf16_rebuilt_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, float* y, Rebuild&& rebuild) {
+  constexpr int64_t TN = 32, TK = 32;
+  const int64_t G = (M + 15) / 16, S = K / TK;
+  // NOTE: torch's CPU allocator aligns to 64 bytes, as the tile loads want
+  auto packed = torch::empty({G * S * 256}, torch::TensorOptions().dtype(torch::kInt32));
+  uint32_t* xp = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(xp) % 64 == 0, "AMX: unaligned activation tiles");
+  at::parallel_for(0, G * S, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      pack_b_tile(reinterpret_cast<const uint8_t*>(x), K * 2, M, i / S, i % S * TK * 2, xp + i * 256);
+  });
+  const TileConfig cfg;
+  at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
+    const std::unique_ptr<uint16_t, decltype(&std::free)> scratch(
+        static_cast<uint16_t*>(std::aligned_alloc(64, 2 * TN * K * sizeof(uint16_t))), &std::free);
+    TORCH_CHECK(scratch, "AMX: out of memory for the weight scratch");
+    uint16_t* wt = scratch.get();
+    uint16_t* wn = wt + TN * K;
+    alignas(64) float c[4 * 256];
+    // NOTE: the tile configuration is per thread, and oneDNN's GEMMs load their own between ours
+    _tile_loadconfig(&cfg);
+    // rows of the next task a step: all of them within this task's steps (S per group pair)
+    const int64_t per_step = (TN + S * ((G + 1) / 2) - 1) / (S * ((G + 1) / 2));
+    rebuild(t0 * TN, std::min(TN, N - t0 * TN), wt);
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = ti * TN, nt = std::min(TN, N - n0);
+      if (nt < TN) std::memset(wt + nt * K, 0, (TN - nt) * K * sizeof(uint16_t));
+      const int64_t next_rows = ti + 1 < t1 ? std::min(TN, N - n0 - TN) : 0;
+      int64_t done = 0;
+      auto more = [&](int64_t count) {
+        const int64_t n = std::min(count, next_rows - done);
+        if (n <= 0) return;
+        rebuild(n0 + TN + done, n, wn + done * K);
+        done += n;
+      };
+      each_group_pair<Dot::bf16>(
+          reinterpret_cast<const uint8_t*>(wt), K * 2, TK * 2, xp, M, S, nt, c, [&] { more(per_step); },
+          [&](const uint8_t* tile, int64_t m0, int64_t rows, int64_t col, int64_t cols) {
+            store_transposed(reinterpret_cast<const float*>(tile), y, N, m0, rows, n0 + col, cols);
+          });
+      more(next_rows);     // whatever the steps left
+      std::swap(wt, wn);
+    }
+    _tile_release();
+  });
 }
 
 }  // namespace kvmesh_amx

@@ -18,7 +18,8 @@
 //
 // Which instruction set is used is fixed at compile time by what -march=native (or a narrower
 // cpu_kernels.PATHS build) enables, as in gemm.cpp; where the CPU has AMX, W8A8 calls of many rows
-// take the int8 tiles instead (hf_amx.cpp). Work is split over output rows (at::parallel_for).
+// take the int8 tiles instead (hf_amx.cpp), and int4 calls with bf16 activations the bf16 tiles
+// (amx_tiles.h's loop, from W4_AMX_MIN_ROWS). Work is split over output rows (at::parallel_for).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -30,6 +31,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "hf_amx.h"
 #include "simd.h"
 
@@ -41,6 +43,9 @@ constexpr int MT = 4;   // activation rows per inner tile: one weight load feeds
 // once and reuses it for every row (plain FMA dot products) instead of widening the codes again
 // for every MT rows; picked from benchmarks/hf_quant_gemm.py on the machine this was written on.
 constexpr int64_t ROWS_MIN = 12;
+// NOTE: bf16 activations take the AMX tiles from this many rows where the CPU has them (the GGUF
+// blocks' AMX threshold, kernels/quant/ops.py AMX_MIN_ROWS, on the same tile loop)
+constexpr int64_t W4_AMX_MIN_ROWS = 8;
 
 // ------------------------------------------------------------------------------------- w8a8
 
@@ -405,8 +410,10 @@ inline void w4_rows(const uint8_t* codes, const float* sc, const uint8_t* zr, in
 
 }  // namespace
 
-torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         const torch::Tensor& zeros, int64_t group_size) {
+namespace {
+
+torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                         const torch::Tensor& zeros, int64_t group_size, bool amx_only) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x must be contiguous float32 or bfloat16 [M, K]");
@@ -426,6 +433,28 @@ torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, c
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!amx_only || (x.scalar_type() == torch::kBFloat16 && !w4a16_amx_isa().empty()),
+              "w4a16_gemm_amx: bfloat16 x and AMX bf16 tiles (this build or process has none)");
+#if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in float32 and
+  // rounded to bf16 as the bf16 tiles below do, 32 rows at a time, multiplied on the tiles
+  if (x.scalar_type() == torch::kBFloat16 && M > 0 && N > 0 && (amx_only || M >= W4_AMX_MIN_ROWS) &&
+      kvmesh_amx::tiles_permitted()) {
+    kvmesh_amx::bf16_rebuilt_gemm(
+        reinterpret_cast<const uint16_t*>(x.data_ptr()), M, N, K, yp, [&](int64_t row, int64_t count, uint16_t* out) {
+          thread_local std::vector<float> f;
+          f.resize(K);
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t n = row + i;
+            dequant_row(qp + n * (K / 2), sp + n * NG, zp + n * NG, K, G, f.data());
+            for (int64_t k = 0; k < K; k += 16)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * K + k),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f.data() + k)));
+          }
+        });
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == torch::kBFloat16 && M >= ROWS_MIN) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -462,6 +491,26 @@ torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, c
   return y;
 }
 
+}  // namespace
+
+torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                         const torch::Tensor& zeros, int64_t group_size) {
+  return w4a16_impl(x, qweight, scales, zeros, group_size, false);
+}
+
+torch::Tensor w4a16_gemm_amx(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
+                             const torch::Tensor& zeros, int64_t group_size) {
+  return w4a16_impl(x, qweight, scales, zeros, group_size, true);
+}
+
+std::string w4a16_amx_isa() {
+#if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return kvmesh_amx::tiles_permitted() ? "amx_bf16" : "";
+#else
+  return "";
+#endif
+}
+
 std::string w4a16_isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   return "avx512_bf16";
@@ -488,4 +537,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_gemm", &kvmesh_hfquant::w4a16_gemm,
         "y = x @ W^T: 4-bit group weights (scales, zeros) x float32 activations");
   m.def("w4a16_isa", &kvmesh_hfquant::w4a16_isa, "the instruction set of the int4 GEMM");
+  m.def("w4a16_gemm_amx", &kvmesh_hfquant::w4a16_gemm_amx,
+        "w4a16_gemm's product on AMX bf16 tiles (bfloat16 x), whatever the row count");
+  m.def("w4a16_amx_isa", &kvmesh_hfquant::w4a16_amx_isa, "'amx_bf16' where the int4 AMX path runs here, else ''");
 }
