@@ -1,8 +1,9 @@
-// What the AMX kernels share (amx.cpp: GGUF blocks on bf16 tiles; hf_amx.cpp: W8A8 on int8 tiles):
-// the process's permission to use the tile registers, the tile configuration, a 16 x 16 transpose
-// of 32-bit elements (activation rows into a B tile's pair / quad layout, accumulator tiles back
-// into y's rows), and the one loop both run: 2 weight tiles x 2 activation tiles into 4
-// accumulators over K. Only in builds with AMX (KQ_AMX_TILES).
+// What the AMX kernels share (amx.cpp: GGUF blocks and hf_gemm.cpp: int4 groups, both on bf16
+// tiles through bf16_rebuilt_gemm; hf_amx.cpp: W8A8 on int8 tiles): the process's permission to
+// use the tile registers, the tile configuration, a 16 x 16 transpose of 32-bit elements
+// (activation rows into a B tile's pair / quad layout, accumulator tiles back into y's rows), and
+// the one loop all run: 2 weight tiles x 2 activation tiles into 4 accumulators over K. Only in
+// builds with AMX (KQ_AMX_TILES).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__)
