@@ -2,6 +2,13 @@
 
     python benchmarks/cpu_attention.py --seqs 64 --min-ctx 32 --max-ctx 512
     python benchmarks/cpu_attention.py --norm-rope --tokens 64,512
+    python benchmarks/cpu_attention.py --dtype bfloat16 --paths amx,avx512_bf16 --seqs 1 --query-len 512 \
+        --min-ctx 512 --max-ctx 512       # one 512-token prompt: AMX tiles against the vector kernel
+
+`--paths A,B` times two builds of the kernels (`cpu_kernels.PATHS` names; the first is the native
+build when it narrows nothing) on the same step, alternately, and prints the median of the
+per-repeat ratios B / A with its quartiles (a noisy machine moves both alike). `--query-len Q`
+makes each sequence a prefill chunk of its last Q tokens instead of one decode.
 
 One decode step's attention for every layer of the built-in model's shape (9 query / 3 KV heads
 of 64, 30 layers with their own caches), both backends interleaved in one process, best of
@@ -32,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--norm-rope", action="store_true",
                    help="time one step's RMSNorms (2 per layer + final, residual fused) and RoPEs instead")
     p.add_argument("--tokens", default="64,512", help="--norm-rope: token counts")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--query-len", type=int, default=1, help="query tokens per sequence (the last of its context)")
+    p.add_argument("--paths", default="", help="two cpu_kernels.PATHS names: their ratio, interleaved")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.kernels.metadata import AttentionMetadata
 
     heads, kv_heads, dim, block = 9, 3, 64, 16
+    dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.min_ctx, args.max_ctx + 1, (args.seqs,), generator=g).tolist()
     num_blocks = sum(-(-n // block) for n in lens) + 8
@@ -49,10 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     for n in lens:
         tables.append(perm[:-(-n // block)])
         perm = perm[-(-n // block):]
-    meta = AttentionMetadata.build([1] * args.seqs, lens, tables, block)
-    caches = [(torch.randn(num_blocks, block, kv_heads, dim, generator=g),
-               torch.randn(num_blocks, block, kv_heads, dim, generator=g)) for _ in range(args.layers)]
-    q = torch.randn(args.seqs, heads, dim, generator=g)
+    query_lens = [min(args.query_len, n) for n in lens]
+    meta = AttentionMetadata.build(query_lens, lens, tables, block)
+    caches = [(torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype),
+               torch.randn(num_blocks, block, kv_heads, dim, generator=g).to(dtype)) for _ in range(args.layers)]
+    q = torch.randn(sum(query_lens), heads, dim, generator=g).to(dtype)
+    head = (f"# {args.seqs} sequences x {args.query_len} query tokens, contexts {args.min_ctx}-{args.max_ctx} "
+            f"(mean {sum(lens) / len(lens):.0f}), {args.layers} layers, {args.dtype}, "
+            f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    if args.paths:
+        return compare_paths(args, head, q, caches, meta)
 
     def step(ops):
         for k, v in caches:
@@ -64,12 +81,41 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             step(ops)
             best[name] = min(best[name], time.perf_counter() - t0)
-    err = (cpu_ops.paged_attention(q, *caches[0], meta, 0.125)
-           - reference.paged_attention(q, *caches[0], meta, 0.125)).abs().max().item()
-    print(f"# {args.seqs} decodes, contexts {args.min_ctx}-{args.max_ctx} (mean {sum(lens) / len(lens):.0f}), "
-          f"{args.layers} layers, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    err = (cpu_ops.paged_attention(q, *caches[0], meta, 0.125).float()
+           - reference.paged_attention(q, *caches[0], meta, 0.125).float()).abs().max().item()
+    print(head)
     print(f"reference {1000 * best['reference']:.1f} ms, cpu kernel {1000 * best['cpu']:.1f} ms per step: "
           f"{best['reference'] / best['cpu']:.2f}x; max abs difference {err:.2e}")
+
+
+def compare_paths(args, head, q, caches, meta) -> None:
+    from kvmesh.kernels import cpu_kernels, cpu_ops
+
+    names = args.paths.split(",")
+    if len(names) != 2 or any(n not in cpu_kernels.PATHS for n in names):
+        raise SystemExit(f"--paths: two of {', '.join(cpu_kernels.PATHS)}")
+    exts = []
+    for n in names:
+        missing = cpu_kernels.missing_flags(n)
+        if missing:
+            raise SystemExit(f"the {n} path needs {', '.join(missing)}, which this CPU lacks")
+        exts.append(cpu_kernels.load(n) if cpu_kernels.PATHS[n][0] else cpu_kernels.load())
+    scale = q.shape[2] ** -0.5
+    times: list[list[float]] = [[], []]
+    for _ in range(args.repeats):
+        for i, ext in enumerate(exts):
+            cpu_ops.load = lambda ext=ext: ext   # noqa: E731 - this process only
+            t0 = time.perf_counter()
+            for k, v in caches:
+                cpu_ops.paged_attention(q, k, v, meta, scale)
+            times[i].append(time.perf_counter() - t0)
+    ratios = sorted(b / a for a, b in zip(*times))
+    n = len(ratios)
+    print(head)
+    for name, t in zip(names, times):
+        print(f"{name}: best {1000 * min(t):.1f} ms, median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
+    print(f"{names[1]} / {names[0]} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
+          f"{ratios[3 * n // 4]:.2f}x) over {n} alternating repeats")
 
 
 def norm_rope(args) -> None:

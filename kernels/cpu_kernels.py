@@ -2,7 +2,7 @@
 
     from kvmesh.kernels.cpu_kernels import load
     ext = load()          # the extension module, or None when it cannot be built here
-    ext.isa()             # the instruction-set path it was built for: "avx512_bf16", "avx512", "avx2", "portable"
+    ext.isa()             # the instruction-set path it was built for: "amx", "avx512_bf16", "avx512", "avx2", "portable"
     load("avx2")          # a narrower build of the same sources (tests: every path this CPU can run)
 
 The sources are compiled by torch's own extension builder (g++, `-O3 -march=native -fopenmp`)
@@ -39,8 +39,10 @@ from kvmesh.kernels.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "small_gemm.cpp", "bindings.cpp"))
-HEADERS = tuple(_CSRC / name for name in ("kernels.h", "vec.h"))
+SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "attention_amx.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "small_gemm.cpp", "bindings.cpp"))
+# NOTE: attention_amx.cpp takes the tile permission and the 16 x 16 transpose from the AMX home
+HEADERS = (*(_CSRC / name for name in ("kernels.h", "vec.h", "attention_amx.h")),
+           _CSRC.parent / "quant" / "csrc" / "amx_tiles.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"
 
@@ -51,7 +53,9 @@ _default: tuple[dict, object] | None = None    # (the _state it came from, load(
 
 # path -> (flags added to CFLAGS, CPU flags the path needs). None: the native build, the widest.
 PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512_bf16": ((), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    "amx": ((), ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")),
+    "avx512_bf16": (("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+                    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
     "avx512": (("-mno-avx512bf16",), ("avx512f", "avx512bw")),
     # NOTE: AVX-VNNI off too: an AVX2-only CPU's int8 dot products (maddubs + madd), not AVX-VNNI's
     "avx2": (("-mno-avx512f", "-mno-avxvnni"), ("avx2", "fma")),

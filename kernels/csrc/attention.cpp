@@ -11,6 +11,7 @@
 // (vec.h: AVX-512 or AVX2 + FMA) and head_dim a multiple of its width the inner loops are
 // explicit vector code (row_vec); with AVX512-BF16, bf16 query-key dot products are vdpbf16ps
 // (32 products per instruction); otherwise plain loops the compiler vectorizes (row_portable).
+// bf16 prefill rows go to AMX tiles instead where the build and CPU have them (attention_amx.cpp).
 //
 // Layouts (T):
 //   query   [T, H, D]   any token / head strides, unit stride along D
@@ -30,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -321,13 +323,27 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   g.window = window;
   g.scale = static_cast<float>(scale);
   g.cap = static_cast<float>(softcap);
+  // bf16 prefill runs on AMX tiles where they are here; the rest (decodes) below
+  std::vector<int64_t> rest;
+  const int64_t* todo = nullptr;   // the row indices left, or null: every row
+  int64_t left = R;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx_attention_applies(g.H, g.KVH, g.D, g.block_size)) {
+      rest = amx_attention(AmxAttention{g.q, g.kc, g.vc, g.bt, g.rows, g.out, R, g.qs0, g.qs1, g.H, g.KVH, g.G,
+                                        g.D, g.block_size, g.max_blocks, g.num_blocks, g.tok_stride, g.blk_stride,
+                                        g.window, g.scale, g.cap});
+      todo = rest.data();
+      left = static_cast<int64_t>(rest.size());
+    }
+  }
 #if KVMESH_SIMD
   const bool vectorized = g.D % kW == 0;
   const bool dp = KVMESH_AVX512BF16 && std::is_same_v<T, bf16> && g.D % 32 == 0;
 #endif
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, left, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = todo ? todo[i] : i;
 #if KVMESH_SIMD
       if (vectorized) {
         row_vec(g, r, scores, acc, dp);

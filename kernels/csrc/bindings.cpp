@@ -1,4 +1,5 @@
 // The C++ CPU kernels as one Python extension module (kvmesh.kernels.cpu_kernels builds it).
+#include "attention_amx.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,5 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x [M, K] @ w [N, K]^T (+ bias) for a few rows, w read once (float32 / bfloat16, CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("small_gemm_supports", &small_gemm_supports, "Whether small_gemm runs this dtype (\"float32\", \"bfloat16\") here");
-  m.def("isa", &isa, "The instruction-set path this build runs: avx512_bf16, avx512, avx2 or portable");
+  m.def("isa", &isa, "The instruction-set path this build runs: amx, avx512_bf16, avx512, avx2 or portable");
+  m.def("attention_amx_isa", &kvmesh::amx_attention_isa,
+        "\"amx_bf16\" where bf16 paged attention runs on AMX tiles in this process, else \"\"");
 }

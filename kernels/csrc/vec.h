@@ -6,6 +6,7 @@
 // narrower -mno-... variant for tests, see kernels/cpu_kernels.py):
 //   AVX-512F + BW           kW = 16  (__m512)
 //   + AVX512-BF16           bf16 dot products with vdpbf16ps, float32 -> bf16 with vcvtneps2bf16
+//   + AMX-BF16 (and -INT8)  bf16 paged attention on tiles (attention_amx.cpp)
 //   AVX2 + FMA              kW = 8   (__m256)
 //   neither                 no vf: the kernels' plain loops, vectorised by the compiler
 #pragma once
@@ -36,6 +37,13 @@
 #define KVMESH_AVX512BF16 0
 #endif
 
+// AMX-BF16 tiles (Sapphire Rapids and later): paged attention's products (attention_amx.cpp)
+#if KVMESH_AVX512BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define KVMESH_AMX 1
+#else
+#define KVMESH_AMX 0
+#endif
+
 #define KVMESH_SIMD KVMESH_AVX2
 
 namespace kvmesh {
@@ -44,7 +52,9 @@ using bf16 = c10::BFloat16;
 
 // The instruction-set path this build runs (logged by kernels/cpu_kernels.py).
 inline const char* isa_name() {
-#if KVMESH_AVX512BF16
+#if KVMESH_AMX
+  return "amx";
+#elif KVMESH_AVX512BF16
   return "avx512_bf16";
 #elif KVMESH_AVX512
   return "avx512";

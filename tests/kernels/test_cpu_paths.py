@@ -28,7 +28,7 @@ def path_ext(request):
     missing = cpu_kernels.missing_flags(path)
     if missing:
         pytest.skip(f"the {path} path needs CPU flags {', '.join(missing)}, which this CPU lacks")
-    # NOTE: a path that narrows nothing (no -mno-... flags: avx512_bf16) is compiled with exactly
+    # NOTE: a path that narrows nothing (no -mno-... flags: amx) is compiled with exactly
     # the native build's flags, so on a CPU that has it the native build is that path: one
     # build (about a minute) fewer; the isa() check below still holds it to the path
     ext = cpu_kernels.load(path) if cpu_kernels.PATHS[path][0] else cpu_kernels.load()
@@ -195,7 +195,7 @@ def test_kvmesh_cpu_kernels_unknown_value_is_an_error_naming_the_choices(monkeyp
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("KVMESH_CPU_KERNELS", "sse4")
     with pytest.raises(ValueError, match="KVMESH_CPU_KERNELS='sse4': expected 0, 1 or one of "
-                                         "avx512_bf16, avx512, avx2, portable"):
+                                         "amx, avx512_bf16, avx512, avx2, portable"):
         cpu_kernels.load()
 
 
@@ -230,7 +230,7 @@ def test_plain_load_reads_kvmesh_cpu_kernels_once(monkeypatch):
 
 
 # the dtypes each path's small-row GEMM runs (the rest stay on oneDNN)
-SMALL_GEMM_DTYPES = {"avx512_bf16": DTYPES, "avx512": (torch.float32,), "avx2": (torch.float32,),
+SMALL_GEMM_DTYPES = {"amx": DTYPES, "avx512_bf16": DTYPES, "avx512": (torch.float32,), "avx2": (torch.float32,),
                      "portable": ()}
 
 

@@ -1,0 +1,40 @@
+// Paged attention of bfloat16 prefill rows on AMX tiles (attention_amx.cpp), for attention.cpp
+// to hand its bf16 rows to where this build and CPU have AMX-BF16 (`amx_attention_applies`).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace kvmesh {
+
+// One call's rows, resolved and validated by attention.cpp (the layouts are its own).
+struct AmxAttention {
+  const bf16* q;
+  const bf16* kc;
+  const bf16* vc;
+  const int32_t* bt;
+  const int64_t* rows;
+  bf16* out;
+  int64_t R;                      // rows
+  int64_t qs0, qs1;               // query strides (token, head)
+  int64_t H, KVH, G, D;
+  int64_t block_size, max_blocks, num_blocks;
+  int64_t tok_stride, blk_stride;
+  int64_t window;
+  float scale, cap;
+};
+
+// Whether the AMX kernel takes these shapes here: a build with AMX-BF16, tile registers granted
+// by Linux, head_dim a multiple of 32, block_size a multiple of 16, GQA groups of at most 8 heads
+// (a run of 2 tokens fills at most a tile's 16 columns).
+bool amx_attention_applies(int64_t H, int64_t KVH, int64_t D, int64_t block_size);
+// Runs of 2 or more consecutive query tokens of one sequence (prefill chunks), on tiles; returns
+// the rows it left, in the call's order (decodes: vdpbf16ps streams their keys as fast).
+std::vector<int64_t> amx_attention(const AmxAttention& a);
+// "amx_bf16" where amx_attention can run in this process, else "".
+std::string amx_attention_isa();
+
+}  // namespace kvmesh
