@@ -99,6 +99,18 @@ inline void emit32(__m256i q, float a0, float c0, float a1, float c1, T* out) {
 #endif
 }
 
+#if KQ_BF16
+// 32 elements a * q + c as bf16 for 4-bit q (0-15, one per byte), one (a, c) for all: the 16
+// values a * k + c (k = 0..15) are computed once, with emit32's FMA and rounding, and each
+// element picked from them by its q (vpermw): the same bits as emit32 at a third of its work.
+inline void emit32_lut4(__m256i q, float a, float c, bf16_t* out) {
+  const __m512 k = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256bh values = _mm512_cvtneps_pbh(_mm512_fmadd_ps(k, _mm512_set1_ps(a), _mm512_set1_ps(c)));
+  const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(values));
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
+}
+#endif
+
 // fp16 -> float32 by F16C's vcvtph2ps (blocks.h's half_to_float is portable bit arithmetic).
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -120,6 +132,12 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
     const float c = F == Q4_0 ? -8.f * d : h2f(blk + 2);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+#if KQ_BF16
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      emit32_lut4(q, d, c, out);
+      return;
+    }
+#endif
     emit32<T, false>(q, d, c, d, c, out);
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = h2f(blk), dmin = h2f(blk + 2);
@@ -133,6 +151,12 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
         q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, s), 4),
                                                 _mm256_set1_epi8(0x10)));
       const float a = d * sc, c = -(dmin * m);
+#if KQ_BF16
+      if constexpr (F == Q4_K && std::is_same_v<T, bf16_t>) {
+        emit32_lut4(q, a, c, out + s * 32);
+        continue;
+      }
+#endif
       emit32<T, false>(q, a, c, a, c, out + s * 32);
     }
   } else {
