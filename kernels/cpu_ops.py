@@ -5,7 +5,8 @@ and the greedy argmax on C++ kernels, in float32 and bfloat16 (bf16 storage, flo
 `kvmesh.kernels.cpu_kernels`). Every query token of a step, decode or prefill chunk, is one row
 of `paged_attention_rows`, which reads K/V where they lie in the paged cache: no gather into
 padded copies, no masks (a row's causal limit is its own context length), and each key is
-loaded once for the whole GQA group of query heads. Anything the kernel does not cover (other
+loaded once for the whole GQA group of query heads. On a CPU with AMX the kernel itself takes a
+bf16 chunk's consecutive rows in runs onto tiles (csrc/attention_amx.cpp). Anything the kernel does not cover (other
 dtypes, devices) runs the reference as is. A bfloat16 model's activations and cache stay bf16 from
 one op to the next: no per-step dtype or layout copies.
 
