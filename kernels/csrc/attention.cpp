@@ -41,22 +41,8 @@ using namespace kvmesh;
 
 void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ", msg); }
 
-// Everything one row's computation reads, resolved once per call.
 template <typename T>
-struct Geometry {
-  const T* q;
-  const T* kc;
-  const T* vc;
-  const int32_t* bt;
-  const int64_t* rows;
-  T* out;
-  int64_t qs0, qs1;              // query strides (token, head)
-  int64_t H, KVH, G, D;          // query heads, KV heads, heads per KV head, head_dim
-  int64_t block_size, max_blocks, num_blocks;
-  int64_t tok_stride, blk_stride;
-  int64_t window;
-  float scale, cap;
-};
+using Geometry = AttentionGeometry<T>;
 
 // Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
 void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
@@ -329,9 +315,7 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
   int64_t left = R;
   if constexpr (std::is_same_v<T, bf16>) {
     if (amx_attention_applies(g.H, g.KVH, g.D, g.block_size)) {
-      rest = amx_attention(AmxAttention{g.q, g.kc, g.vc, g.bt, g.rows, g.out, R, g.qs0, g.qs1, g.H, g.KVH, g.G,
-                                        g.D, g.block_size, g.max_blocks, g.num_blocks, g.tok_stride, g.blk_stride,
-                                        g.window, g.scale, g.cap});
+      rest = amx_attention(g, R);
       todo = rest.data();
       left = static_cast<int64_t>(rest.size());
     }

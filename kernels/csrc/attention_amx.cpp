@@ -43,28 +43,11 @@
 namespace kvmesh {
 namespace {
 
-struct alignas(64) Config {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-Config make_config(int64_t mg) {
-  Config c;
+kvmesh_amx::TileConfig make_config(int64_t mg) {
+  kvmesh_amx::TileConfig c;   // every tile 16 rows x 64 bytes, then the ones that differ
   const auto g = static_cast<uint8_t>(mg);
-  for (int t = 0; t < 4; ++t) {
-    c.rows[t] = g;
-    c.colsb[t] = 64;
-  }
-  c.rows[4] = g;
-  c.colsb[4] = 64;
-  c.rows[5] = 16;
-  c.colsb[5] = 64;
-  c.rows[6] = 16;
+  for (int t = 0; t < 5; ++t) c.rows[t] = g;
   c.colsb[6] = static_cast<uint16_t>(4 * mg);
-  c.rows[7] = 16;
   c.colsb[7] = static_cast<uint16_t>(4 * mg);
   return c;
 }
@@ -132,7 +115,7 @@ struct Scratch {
   Buffer span;            // [2][<= 16 KVH] int32: each lane's keys [first, end)
   Buffer vb;              // 4 B tiles of V pairs, 1 KB each
   Buffer o;               // [KVH][16][D] float32 output accumulators
-  Scratch(const AmxAttention& a, int64_t cap32_)
+  Scratch(const AttentionGeometry<bf16>& a, int64_t cap32_)
       : cap32(cap32_),
         qt(aligned(static_cast<size_t>(a.KVH * (a.D / 32)) * 1024)),
         s(aligned(static_cast<size_t>(cap32_ * 16 * a.KVH) * 4)),
@@ -155,11 +138,11 @@ inline __m512 vtanh(__m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
 }
 
-inline int64_t span_start(const AmxAttention& a, int64_t ctx) {
+inline int64_t span_start(const AttentionGeometry<bf16>& a, int64_t ctx) {
   return a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
 }
 
-void group(const AmxAttention& a, const Group& q, Scratch& w) {
+void group(const AttentionGeometry<bf16>& a, const Group& q, Scratch& w) {
   const int64_t G = a.G, mg = q.m * G, D = a.D, chunks = D / 32, bs = a.block_size;
   // lane h*mg + col of a score row: KV head h's column col (query col / G, head h*G + col % G)
   const int64_t lanes = a.KVH * mg, sw = (lanes + 15) / 16 * 16;
@@ -315,9 +298,9 @@ void group(const AmxAttention& a, const Group& q, Scratch& w) {
 
 // The call's rows as groups: runs of consecutive tokens of one sequence (each seeing one key more
 // than the last), at most 16 / G long, in (sequence, token) order.
-std::vector<Group> groups_of(const AmxAttention& a) {
-  std::vector<int64_t> order(a.R);
-  for (int64_t r = 0; r < a.R; ++r) order[r] = r;
+std::vector<Group> groups_of(const AttentionGeometry<bf16>& a, int64_t R) {
+  std::vector<int64_t> order(R);
+  for (int64_t r = 0; r < R; ++r) order[r] = r;
   const int64_t* rows = a.rows;
   std::sort(order.begin(), order.end(), [rows](int64_t x, int64_t y) {
     return rows[3 * x + 1] != rows[3 * y + 1] ? rows[3 * x + 1] < rows[3 * y + 1] : rows[3 * x] < rows[3 * y];
@@ -345,10 +328,10 @@ bool amx_attention_applies(int64_t H, int64_t KVH, int64_t D, int64_t block_size
          kvmesh_amx::tiles_permitted();
 }
 
-std::vector<int64_t> amx_attention(const AmxAttention& a) {
+std::vector<int64_t> amx_attention(const AttentionGeometry<bf16>& a, int64_t R) {
   std::vector<int64_t> rest;
   std::vector<Group> runs;
-  for (const Group& g : groups_of(a)) {
+  for (const Group& g : groups_of(a, R)) {
     if (g.m > 1) {
       runs.push_back(g);
     } else {
@@ -372,7 +355,7 @@ std::vector<int64_t> amx_attention(const AmxAttention& a) {
   at::parallel_for(0, static_cast<int64_t>(zig.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w(a, cap32);
     int64_t configured = 0;
-    Config cfg;
+    kvmesh_amx::TileConfig cfg;
     for (int64_t i = begin; i < end; ++i) {
       if (zig[i].m != configured) {
         configured = zig[i].m;
@@ -394,9 +377,9 @@ std::string amx_attention_isa() { return kvmesh_amx::tiles_permitted() ? "amx_bf
 
 namespace kvmesh {
 bool amx_attention_applies(int64_t, int64_t, int64_t, int64_t) { return false; }
-std::vector<int64_t> amx_attention(const AmxAttention& a) {
-  std::vector<int64_t> all(a.R);
-  for (int64_t r = 0; r < a.R; ++r) all[r] = r;
+std::vector<int64_t> amx_attention(const AttentionGeometry<bf16>&, int64_t R) {
+  std::vector<int64_t> all(R);
+  for (int64_t r = 0; r < R; ++r) all[r] = r;
   return all;
 }
 std::string amx_attention_isa() { return ""; }

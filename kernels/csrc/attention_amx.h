@@ -1,5 +1,6 @@
-// Paged attention of bfloat16 prefill rows on AMX tiles (attention_amx.cpp), for attention.cpp
-// to hand its bf16 rows to where this build and CPU have AMX-BF16 (`amx_attention_applies`).
+// The rows' geometry attention.cpp resolves, and paged attention of bfloat16 prefill rows on AMX
+// tiles (attention_amx.cpp) for it to hand its bf16 rows to where this build and CPU have
+// AMX-BF16 (`amx_attention_applies`).
 #pragma once
 
 #include <cstdint>
@@ -10,17 +11,17 @@
 
 namespace kvmesh {
 
-// One call's rows, resolved and validated by attention.cpp (the layouts are its own).
-struct AmxAttention {
-  const bf16* q;
-  const bf16* kc;
-  const bf16* vc;
+// Everything one call's rows read, resolved and validated once by attention.cpp (its layouts).
+template <typename T>
+struct AttentionGeometry {
+  const T* q;
+  const T* kc;
+  const T* vc;
   const int32_t* bt;
   const int64_t* rows;
-  bf16* out;
-  int64_t R;                      // rows
-  int64_t qs0, qs1;               // query strides (token, head)
-  int64_t H, KVH, G, D;
+  T* out;
+  int64_t qs0, qs1;              // query strides (token, head)
+  int64_t H, KVH, G, D;          // query heads, KV heads, heads per KV head, head_dim
   int64_t block_size, max_blocks, num_blocks;
   int64_t tok_stride, blk_stride;
   int64_t window;
@@ -33,7 +34,7 @@ struct AmxAttention {
 bool amx_attention_applies(int64_t H, int64_t KVH, int64_t D, int64_t block_size);
 // Runs of 2 or more consecutive query tokens of one sequence (prefill chunks), on tiles; returns
 // the rows it left, in the call's order (decodes: vdpbf16ps streams their keys as fast).
-std::vector<int64_t> amx_attention(const AmxAttention& a);
+std::vector<int64_t> amx_attention(const AttentionGeometry<bf16>& a, int64_t R);
 // "amx_bf16" where amx_attention can run in this process, else "".
 std::string amx_attention_isa();
 
