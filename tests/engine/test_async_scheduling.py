@@ -1,11 +1,12 @@
-"""--async-scheduling gives the tokens, text, finish reasons and logprobs of the synchronous
-engine, token for token, while each step is scheduled before the previous step's tokens reach
+"""--async-scheduling gives the tokens, text, finish reasons and logprobs (values to float32
+rounding) of the synchronous engine, token for token, while each step is scheduled before the previous step's tokens reach
 the host; no extra token reaches a client and every block comes back.
 
 A seeded random tiny Llama (float32, CPU) stands in for a real model: greedy decoding over it is
 deterministic, so any token the placeholders got wrong changes the continuation."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from kvmesh.common.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.loader import load_model
+from kvmesh.engine.request import Logprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.structured.spec import StructuredOutputSpec as Spec
 
@@ -76,10 +78,32 @@ def run(eng: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
     return final
 
 
+def _logprob_values(final):
+    """(final with every Logprob's value zeroed, those values in order)"""
+    values = []
+
+    def strip(x):
+        if isinstance(x, Logprob):
+            values.append(x.logprob)
+            return dataclasses.replace(x, logprob=0.0)
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+    return strip(final), values
+
+
 def both(tiny, requests, eos=None, **cfg):
     sync = run(engine(tiny, False, **cfg), requests, eos)
     fast = run(engine(tiny, True, **cfg), requests, eos)
-    assert fast == sync
+    # NOTE: tokens, texts, finish reasons and the logprobs' ids and ranks exactly; the logprob
+    # values to float32 rounding: the two engines' batches can differ in composition, and a
+    # row's sums in another batch can differ in their last bits (a case hypothesis found in CI,
+    # with 14 KV blocks: one value 7e-7 apart, every token equal; so it failed at 4698d4a too).
+    (fast_rest, fast_values), (sync_rest, sync_values) = _logprob_values(fast), _logprob_values(sync)
+    assert fast_rest == sync_rest
+    assert fast_values == pytest.approx(sync_values, rel=1e-5, abs=1e-6)
     return sync
 
 
