@@ -1,6 +1,7 @@
 """--async-scheduling gives the tokens, text, finish reasons and logprobs (values to float32
-rounding) of the synchronous engine, token for token, while each step is scheduled before the previous step's tokens reach
-the host; no extra token reaches a client and every block comes back.
+rounding) of the synchronous engine, token for token, while each step is scheduled before the
+previous step's tokens reach the host; no extra token reaches a client and every block comes
+back.
 
 A seeded random tiny Llama (float32, CPU) stands in for a real model: greedy decoding over it is
 deterministic, so any token the placeholders got wrong changes the continuation."""
