@@ -82,11 +82,9 @@ inline void row_span(const Geometry<T>& g, int64_t r, int64_t& tok, const int32_
   tok = g.rows[3 * r];
   const int64_t seq = g.rows[3 * r + 1];
   ctx = g.rows[3 * r + 2];
-  lo = g.window > 0 ? std::max<int64_t>(0, ctx - g.window) : 0;
+  lo = g.span_start(ctx);
   table = g.bt + seq * g.max_blocks;
-  for (int64_t b = lo / g.block_size; b <= (ctx - 1) / g.block_size; ++b) {
-    TORCH_CHECK(table[b] >= 0 && table[b] < g.num_blocks, "paged_attention_rows: block id out of range");
-  }
+  g.check_blocks(table, lo, ctx);
 }
 
 // Portable path: plain loops the compiler vectorizes (any head_dim, any ISA).

@@ -138,19 +138,13 @@ inline __m512 vtanh(__m512 x) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
 }
 
-inline int64_t span_start(const AttentionGeometry<bf16>& a, int64_t ctx) {
-  return a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
-}
-
 void group(const AttentionGeometry<bf16>& a, const Group& q, Scratch& w) {
   const int64_t G = a.G, mg = q.m * G, D = a.D, chunks = D / 32, bs = a.block_size;
   // lane h*mg + col of a score row: KV head h's column col (query col / G, head h*G + col % G)
   const int64_t lanes = a.KVH * mg, sw = (lanes + 15) / 16 * 16;
-  const int64_t lo = span_start(a, q.ctx), last = q.ctx + q.m;   // keys [lo, last) across the group
+  const int64_t lo = a.span_start(q.ctx), last = q.ctx + q.m;   // keys [lo, last - 1) across the run
   const int32_t* table = a.bt + q.seq * a.max_blocks;
-  for (int64_t b = lo / bs; b <= (last - 2) / bs; ++b) {
-    TORCH_CHECK(table[b] >= 0 && table[b] < a.num_blocks, "paged_attention_rows: block id out of range");
-  }
+  a.check_blocks(table, lo, last - 1);
   const int64_t t0 = lo - lo % 16;                 // tiles start 16-aligned, inside lo's block
   const int64_t n = last - 1 - t0, tiles = (n + 15) / 16, n32 = (n + 31) / 32 * 32;
   const int64_t kv_bytes = 16 * a.tok_stride * 2;  // one 16-token tile of a block, all KV heads
@@ -193,7 +187,7 @@ void group(const AttentionGeometry<bf16>& a, const Group& q, Scratch& w) {
   int32_t* end = first + 16 * a.KVH;
   for (int64_t l = 0; l < sw; ++l) {
     const int64_t ctx = q.ctx + (l % mg) / G;
-    first[l] = l < lanes ? static_cast<int32_t>(span_start(a, ctx) - t0) : 0;
+    first[l] = l < lanes ? static_cast<int32_t>(a.span_start(ctx) - t0) : 0;
     end[l] = l < lanes ? static_cast<int32_t>(ctx - t0) : 0;
   }
   const int64_t j0 = lo - t0, j1 = last - 1 - t0;
@@ -342,13 +336,13 @@ std::vector<int64_t> amx_attention(const AttentionGeometry<bf16>& a, int64_t R) 
   if (runs.empty()) return rest;
   // longest spans first and last alternately: the thread pool's contiguous split then gives each
   // thread about the same number of keys
-  auto keys = [&](const Group& g) { return g.ctx + g.m - 1 - span_start(a, g.ctx); };
+  auto keys = [&](const Group& g) { return g.ctx + g.m - 1 - a.span_start(g.ctx); };
   std::sort(runs.begin(), runs.end(), [&](const Group& x, const Group& y) { return keys(x) > keys(y); });
   std::vector<Group> zig(runs.size());
   for (size_t i = 0; i < runs.size(); ++i) zig[i] = i % 2 == 0 ? runs[i / 2] : runs[runs.size() - 1 - i / 2];
   int64_t longest = 0;
   for (const Group& g : zig) {
-    const int64_t lo = span_start(a, g.ctx);
+    const int64_t lo = a.span_start(g.ctx);
     longest = std::max(longest, g.ctx + g.m - 1 - (lo - lo % 16));
   }
   const int64_t cap32 = (longest + 31) / 32 * 32;

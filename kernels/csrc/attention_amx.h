@@ -3,6 +3,9 @@
 // AMX-BF16 (`amx_attention_applies`).
 #pragma once
 
+#include <torch/extension.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,6 +29,16 @@ struct AttentionGeometry {
   int64_t tok_stride, blk_stride;
   int64_t window;
   float scale, cap;
+
+  // The first key a row of context length ctx sees (its window's start, else 0).
+  int64_t span_start(int64_t ctx) const { return window > 0 ? std::max<int64_t>(0, ctx - window) : 0; }
+  // Every block-table entry of keys [lo, ctx) of `table` is a block of the cache, checked
+  // before any key is read.
+  void check_blocks(const int32_t* table, int64_t lo, int64_t ctx) const {
+    for (int64_t b = lo / block_size; b <= (ctx - 1) / block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_attention_rows: block id out of range");
+    }
+  }
 };
 
 // Whether the AMX kernel takes these shapes here: a build with AMX-BF16, tile registers granted

@@ -111,6 +111,18 @@ inline void emit32_lut4(__m256i q, float a, float c, bf16_t* out) {
 }
 #endif
 
+// emit32 of 4-bit q with one (a, c): by lookup where the output is bf16.
+template <typename T>
+inline void emit32_4bit(__m256i q, float a, float c, T* out) {
+#if KQ_BF16
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    emit32_lut4(q, a, c, out);
+    return;
+  }
+#endif
+  emit32<T, false>(q, a, c, a, c, out);
+}
+
 // fp16 -> float32 by F16C's vcvtph2ps (blocks.h's half_to_float is portable bit arithmetic).
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -132,13 +144,7 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
     const float c = F == Q4_0 ? -8.f * d : h2f(blk + 2);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-#if KQ_BF16
-    if constexpr (std::is_same_v<T, bf16_t>) {
-      emit32_lut4(q, d, c, out);
-      return;
-    }
-#endif
-    emit32<T, false>(q, d, c, d, c, out);
+    emit32_4bit<T>(q, d, c, out);
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = h2f(blk), dmin = h2f(blk + 2);
     const uint8_t* qs = blk + (F == Q4_K ? 16 : 48);
@@ -151,13 +157,11 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
         q = _mm256_or_si256(q, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, s), 4),
                                                 _mm256_set1_epi8(0x10)));
       const float a = d * sc, c = -(dmin * m);
-#if KQ_BF16
-      if constexpr (F == Q4_K && std::is_same_v<T, bf16_t>) {
-        emit32_lut4(q, a, c, out + s * 32);
-        continue;
+      if constexpr (F == Q4_K) {
+        emit32_4bit<T>(q, a, c, out + s * 32);
+      } else {
+        emit32<T, false>(q, a, c, a, c, out + s * 32);
       }
-#endif
-      emit32<T, false>(q, a, c, a, c, out + s * 32);
     }
   } else {
     static_assert(F == Q6_K, "a format without a dequantizer");
