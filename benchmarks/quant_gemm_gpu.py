@@ -10,6 +10,8 @@ and each M, on random weights of that shape, it times with triton's do_bench (me
   * w4a16:   w4a16_gemm's fused kernel, int4 groups of 128 with zero points (0.5 bytes a weight
              + 1/64 of scales);
   * w4a16-dequant: its other route, the weight dequantized into a buffer, then cuBLAS;
+  * w4a16-gemv: its decode route (up to 16 rows): no tensor-core tile, float32 FMAs over wide
+             contiguous weight runs (`_gemv_tiles`' tiles);
   * w8a8:    w8a8_gemm, int8 weights per channel, x quantized per token (the quantization
              kernel included in the time);
   * fp8:     fp8_gemm, e4m3 weights per channel (sm_89+: x cast per tensor, fp8 MMA, its
@@ -17,7 +19,12 @@ and each M, on random weights of that shape, it times with triton's do_bench (me
   * fp8-token: the same with x cast per token (compressed-tensors' FP8_DYNAMIC);
   * scaled_mm: torch._scaled_mm on the same fp8 operands (sm_89+ only; x quantized by torch
              outside the timing), the peer for the fp8 path;
-and prints per row the time in microseconds, the ratio dense / path (above 1: faster than
+`--cudagraph` times each call replayed from a CUDA graph (triton's do_bench_cudagraph), as the
+engine runs its decode steps: at a few rows a kernel's time is then its own, not the launch's.
+`--gemv-sweep` times the GEMV kernel over a grid of (BLOCK_N, BLOCK_K, num_warps) for each
+shape and M <= 16 and prints the best against the default tiles and dense bf16.
+
+It prints per row the time in microseconds, the ratio dense / path (above 1: faster than
 dense), the weight bytes a call reads and the bandwidth that makes (weight bytes / time), and
 each path's largest error against its torch reference (kernels/reference.py), relative to
 max |reference|. On `--device cpu` the kernels run in the interpreter at tiny shapes: a check
@@ -34,7 +41,8 @@ import time
 # Llama-3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; fused as the engine runs them
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CPU_SHAPES = {"tiny": (40, 128)}
-PATHS = ("dense", "w4a16", "w4a16-dequant", "w8a8", "fp8", "fp8-token", "scaled_mm")
+PATHS = ("dense", "w4a16", "w4a16-dequant", "w4a16-gemv", "w8a8", "fp8", "fp8-token", "scaled_mm")
+SWEEP = [(bn, 128, w, st) for bn in (2, 4, 8, 16, 32) for w in (1, 2, 4) for st in (1, 3)]
 GROUP_SIZE = 128
 
 
@@ -46,13 +54,19 @@ def _parse(argv):
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}, "
                    "and w4a16-kN: the fused kernel with K split N ways")
+    p.add_argument("--cudagraph", action="store_true", help="time calls replayed from a CUDA graph")
+    p.add_argument("--gemv-sweep", action="store_true", help="sweep the GEMV kernel's tiles instead")
     return p.parse_args(argv)
 
 
-def _bench(fn, device: str) -> float:
-    """Milliseconds per call (do_bench's median on CUDA; one timed call on CPU)."""
+def _bench(fn, device: str, graph: bool = False) -> float:
+    """Milliseconds per call (do_bench's median on CUDA, or do_bench_cudagraph's mean of graph
+    replays; one timed call on CPU)."""
     if device == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
+        if graph:
+            fn()                                     # compile outside the capture
+            return do_bench_cudagraph(fn, rep=50)
         return do_bench(fn, return_mode="median")
     t0 = time.perf_counter()
     fn()
@@ -73,6 +87,7 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     int4_bytes = qweight.numel() + zeros.numel() + scales.numel() * scales.element_size()
     fp8_bytes = fp8.numel() + 4 * n
     nbytes = {"dense": dense.numel() * dense.element_size(), "w4a16": int4_bytes, "w4a16-dequant": int4_bytes,
+              "w4a16-gemv": int4_bytes,
               "w8a8": w8.numel() + 4 * n, "fp8": fp8_bytes, "fp8-token": fp8_bytes, "scaled_mm": fp8_bytes}
     return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
 
@@ -89,6 +104,8 @@ def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
                   lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
         "w4a16-dequant": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="dequant"),
                           lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
+        "w4a16-gemv": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="gemv"),
+                       lambda: reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)),
         "w8a8": (lambda: tg.w8a8_gemm(x, *w["w8"]), lambda: reference.w8a8_gemm(x, *w["w8"])),
         "fp8": (lambda: tg.fp8_gemm(x, *w["fp8"]),
                 lambda: reference.fp8_gemm(x, *w["fp8"], activations="tensor" if fp8_mma else "none")),
@@ -108,6 +125,34 @@ def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
                                      out_dtype=x.dtype),
             lambda: reference.fp8_gemm(x, fp8, ws, activations="tensor"))
     return calls
+
+
+def _sweep(torch, w, x, dense_ms: float, device: str, graph: bool, label: str) -> None:
+    """The GEMV kernel over SWEEP's tiles: every tile's time and error, then the best."""
+    from kvmesh.kernels import reference
+    from kvmesh.kernels.quant import triton_gemm as tg
+    want = reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)
+    scale = max(want.abs().max().item(), 1e-30)
+    default = tg._gemv_tiles(1 << (x.shape[0] - 1).bit_length(), w["int4"][0].shape[0])
+    seen = {}
+    rows = 1 << (x.shape[0] - 1).bit_length()
+    # NOTE: past 32,768 products a program (256 a thread at 4 warps) the tile only spills
+    for tiles in [t for t in SWEEP if rows * t[0] * t[1] // 2 <= 32768]:
+        def run(t=tiles):
+            return tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="gemv", gemv_tiles=t)
+        try:
+            err = (run().double() - want).abs().max().item() / scale
+            seen[tiles] = (_bench(run, device, graph), err)
+        except Exception as e:  # noqa: BLE001  (one tile that fails to compile must not end the sweep)
+            print(f"| {label} | {tiles} | failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]} |")
+    for tiles, (ms, err) in sorted(seen.items(), key=lambda kv: kv[1][0]):
+        print(f"| {label} | {tiles} | {ms * 1e3:.1f} | {dense_ms / ms:.2f} | {err:.1e} |"
+              f"{' default' if tiles[:3] == default[:3] else ''}")
+    if seen:
+        best = min(seen, key=lambda t: seen[t][0])
+        d = seen.get(default, (float("nan"), 0))[0]
+        print(f"# best {label}: {best} {seen[best][0] * 1e3:.1f} us ({dense_ms / seen[best][0]:.2f}x dense "
+              f"{dense_ms * 1e3:.1f} us); default {default} {d * 1e3:.1f} us")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     print("| shape | M | path | us | dense/path | weight MB | GB/s | rel. error |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     g = torch.Generator(device=args.device).manual_seed(0)
+    if args.gemv_sweep:
+        print("| shape, M | (BLOCK_N, BLOCK_K, warps) | us | dense/gemv | rel. error |")
+        print("|---|---|---:|---:|---:|")
+        for name in names:
+            n, k = table[name]
+            w, _ = _weights(torch, n, k, dtype, args.device, g)
+            for m in [r for r in rows if r <= 16]:
+                x = torch.randn(m, k, device=args.device, dtype=dtype, generator=g)
+                dense_ms = _bench(lambda: torch.nn.functional.linear(x, w["dense"]), args.device, args.cudagraph)
+                _sweep(torch, w, x, dense_ms, args.device, args.cudagraph, f"{name} {n}x{k}, M {m}")
+            del w
+        return 0
     for name in names:
         n, k = table[name]
         w, nbytes = _weights(torch, n, k, dtype, args.device, g)
@@ -150,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     want = ref()[:64]              # the error spot check: the first 64 rows
                     err = (run()[:64].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-                    times[path] = _bench(run, args.device)
+                    times[path] = _bench(run, args.device, args.cudagraph)
                 except Exception as e:  # noqa: BLE001  (one failing path must not end a GPU session)
                     print(f"| {name} {n}x{k} | {m} | {path} | failed: {type(e).__name__}: "
                           f"{str(e).strip().splitlines()[0][:160]} | | | | |")

@@ -145,7 +145,8 @@ def _launch_lora(s: EngineShape, dtype) -> None:
 
 def _launch_quant_gemm(s: EngineShape, dtype) -> None:
     """The GEMMs of Hugging Face quantized checkpoints (kernels/quant/triton_gemm.py) on a
-    hidden x hidden projection: a decode batch (16 x 32 tiles) and a prefill batch (64 x 128).
+    hidden x hidden projection: a decode batch (16 x 32 tiles; the W4A16 GEMV at 1 row) and a
+    prefill batch (64 x 128).
     W4A16 at group size 128 (64 where it does not divide hidden), GPTQ act-order with a bias in
     bf16 only (the gather is the one difference); FP8 per tensor on both paths (per channel
     differs by one stride), the fp8 MMA path for sm_90 only (sm_80 has no fp8 type)."""
@@ -160,6 +161,10 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
         # large tiles stay reachable (KVMESH_W4A16_DEQUANT_ROWS), so both routes are compiled
         if tokens < triton_gemm.W4A16_DEQUANT_MIN_ROWS:       # decode on a GPU splits K (_split_k)
             triton_gemm.w4a16_gemm(x, *int4, route="kernel", split_k=4)
+            triton_gemm.w4a16_gemm(_meta(1, k, dtype=dtype), *int4, route="gemv")   # batch 1: ROWS 1
+            if dtype == torch.bfloat16:
+                triton_gemm.w4a16_gemm(_meta(1, k, dtype=dtype), *int4, _meta(k, dtype=torch.int64),
+                                       _meta(n, dtype=dtype), route="gemv")
         for route in ("auto", "kernel") if tokens >= triton_gemm.W4A16_DEQUANT_MIN_ROWS else ("auto",):
             triton_gemm.w4a16_gemm(x, *int4, route=route)
             if dtype == torch.bfloat16:

@@ -16,12 +16,15 @@ them as stored and dequantizes a tile at a time in registers, never a copy of th
                  with x as it is
 
 A program owns BLOCK_M rows and BLOCK_N columns of y and walks K; decode-sized M gets 16-row,
-32-column tiles (more programs over N), larger M 64 x 128 (`_tiles`). References:
+32-column tiles (more programs over N), larger M 64 x 128 (`_tiles`). W4A16 at a few rows
+(W4A16_GEMV_MAX_ROWS) skips the tensor cores: `_w4a16_gemv_kernel` streams the packed rows
+in wide contiguous runs and multiplies with float32 FMAs (`_gemv_tiles`). References:
 `kvmesh.kernels.reference` (w4a16_gemm, w8a8_gemm, fp8_gemm). The activation quantizations and
 the number-format helpers: `triton_quant.py`.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -34,7 +37,12 @@ from kvmesh.kernels.quant.triton_quant import (e4m3_bits_to_f32, round_to_bf16, 
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MMA_K = 32         # K of one fp8 MMA instruction (sm_89 / sm_90)
-W4A16_ROUTES = ("auto", "kernel", "dequant")
+W4A16_ROUTES = ("auto", "gemv", "kernel", "dequant")
+# NOTE: rows up to which w4a16_gemm runs the GEMV kernel (no tensor-core tile) where the fused
+# kernel would not split K; on an H100 (2026-11-27, Llama-8B shapes, bf16, CUDA graphs) it took
+# 0.56-0.76x the fused kernel's time at 1 row (qkv 20.6 us against 36.9, o 19.1 against 32.5,
+# gate_up 64.6 against 85.0) and 1.2-2.4x at 4-8 rows (benchmarks/quant_gemm_gpu.py)
+W4A16_GEMV_MAX_ROWS = int(os.environ.get("KVMESH_W4A16_GEMV_ROWS", "1"))
 # NOTE: rows from which w4a16_gemm dequantizes into a buffer for cuBLAS instead of running the
 # fused kernel; on an H100 (2026-11-26, Llama-8B shapes, bf16) the fused kernel took 2.1-4.6x
 # cuBLAS's dense time at 16 rows and 6-25x from 64 (benchmarks/quant_gemm_gpu.py)
@@ -127,6 +135,78 @@ def _w4a16_kernel(
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _weight_value(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """A float32 weight tile rounded to x_dtype (nearest even), still float32 for the FMAs."""
+    if UPCAST and x_dtype == tl.bfloat16:
+        return round_to_bf16(w)
+    return w.to(x_dtype).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn"])
+def _w4a16_gemv_kernel(
+    x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides), M <= ROWS
+    q_ptr,          # [N, K // 2] uint8 (as _w4a16_kernel)
+    s_ptr,          # [N, K // group_size] scales
+    z_ptr,          # [N, K // group_size] uint8 zero points
+    perm_ptr,       # [K] int64 (GPTQ act-order), or None
+    bias_ptr,       # [N] float, or None
+    y_ptr,          # [M, N] x's dtype
+    M, N, K, group_size,
+    stride_xm, stride_xk, stride_qn, stride_sn, stride_zn, stride_ym,
+    ROWS: tl.constexpr,         # a power of two >= M: every row of x in one program
+    BLOCK_N: tl.constexpr,      # weight rows a program owns
+    BLOCK_K: tl.constexpr,      # weight columns a step: a power of two dividing group_size
+    UPCAST: tl.constexpr,       # the interpreter: bf16 rounded by hand
+):
+    """Decode-sized M: no tensor-core tile, whose 16 rows would be mostly padding. A program
+    streams BLOCK_N weight rows in contiguous BLOCK_K / 2-byte runs (one group a step: one scale
+    and zero point a row), dequantizes them once in registers and multiplies each row of x in
+    turn with float32 FMAs, reducing along K in registers.
+
+    NOTE: a nibble becomes a float with an OR and a subtraction, not a conversion instruction:
+    the bits 0x4B000000 | q are the float 2^23 + q, and (2^23 + q) - (2^23 + zero) = q - zero
+    exactly; x's rows are a static loop over the one dequantized tile (a [ROWS, BLOCK_N,
+    BLOCK_K] product had each thread dequantize its weights once per row of x)."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, ROWS)
+    offs_h = tl.arange(0, BLOCK_K // 2)        # byte h of a step: columns 2h and 2h + 1
+    rows = offs_n.to(tl.int64)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_h[None, :]                  # [BLOCK_N, BLOCK_K/2]
+    s_ptrs = s_ptr + rows * stride_sn
+    z_ptrs = z_ptr + rows * stride_zn
+    x_dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col = k0 + 2 * offs_h
+        if perm_ptr is not None:
+            col_even = tl.load(perm_ptr + col)
+            col_odd = tl.load(perm_ptr + col + 1)
+        else:
+            col_even = col
+            col_odd = col + 1
+        packed = tl.load(q_ptrs + k0 // 2, mask=n_mask[:, None], other=0).to(tl.int32)
+        g = k0 // group_size
+        scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        bias23 = (tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.float32) + 8388608.0)[:, None]
+        lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
+        hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
+        w_even = _weight_value(lo * scale, x_dtype, UPCAST)
+        w_odd = _weight_value(hi * scale, x_dtype, UPCAST)
+        for r in tl.static_range(ROWS):
+            if r < M:
+                x_even = tl.load(x_ptr + r * stride_xm + col_even * stride_xk).to(tl.float32)
+                x_odd = tl.load(x_ptr + r * stride_xm + col_odd * stride_xk).to(tl.float32)
+                part = tl.sum(w_even * x_even[None, :] + w_odd * x_odd[None, :], axis=1)
+                acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_r.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=(offs_r < M)[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -298,16 +378,19 @@ def w4a16_gemm(
     perm: torch.Tensor | None = None,  # [K] int64: GPTQ act-order, x[:, perm] is multiplied
     bias: torch.Tensor | None = None,  # [N]
     *,
-    route: str = "auto",              # "kernel", "dequant", or "auto": by W4A16_DEQUANT_MIN_ROWS
+    route: str = "auto",              # "gemv", "kernel", "dequant", or "auto": by the rows
     split_k: int | None = None,       # the fused kernel's K splits (None: _split_k's choice)
+    gemv_tiles: tuple[int, ...] | None = None,  # (BLOCK_N, BLOCK_K, num_warps[, stages]); None: _gemv_tiles
 ) -> torch.Tensor:                    # [M, N] x's dtype
     """y = x[:, perm] @ ((q - zero) * scale)^T + bias, the weight rounded to x's dtype
     (kvmesh.kernels.reference.w4a16_gemm).
 
-    Two routes: the fused kernel (the weight dequantized a tile at a time in registers) and,
-    from W4A16_DEQUANT_MIN_ROWS rows, the weight dequantized into a transient [N, K] buffer of
-    x's dtype and multiplied by torch's dense GEMM (cuBLAS), as vLLM does for AWQ batches from
-    256 tokens: the buffer lives for the call only, the model holds the packed weight."""
+    Three routes, each dequantizing in registers or for the call only (the model holds the
+    packed weight): up to W4A16_GEMV_MAX_ROWS rows, where K is not split, the GEMV kernel
+    (float32 FMAs over contiguous weight runs); below W4A16_DEQUANT_MIN_ROWS the fused
+    tensor-core kernel; from there the weight dequantized into a transient [N, K] buffer of x's
+    dtype and multiplied by torch's dense GEMM (cuBLAS), as vLLM does for AWQ batches from 256
+    tokens."""
     if route not in W4A16_ROUTES:
         raise ValueError(f"route must be one of {', '.join(W4A16_ROUTES)}, got {route!r}")
     n = qweight.shape[0] if qweight.dim() == 2 else -1
@@ -336,6 +419,11 @@ def w4a16_gemm(
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = k // block_k
     splits = _split_k(tiles, steps, x.device) if split_k is None else min(max(int(split_k), 1), steps)
+    # NOTE: where K is long enough to split (Llama-8B's down, K = 14336), the split fused kernel
+    # beat the GEMV at 1 row on an H100: 46.1 us against 60.5
+    if route == "gemv" or (route == "auto" and m <= W4A16_GEMV_MAX_ROWS and splits == 1):
+        _launch_gemv(x, qweight, scales, zeros, group_size, perm, bias, y, gemv_tiles)
+        return y
     k_split = triton.cdiv(steps, splits) * block_k
     splits = triton.cdiv(k, k_split)                 # no empty split
     out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
@@ -353,6 +441,40 @@ def w4a16_gemm(
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](out, bias, y, m * n, n, SPLITS=splits, BLOCK=block,
                                                              UPCAST=upcast, num_warps=4)
     return y
+
+
+GEMV_ROWS_LIMIT = 16    # the widest ROWS the GEMV kernel is built for (its registers grow with it)
+
+
+def _gemv_tiles(rows: int, n: int) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, num_warps[, num_stages]) of the GEMV kernel for `rows` (a power of
+    two) rows of x and n weight rows; BLOCK_K is cut to the largest power of two dividing the
+    group size (one group a step).
+
+    NOTE: from the sweep on an H100 (2026-11-27, bf16, group size 128, 1 row, CUDA graphs;
+    `benchmarks/quant_gemm_gpu.py --gemv-sweep --cudagraph`): 2 warps over 8 weight rows were
+    within 3% of each shape's best up to N = 6144 (qkv 20.6 us, best 20.1; o 19.1, best 18.3)
+    and 16 rows at N = 28672 (gate_up 64.6 us, the best; 8 rows there: 74.7); one group a step
+    is 64 contiguous bytes a row; num_stages changed nothing (no tl.dot to pipeline)."""
+    return (8 if n <= 8192 else 16), 128, 2
+
+
+def _launch_gemv(x, qweight, scales, zeros, group_size, perm, bias, y, tiles) -> None:
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m > GEMV_ROWS_LIMIT:
+        raise ValueError(f"the gemv route takes at most {GEMV_ROWS_LIMIT} rows, got {m}")
+    rows = triton.next_power_of_2(m)
+    block_n, block_k, warps, *stages = _gemv_tiles(rows, n) if tiles is None else tiles
+    if block_k < 32 or block_k & (block_k - 1) or block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"gemv_tiles needs powers of two, BLOCK_K >= 32: got {tiles}")
+    block_k = math.gcd(block_k, group_size)         # one group a step (group_size: 32 a unit)
+    _w4a16_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scales, zeros, perm, bias, y, m, n, k, group_size,
+        *x.stride(), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=paged_attention.upcast_operands(x),
+        num_warps=warps, num_stages=stages[0] if stages else 3,
+    )
 
 
 _SM_COUNT: dict[int, int] = {}

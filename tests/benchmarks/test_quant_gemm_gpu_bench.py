@@ -25,7 +25,8 @@ def test_cpu_smoke_rows_and_errors(capsys):
     assert bench.main(["--device", "cpu", "--rows", "3"]) == 0
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| tiny")]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w4a16-dequant", "w8a8", "fp8", "fp8-token")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("tiny 40x128", "3", p) for p in ("dense", "w4a16", "w4a16-dequant", "w4a16-gemv", "w8a8", "fp8",
+                                                                               "fp8-token")]
     # bf16 results: one rounding (2^-8 of the largest value) plus float32 accumulation over K = 128
     assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
 
@@ -36,3 +37,16 @@ def test_w4a16_split_paths_run_the_fused_kernel_split(capsys):
             if line.startswith("| tiny")]
     assert [r[2] for r in rows] == ["w4a16-k2", "w4a16-k4"]
     assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
+
+
+def test_gemv_sweep_times_every_tile_and_names_the_best(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "SWEEP", [(8, 128, 2), (2, 64, 2), (16, 32, 1)])
+    assert bench.main(["--device", "cpu", "--rows", "3,20", "--gemv-sweep"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out if line.startswith("| tiny")]
+    # M 20 is past the GEMV's 16 rows: swept at M 3 only, the three tiles, each within bf16 rounding
+    assert sorted(r[1] for r in rows) == ["(16, 32, 1)", "(2, 64, 2)", "(8, 128, 2)"]
+    assert {r[0] for r in rows} == {"tiny 40x128, M 3"}
+    assert all(float(r[4]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
+    assert [line for line in out if line.startswith("# best tiny 40x128, M 3: (")]
+    assert [r for r in rows if len(r) > 5 and r[5] == "default"] == [r for r in rows if r[1] == "(8, 128, 2)"]

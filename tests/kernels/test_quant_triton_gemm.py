@@ -59,12 +59,16 @@ def int4_weight(n, k, group_size, scale_dtype, g):
 W4_CASES = {  # name: (M, N, K, group_size, act-order perm, bias)
     "decode-1row-g32": (1, 40, 96, 32, False, False),
     "decode-5rows-g64-perm-bias": (5, 72, 192, 64, True, True),
+    "decode-16rows-g128": (16, 24, 384, 128, False, False),
     "prefill-70rows-g128-perm-bias": (70, 33, 256, 128, True, True),
 }
 
 
 ROUTES = {"kernel": {"route": "kernel", "split_k": 1}, "kernel-split-k": {"route": "kernel", "split_k": 3},
-          "dequant": {"route": "dequant"}}
+          "dequant": {"route": "dequant"}, "gemv": {"route": "gemv"},
+          # a step within one group, and a step over several groups past K's end
+          "gemv-narrow": {"route": "gemv", "gemv_tiles": (16, 32, 1)},
+          "gemv-wide": {"route": "gemv", "gemv_tiles": (4, 512, 2)}}
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
@@ -78,6 +82,10 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     qweight, scales, zeros = int4_weight(n, k, group_size, dtype, g)
     perm = torch.randperm(k, generator=g) if use_perm else None
     bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
+    if route.startswith("gemv") and m > triton_gemm.GEMV_ROWS_LIMIT:
+        with pytest.raises(ValueError, match=f"the gemv route takes at most 16 rows, got {m}"):
+            on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, **ROUTES[route])
+        return
     with kx.poisoned():
         got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, **ROUTES[route])
     assert got.dtype == dtype and got.shape == (m, n)
@@ -88,7 +96,7 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     assert_within(got, want, (k + 2) * U32 * mag)
 
 
-@pytest.mark.parametrize("route", ["kernel", "dequant"])
+@pytest.mark.parametrize("route", ["gemv", "kernel", "dequant"])
 def test_w4a16_layout_nibbles_zero_points_and_groups(route):
     """One hand-built row: the low nibble is the even column, a zero point shifts, each group its scale."""
     k, group_size = 64, 32
@@ -130,10 +138,22 @@ def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_r
     routes = []
     monkeypatch.setattr(triton_gemm, "dequantize_int4", lambda *a: routes.append("dequant") or
                         torch.zeros(24, 128, dtype=torch.bfloat16, device=a[0].device))
+    monkeypatch.setattr(triton_gemm, "_launch_gemv", lambda *a: routes.append(f"gemv {a[0].shape[0]}"))
+    monkeypatch.setattr(triton_gemm, "W4A16_GEMV_MAX_ROWS", 2)
     monkeypatch.setattr(triton_gemm, "W4A16_DEQUANT_MIN_ROWS", 4)
-    for m in (3, 4):
+    for m in (1, 2, 3, 4):
         on_device(triton_gemm.w4a16_gemm, torch.zeros(m, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
-    assert routes == ["dequant"]                   # 3 rows: the fused kernel; 4: the dense GEMM
+    # 1-2 rows: the GEMV; 3: the fused tensor-core kernel (nothing recorded); 4: the dense GEMM
+    assert routes == ["gemv 1", "gemv 2", "dequant"]
+    # a K long enough to split goes to the split fused kernel, even at 1 row
+    monkeypatch.setattr(triton_gemm, "_split_k", lambda tiles, steps, device: 2)
+    on_device(triton_gemm.w4a16_gemm, torch.zeros(1, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
+    assert routes == ["gemv 1", "gemv 2", "dequant"]
+
+
+def test_gemv_tiles_follow_the_h100_sweep():
+    assert triton_gemm._gemv_tiles(1, 6144) == (8, 128, 2)
+    assert triton_gemm._gemv_tiles(1, 28672) == (16, 128, 2)
 
 
 def test_int8_quantization_is_the_reference_bit_for_bit():
@@ -287,7 +307,9 @@ def _w4_args(**over):
     (dict(bias=torch.zeros(9, dtype=torch.float16)), r"bias must be \[8\], got \[9\]"),
     (dict(qweight=torch.zeros(64, 8, dtype=torch.uint8).T), "qweight must be contiguous along its last dimension"),
     (dict(x=torch.zeros(2, 128, dtype=torch.float16, device="meta")), "must be on one device"),
-    (dict(route="marlin"), "route must be one of auto, kernel, dequant, got 'marlin'"),
+    (dict(route="marlin"), "route must be one of auto, gemv, kernel, dequant, got 'marlin'"),
+    (dict(route="gemv", gemv_tiles=(8, 48, 4)), r"gemv_tiles needs powers of two, BLOCK_K >= 32: got \(8, 48, 4\)"),
+    (dict(route="gemv", gemv_tiles=(6, 64, 4)), r"gemv_tiles needs powers of two, BLOCK_K >= 32: got \(6, 64, 4\)"),
 ])
 def test_w4a16_refuses_bad_input(over, message):
     with pytest.raises(ValueError, match=message):
