@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import platform
@@ -127,6 +128,7 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
                model_path: str | None = None) -> tuple[float, float, list[list[int]], str]:
     """`loaded`'s dtype is the one measured (with tensor parallelism the ranks load their own)."""
     from kvmesh.common.config import EngineConfig
+    from kvmesh.common.gc_freeze import freeze_after_startup
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
 
@@ -143,10 +145,13 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
         engine = LLMEngine(cfg)
     else:
         engine = LLMEngine(cfg, loaded=loaded)
+    # NOTE: the start-up heap frozen as `kvmesh serve`, kvmesh's LLM and vLLM's engine core do
+    freeze_after_startup()
     try:
         return _time_kvmesh(engine, reqs, args, SamplingParams)
     finally:
         engine.shutdown()
+        gc.unfreeze()
 
 
 def _time_kvmesh(engine, reqs: list[BenchRequest], args, SamplingParams) -> tuple[float, float, list[list[int]], str]:

@@ -1,10 +1,13 @@
 """The offline API: `LLM(model=None, **engine_args).generate(...)` and `.chat(...)`."""
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 from typing import Any, Sequence
 
 from kvmesh.common.config import engine_config_from_kwargs
+from kvmesh.common.gc_freeze import freeze_after_startup
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.input_processor import EngineRequest
 from kvmesh.engine.lora.request import LoRARequest
@@ -26,10 +29,19 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(engine_config_from_kwargs(model, **engine_args))
         self._ids = itertools.count()
+        # NOTE: as `kvmesh serve` (and vLLM's engine core) does: what start-up built leaves the
+        # collector, whose passes over it took ~2% of a decode-heavy run's CPU samples
+        # (docs/BENCHMARKS.md); shutdown() hands it back
+        freeze_after_startup()
+        atexit.unregister(gc.unfreeze)      # once, however many LLMs a process makes
+        atexit.register(gc.unfreeze)        # an LLM never shut down: collected at exit as before
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel worker processes (none with one rank)."""
+        """Stop the engine's tensor-parallel worker processes (none with one rank) and return
+        what start-up froze to the garbage collector (so a process that makes engines one after
+        another does not keep their cycles)."""
         self.engine.shutdown()
+        gc.unfreeze()
 
     def __enter__(self) -> "LLM":
         return self

@@ -29,3 +29,20 @@ def test_start_up_garbage_is_collected_and_what_lives_is_frozen():
         assert not young & {id(x) for x in kept}       # no generation holds them any more
     finally:
         gc.unfreeze()
+
+
+def test_the_offline_llm_freezes_its_start_up_and_returns_it_at_shutdown():
+    from kvmesh.engine.llm import LLM
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    gc.unfreeze()
+    llm = LLM(dtype="float32", device="cpu", num_kv_blocks=64)
+    try:
+        frozen = gc.get_freeze_count()
+        # the model's modules, parameters and the block pool's Block objects among them
+        assert frozen >= len(llm.engine.scheduler.kv.pool.blocks) == 64
+        out = llm.generate("The capital of France is", SamplingParams(max_tokens=2, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -9,6 +9,7 @@ and refuses to run.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
@@ -43,8 +44,39 @@ def test_amx_is_a_bf16_gemm_of_the_dequantized_weights(qtype, shape):
     assert (err <= bound * (1 + 2 ** -8) + 2 ** -8 * exact.abs()).all()
     # the bf16 tiles hold the same weights: the two differ only in summation order
     tiles = build.load().quant_gemm_tiled(x, w.data, w.qtype, k)
-    raw = build.load().quant_gemm_amx(x, w.data, w.qtype, k)
+    raw = build.load().quant_gemm_amx(x, w.data, w.qtype, k, False)
+    assert raw.dtype == torch.float32
     assert ((raw.double() - tiles.double()).abs() <= 2 * bound).all()
+    # the bf16 result is the float32 one rounded by torch, bit for bit
+    rounded = build.load().quant_gemm_amx(x, w.data, w.qtype, k, True)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, raw.bfloat16()) and torch.equal(y, rounded)
+
+
+@needs_amx
+def test_amx_bf16_output_rounds_ties_to_even_and_keeps_nan_and_inf():
+    """Hand-built Q8_0 rows (scale 1: row n holds 1 and n, zeros after), so y is exact in
+    float32: 1 + n * 2^-8 lies halfway between two bf16 values for odd n (ties to even) and on one
+    for even n; an infinite activation gives inf, inf - inf NaN."""
+    n, k = 16, 256
+    row = np.zeros((k // 32, 34), dtype=np.uint8)
+    row[:, :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    rows = np.repeat(row[None], n, axis=0)
+    rows[:, 0, 2] = 1                                   # weight 0 = 1
+    rows[:, 0, 3] = np.arange(n, dtype=np.int8).view(np.uint8)  # weight 1 = n
+    data = torch.from_numpy(rows.reshape(n, -1).copy())
+    x = torch.zeros(3, k, dtype=torch.bfloat16)
+    x[0, 0], x[0, 1] = 1.0, 2.0 ** -8
+    x[1, 0] = float("inf")
+    x[2, 0], x[2, 1] = float("inf"), float("-inf")
+    ext = build.load()
+    y32 = ext.quant_gemm_amx(x, data, int(T.Q8_0), k, False)
+    y16 = ext.quant_gemm_amx(x, data, int(T.Q8_0), k, True)
+    assert y32[0].tolist() == [1.0 + i * 2.0 ** -8 for i in range(n)]
+    # ties to even: 1 + 1/256 -> 1, 1 + 3/256 -> 1 + 4/256; exact for even n
+    assert y16[0].tolist() == [1.0 + 2.0 ** -8 * (i + (i % 4 == 3) - (i % 4 == 1)) for i in range(n)]
+    assert torch.equal(y16[0].view(torch.int16), y32[0].bfloat16().view(torch.int16))
+    assert y16[1].tolist() == [float("inf")] * n
+    assert y16[2].isnan().all()
 
 
 @needs_amx
@@ -88,11 +120,11 @@ def test_amx_refusals():
         quant_linear(torch.randn(9, 256), w, path="amx")
     ext = build.load()
     with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
-        ext.quant_gemm_amx(torch.zeros(9, 256), w.data, w.qtype, 256)
+        ext.quant_gemm_amx(torch.zeros(9, 256), w.data, w.qtype, 256, False)
     with pytest.raises(RuntimeError, match="bytes a row"):
-        ext.quant_gemm_amx(torch.zeros(9, 512, dtype=torch.bfloat16), w.data, w.qtype, 512)
+        ext.quant_gemm_amx(torch.zeros(9, 512, dtype=torch.bfloat16), w.data, w.qtype, 512, True)
     if not amx_ready():
         with pytest.raises(RuntimeError, match="no AMX bf16 tiles"):
-            ext.quant_gemm_amx(torch.zeros(9, 256, dtype=torch.bfloat16), w.data, w.qtype, 256)
+            ext.quant_gemm_amx(torch.zeros(9, 256, dtype=torch.bfloat16), w.data, w.qtype, 256, True)
     else:
-        assert ext.quant_gemm_amx(torch.zeros(0, 256, dtype=torch.bfloat16), w.data, w.qtype, 256).shape == (0, 10)
+        assert ext.quant_gemm_amx(torch.zeros(0, 256, dtype=torch.bfloat16), w.data, w.qtype, 256, True).shape == (0, 10)

@@ -22,22 +22,26 @@
 
 namespace kvmesh_quant {
 
-torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K) {
+torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K, bool out_bf16) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
               "quant_gemm_amx: x must be a CPU bfloat16 [M, K] tensor");
   const int64_t row_bytes = check_weight(w, fmt, K);
   TORCH_CHECK(K % 32 == 0, "quant_gemm_amx: K=", K, " is not a multiple of 32");
   TORCH_CHECK(!amx_isa().empty(), "quant_gemm_amx: no AMX bf16 tiles in this build or process");
   const int64_t M = x.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   if (M == 0 || N == 0) return y;
 #if KQ_AMX
   const auto xc = x.contiguous();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  kvmesh_amx::bf16_rebuilt_gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, N, K,
-                                y.data_ptr<float>(), [&](int64_t row, int64_t count, uint16_t* out) {
-                                  dequantize_rows_bf16(fmt, wp + row * row_bytes, row_bytes, count, K, out);
-                                });
+  const auto rebuild = [&](int64_t row, int64_t count, uint16_t* out) {
+    dequantize_rows_bf16(fmt, wp + row * row_bytes, row_bytes, count, K, out);
+  };
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  if (out_bf16)
+    kvmesh_amx::bf16_rebuilt_gemm(xp, M, N, K, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rebuild);
+  else
+    kvmesh_amx::bf16_rebuilt_gemm(xp, M, N, K, y.data_ptr<float>(), rebuild);
 #endif
   return y;
 }

@@ -7,8 +7,10 @@
 
 namespace kvmesh_quant {
 
-// y[M, N] float32 = x[M, K] @ W^T on AMX bf16 tiles: x bfloat16, W as GGUF blocks [N, row_bytes].
-torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K);
+// y[M, N] = x[M, K] @ W^T on AMX bf16 tiles: x bfloat16, W as GGUF blocks [N, row_bytes]; y float32,
+// or (out_bf16) bfloat16 rounded from the float32 accumulators as torch rounds.
+torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K,
+                             bool out_bf16);
 
 // "amx_bf16" where this build has the AMX path and the kernel lets this process use the tiles
 // (Linux's arch_prctl permission, asked once); "" otherwise.

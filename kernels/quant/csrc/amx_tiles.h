@@ -180,15 +180,34 @@ inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, in
     _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
 }
 
-// y[M, N] float32 = x[M, K] (bf16) @ W^T on bf16 tiles, for a W whose rows are rebuilt in bf16 by
+// The same, rounded to bf16 as torch's float32 -> bfloat16 conversion rounds (nearest even; NaN as
+// c10::BFloat16's 0x7FC0): y bf16 straight from the accumulators, no float32 [M, N] and no copy.
+inline void store_transposed(const float* c, uint16_t* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
+                             int64_t cols) {
+  __m512i r[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
+  transpose16(r);
+  const __mmask16 keep = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512i u = r[m];
+    __m512i b = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    b = _mm512_srli_epi32(b, 16);
+    const __mmask16 number = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_ORD_Q);
+    b = _mm512_mask_blend_epi32(number, nan, b);
+    _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, _mm512_cvtepi32_epi16(b));
+  }
+}
+
+// y[M, N] (float32, or bf16 rounded once) = x[M, K] (bf16) @ W^T on bf16 tiles, for a W whose rows are rebuilt in bf16 by
 // `rebuild(first_row, count, out)` (count rows of K bf16 into out, row stride K; K a multiple of
 // 32): the GGUF blocks' and the int4 groups' AMX paths. x is packed once into pair tiles (zero rows
 // pad the last 16-row group); a task takes 32 weight rows, rebuilt into a 64-byte aligned scratch
 // (a row split over two cache lines made every tile load about twice as slow, measured), and the
 // next task's rows are rebuilt into a second scratch a few at a time between this task's tile
 // multiplies, so the AVX-512 work runs while the tile unit is busy (about 2x at 64 rows).
-template <typename Rebuild>
-void bf16_rebuilt_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, float* y, Rebuild&& rebuild) {
+template <typename Out, typename Rebuild>
+void bf16_rebuilt_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, Out* y, Rebuild&& rebuild) {
   constexpr int64_t TN = 32, TK = 32;
   const int64_t G = (M + 15) / 16, S = K / TK;
   // NOTE: torch's CPU allocator aligns to 64 bytes, as the tile loads want

@@ -553,6 +553,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows [n0, n0 + out.size(0)) of a GGUF-block weight dequantized into out (float32 or bf16)");
   m.def("tiled_isa", &kvmesh_quant::tiled_isa, "the instruction set of the tiled path's kernels");
   m.def("quant_gemm_amx", &kvmesh_quant::quant_gemm_amx,
-        "y = x @ W^T on AMX bf16 tiles: W dequantized 32 rows at a time (bfloat16 x)");
+        "y = x @ W^T on AMX bf16 tiles: W dequantized 32 rows at a time (bfloat16 x; y float32, or bf16 "
+        "rounded once when out_bf16)");
   m.def("amx_isa", &kvmesh_quant::amx_isa, "'amx_bf16' where the AMX path runs here, else ''");
 }
