@@ -60,6 +60,18 @@ def _to_operand(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _x_columns(perm_ptr, col):
+    """x's columns for the weight columns col (even) and col + 1 (odd): through GPTQ's act-order
+    permutation where there is one."""
+    col_even = col
+    col_odd = col + 1
+    if perm_ptr is not None:
+        col_even = tl.load(perm_ptr + col_even)
+        col_odd = tl.load(perm_ptr + col_odd)
+    return col_even, col_odd
+
+
+@triton.jit
 def _to_output(acc, y_dtype: tl.constexpr, UPCAST: tl.constexpr):
     """The float32 result tile cast for the store (rounded to nearest even in the interpreter too)."""
     if UPCAST and y_dtype == tl.bfloat16:
@@ -109,12 +121,7 @@ def _w4a16_kernel(
     for kk in range(0, k_len, BLOCK_K):
         k0 = k_begin + kk
         col = k0 + 2 * offs_h
-        if perm_ptr is not None:
-            col_even = tl.load(perm_ptr + col)
-            col_odd = tl.load(perm_ptr + col + 1)
-        else:
-            col_even = col
-            col_odd = col + 1
+        col_even, col_odd = _x_columns(perm_ptr, col)
         x_even = tl.load(x_rows + col_even[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
         x_odd = tl.load(x_rows + col_odd[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
         packed = tl.load(q_ptrs + k0 // 2, mask=n_mask[None, :], other=0)
@@ -183,12 +190,7 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         col = k0 + 2 * offs_h
-        if perm_ptr is not None:
-            col_even = tl.load(perm_ptr + col)
-            col_odd = tl.load(perm_ptr + col + 1)
-        else:
-            col_even = col
-            col_odd = col + 1
+        col_even, col_odd = _x_columns(perm_ptr, col)
         packed = tl.load(q_ptrs + k0 // 2, mask=n_mask[:, None], other=0).to(tl.int32)
         g = k0 // group_size
         scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 namespace kvmesh_amx {
@@ -169,21 +170,13 @@ inline void each_group_pair(const uint8_t* a, int64_t lda, int64_t step_bytes, c
 }
 
 // Accumulator tile `c` (16 weight rows x 16 activation rows, float32) into y's rows m0 .. m0 + rows
-// and columns n0 .. n0 + cols (cols <= 16), transposed.
-inline void store_transposed(const float* c, float* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
+// and columns n0 .. n0 + cols (cols <= 16), transposed. Out uint16_t: y is bf16, each value rounded
+// as torch's float32 -> bfloat16 conversion rounds (nearest even; NaN as c10::BFloat16's 0x7FC0),
+// straight from the accumulators: no float32 [M, N] and no copy.
+template <typename Out>
+inline void store_transposed(const float* c, Out* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
                              int64_t cols) {
-  __m512i r[16];
-  for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
-  transpose16(r);
-  const __mmask16 keep = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  for (int64_t m = 0; m < rows; ++m)
-    _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(r[m]));
-}
-
-// The same, rounded to bf16 as torch's float32 -> bfloat16 conversion rounds (nearest even; NaN as
-// c10::BFloat16's 0x7FC0): y bf16 straight from the accumulators, no float32 [M, N] and no copy.
-inline void store_transposed(const float* c, uint16_t* y, int64_t N, int64_t m0, int64_t rows, int64_t n0,
-                             int64_t cols) {
+  static_assert(std::is_same_v<Out, float> || std::is_same_v<Out, uint16_t>, "float32 or bf16 bits");
   __m512i r[16];
   for (int j = 0; j < 16; ++j) r[j] = _mm512_load_si512(c + j * 16);
   transpose16(r);
@@ -191,11 +184,15 @@ inline void store_transposed(const float* c, uint16_t* y, int64_t N, int64_t m0,
   const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
   for (int64_t m = 0; m < rows; ++m) {
     const __m512i u = r[m];
-    __m512i b = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    b = _mm512_srli_epi32(b, 16);
-    const __mmask16 number = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_ORD_Q);
-    b = _mm512_mask_blend_epi32(number, nan, b);
-    _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, _mm512_cvtepi32_epi16(b));
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(u));
+    } else {
+      __m512i b = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+      b = _mm512_srli_epi32(b, 16);
+      const __mmask16 number = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_ORD_Q);
+      b = _mm512_mask_blend_epi32(number, nan, b);
+      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, _mm512_cvtepi32_epi16(b));
+    }
   }
 }
 
