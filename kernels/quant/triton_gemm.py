@@ -423,7 +423,7 @@ def w4a16_gemm(
     splits = _split_k(tiles, steps, x.device) if split_k is None else min(max(int(split_k), 1), steps)
     # NOTE: where K is long enough to split (Llama-8B's down, K = 14336), the split fused kernel
     # beat the GEMV at 1 row on an H100: 46.1 us against 60.5
-    if route == "gemv" or (route == "auto" and m <= W4A16_GEMV_MAX_ROWS and splits == 1):
+    if route == "gemv" or (route == "auto" and m <= min(W4A16_GEMV_MAX_ROWS, GEMV_ROWS_LIMIT) and splits == 1):
         _launch_gemv(x, qweight, scales, zeros, group_size, perm, bias, y, gemv_tiles)
         return y
     k_split = triton.cdiv(steps, splits) * block_k

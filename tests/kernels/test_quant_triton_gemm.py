@@ -145,10 +145,16 @@ def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_r
         on_device(triton_gemm.w4a16_gemm, torch.zeros(m, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
     # 1-2 rows: the GEMV; 3: the fused tensor-core kernel (nothing recorded); 4: the dense GEMM
     assert routes == ["gemv 1", "gemv 2", "dequant"]
+    # a limit set past the kernel's 16 rows (KVMESH_W4A16_GEMV_ROWS) is held to them
+    monkeypatch.setattr(triton_gemm, "W4A16_GEMV_MAX_ROWS", 64)
+    monkeypatch.setattr(triton_gemm, "W4A16_DEQUANT_MIN_ROWS", 64)
+    for m in (16, 17):
+        on_device(triton_gemm.w4a16_gemm, torch.zeros(m, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
+    assert routes == ["gemv 1", "gemv 2", "dequant", "gemv 16"]
     # a K long enough to split goes to the split fused kernel, even at 1 row
     monkeypatch.setattr(triton_gemm, "_split_k", lambda tiles, steps, device: 2)
     on_device(triton_gemm.w4a16_gemm, torch.zeros(1, 128, dtype=torch.bfloat16), qweight, scales, zeros, 64)
-    assert routes == ["gemv 1", "gemv 2", "dequant"]
+    assert routes == ["gemv 1", "gemv 2", "dequant", "gemv 16"]
 
 
 def test_gemv_tiles_follow_the_h100_sweep():
