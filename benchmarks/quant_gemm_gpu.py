@@ -133,7 +133,7 @@ def _sweep(torch, w, x, dense_ms: float, device: str, graph: bool, label: str) -
     from kvmesh.kernels.quant import triton_gemm as tg
     want = reference.w4a16_gemm(x, *w["int4"], GROUP_SIZE)
     scale = max(want.abs().max().item(), 1e-30)
-    default = tg._gemv_tiles(1 << (x.shape[0] - 1).bit_length(), w["int4"][0].shape[0])
+    default = tg._gemv_tiles(w["int4"][0].shape[0])
     seen = {}
     rows = 1 << (x.shape[0] - 1).bit_length()
     # NOTE: past 32,768 products a program (256 a thread at 4 warps) the tile only spills

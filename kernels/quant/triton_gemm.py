@@ -41,7 +41,8 @@ W4A16_ROUTES = ("auto", "gemv", "kernel", "dequant")
 # NOTE: rows up to which w4a16_gemm runs the GEMV kernel (no tensor-core tile) where the fused
 # kernel would not split K; on an H100 (2026-11-27, Llama-8B shapes, bf16, CUDA graphs) it took
 # 0.56-0.76x the fused kernel's time at 1 row (qkv 20.6 us against 36.9, o 19.1 against 32.5,
-# gate_up 64.6 against 85.0) and 1.2-2.4x at 4-8 rows (benchmarks/quant_gemm_gpu.py)
+# gate_up 64.6 against 85.0) and 1.15-2.25x at 4-8 rows with the sweep's best tiles
+# (benchmarks/quant_gemm_gpu.py)
 W4A16_GEMV_MAX_ROWS = int(os.environ.get("KVMESH_W4A16_GEMV_ROWS", "1"))
 # NOTE: rows from which w4a16_gemm dequantizes into a buffer for cuBLAS instead of running the
 # fused kernel; on an H100 (2026-11-26, Llama-8B shapes, bf16) the fused kernel took 2.1-4.6x
@@ -144,14 +145,6 @@ def _w4a16_kernel(
         tl.store(y_ptrs, _to_output(acc, y_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _weight_value(w, x_dtype: tl.constexpr, UPCAST: tl.constexpr):
-    """A float32 weight tile rounded to x_dtype (nearest even), still float32 for the FMAs."""
-    if UPCAST and x_dtype == tl.bfloat16:
-        return round_to_bf16(w)
-    return w.to(x_dtype).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M", "group_size", "stride_sn", "stride_zn"])
 def _w4a16_gemv_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides), M <= ROWS
@@ -197,8 +190,9 @@ def _w4a16_gemv_kernel(
         bias23 = (tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.float32) + 8388608.0)[:, None]
         lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
         hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
-        w_even = _weight_value(lo * scale, x_dtype, UPCAST)
-        w_odd = _weight_value(hi * scale, x_dtype, UPCAST)
+        # the weights rounded to x's dtype as the fused kernel's operands, float32 for the FMAs
+        w_even = _to_operand(lo * scale, x_dtype, UPCAST).to(tl.float32)
+        w_odd = _to_operand(hi * scale, x_dtype, UPCAST).to(tl.float32)
         for r in tl.static_range(ROWS):
             if r < M:
                 x_even = tl.load(x_ptr + r * stride_xm + col_even * stride_xk).to(tl.float32)
@@ -448,10 +442,10 @@ def w4a16_gemm(
 GEMV_ROWS_LIMIT = 16    # the widest ROWS the GEMV kernel is built for (its registers grow with it)
 
 
-def _gemv_tiles(rows: int, n: int) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, num_warps[, num_stages]) of the GEMV kernel for `rows` (a power of
-    two) rows of x and n weight rows; BLOCK_K is cut to the largest power of two dividing the
-    group size (one group a step).
+def _gemv_tiles(n: int) -> tuple[int, ...]:
+    """(BLOCK_N, BLOCK_K, num_warps[, num_stages]) of the GEMV kernel for n weight rows, however
+    many rows x has; BLOCK_K is cut to the largest power of two dividing the group size (one
+    group a step).
 
     NOTE: from the sweep on an H100 (2026-11-27, bf16, group size 128, 1 row, CUDA graphs;
     `benchmarks/quant_gemm_gpu.py --gemv-sweep --cudagraph`): 2 warps over 8 weight rows were
@@ -467,7 +461,7 @@ def _launch_gemv(x, qweight, scales, zeros, group_size, perm, bias, y, tiles) ->
     if m > GEMV_ROWS_LIMIT:
         raise ValueError(f"the gemv route takes at most {GEMV_ROWS_LIMIT} rows, got {m}")
     rows = triton.next_power_of_2(m)
-    block_n, block_k, warps, *stages = _gemv_tiles(rows, n) if tiles is None else tiles
+    block_n, block_k, warps, *stages = _gemv_tiles(n) if tiles is None else tiles
     if block_k < 32 or block_k & (block_k - 1) or block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"gemv_tiles needs powers of two, BLOCK_K >= 32: got {tiles}")
     block_k = math.gcd(block_k, group_size)         # one group a step (group_size: 32 a unit)

@@ -158,8 +158,8 @@ def test_w4a16_dequantized_weight_is_the_reference_and_auto_picks_the_route_by_r
 
 
 def test_gemv_tiles_follow_the_h100_sweep():
-    assert triton_gemm._gemv_tiles(1, 6144) == (8, 128, 2)
-    assert triton_gemm._gemv_tiles(1, 28672) == (16, 128, 2)
+    assert triton_gemm._gemv_tiles(6144) == (8, 128, 2)
+    assert triton_gemm._gemv_tiles(28672) == (16, 128, 2)
 
 
 def test_int8_quantization_is_the_reference_bit_for_bit():
