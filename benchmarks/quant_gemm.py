@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# tiled kernels: {tiled_isa()}; quant_linear takes the tiled path from "
           + ", ".join(f"{n} rows ({kind} tiles)" for kind, n in TILED_MIN_ROWS.items())
           + "; the slabs from " + ", ".join(f"{n} rows ({kind})" for kind, n in SLAB_MIN_ROWS.items())
-          + (f"; on AMX: bf16 from {AMX_MIN_ROWS} rows, the slabs from {AMX_SLAB_MIN_ROWS}" if amx_ready() else ""))
+          + (f"; on AMX: bf16 from {AMX_MIN_ROWS['float']} rows (int8 activations from "
+             f"{AMX_MIN_ROWS['int8']}), the slabs from {AMX_SLAB_MIN_ROWS}" if amx_ready() else ""))
     print(f"# {'fmt':5} {'shape':8} {'N':>6} {'K':>5} {'M':>5} "
           + " ".join(f"{c:>11}" for c in COLUMNS) + f" {'auto/bf16':>9} {'i8/bf16':>7} {'GB/s i8':>7} {'GB/s bf16':>9} {'bf16 err':>9}"
           + "   (us per call)")

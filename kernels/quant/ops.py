@@ -20,8 +20,8 @@ FMA otherwise. From TILED_MIN_ROWS rows on (per tile kind), float activations ta
 int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are taken as floats.
 
 "amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers),
-takes bf16 activations from AMX_MIN_ROWS rows up to the slabs (from AMX_SLAB_MIN_ROWS there)
-instead of "tiled": 32 weight rows at a time are dequantized into a bf16 scratch by the tiles'
+takes bf16 activations from AMX_MIN_ROWS rows (one for float activations, 8 for int8) up to the
+slabs (from AMX_SLAB_MIN_ROWS there) instead of "rows" and "tiled": 32 weight rows at a time are dequantized into a bf16 scratch by the tiles'
 arithmetic and multiplied by every activation row on the tiles (csrc/amx.cpp): the bf16 tiles'
 result at several times their speed.
 
@@ -58,10 +58,13 @@ INT8_TILED_MIN_ROWS: dict[str, int | None] = {"bf16": 8, "float32": None}
 # NOTE: the fewest rows at which dequantizing slabs for oneDNN beat the tiles on the built-in
 # model's shapes (benchmarks/quant_gemm.py's "slabs" column, docs/KERNELS.md); any activations.
 SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
-# NOTE: the fewest bf16 rows at which the AMX path beat the per-row and tiled kernels on the built-in
-# model's shapes (benchmarks/quant_gemm.py's "amx" column, docs/KERNELS.md); it replaces the bf16
-# tiles where the CPU has AMX, up to AMX_SLAB_MIN_ROWS.
-AMX_MIN_ROWS = 8
+# NOTE: the fewest bf16 rows, per activation mode, at which the AMX path takes a call where the CPU
+# has AMX (up to AMX_SLAB_MIN_ROWS). Float activations from one row: with its bf16 output the AMX
+# path tied the per-row float32 kernel at one row on the layers and beat it 1.5x on the LM head,
+# 1.3-5x from 2 to 7 rows (benchmarks/quant_gemm.py, docs/KERNELS.md); it is then also the kernel
+# at every batch size, so a row's result does not depend on how many rows share its step. int8
+# activations keep their per-row int8 kernel (the mode chosen for one-row speed) below 8 rows.
+AMX_MIN_ROWS = {"float": 1, "int8": 8}
 # NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: the
 # tiles beat the slabs at 128 rows on every layer shape of the built-in model, the slabs won at
 # 256 on qkv and gate_up in the idle run (benchmarks/quant_gemm.py, docs/KERNELS.md)
@@ -86,7 +89,7 @@ def gemm_path(rows: int, dtype: torch.dtype = torch.float32, activations: str = 
     of `dtype`."""
     if rows >= slab_min_rows(dtype):
         return "slabs"
-    if rows >= AMX_MIN_ROWS and tile_kind(dtype) == "bf16" and amx_ready():
+    if rows >= AMX_MIN_ROWS[activations] and tile_kind(dtype) == "bf16" and amx_ready():
         return "amx"
     at = (TILED_MIN_ROWS if activations == "float" else INT8_TILED_MIN_ROWS)[tile_kind(dtype)]
     return "tiled" if at is not None and rows >= at else "rows"

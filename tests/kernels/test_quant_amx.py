@@ -83,13 +83,17 @@ def test_amx_bf16_output_rounds_ties_to_even_and_keeps_nan_and_inf():
 def test_quant_linear_takes_amx_between_the_tiles_and_the_slabs(monkeypatch):
     w, _ = _weight(T.Q4_1, 40, 256, activations="float")
     bf16 = torch.bfloat16
-    assert gemm_path(AMX_MIN_ROWS - 1, bf16) == "rows"
+    floor_f, floor_i8 = AMX_MIN_ROWS["float"], AMX_MIN_ROWS["int8"]
+    assert floor_f == 1 and floor_i8 == 8
     assert slab_min_rows(bf16) == AMX_SLAB_MIN_ROWS
-    assert gemm_path(AMX_MIN_ROWS, bf16) == gemm_path(AMX_SLAB_MIN_ROWS - 1, bf16) == "amx"
-    assert gemm_path(AMX_MIN_ROWS, bf16, activations="int8") == "amx"     # taken as floats, as the tiles
+    # float activations: every row count up to the slabs (one kernel whatever the batch)
+    assert {gemm_path(m, bf16) for m in range(1, AMX_SLAB_MIN_ROWS)} == {"amx"}
+    # int8 activations: their per-row int8 kernel below 8 rows, then the tiles (taken as floats)
+    assert gemm_path(floor_i8 - 1, bf16, activations="int8") == "rows"
+    assert gemm_path(floor_i8, bf16, activations="int8") == "amx"
     assert gemm_path(AMX_SLAB_MIN_ROWS, bf16) == "slabs"
     assert gemm_path(64, torch.float32) == "slabs" and gemm_path(32, torch.float32) == "tiled"
-    x = torch.randn(AMX_MIN_ROWS + 3, 256, generator=torch.Generator().manual_seed(3)).to(bf16)
+    x = torch.randn(floor_i8 + 3, 256, generator=torch.Generator().manual_seed(3)).to(bf16)
     wi, _ = _weight(T.Q4_1, 40, 256, activations="int8")
     calls = []
     ext = build.load()
@@ -99,17 +103,29 @@ def test_quant_linear_takes_amx_between_the_tiles_and_the_slabs(monkeypatch):
             calls.append(name)
             return getattr(ext, name)
     monkeypatch.setattr(ops, "_ext", Spy)
-    for rows, weight, kernel in ((AMX_MIN_ROWS, w, "quant_gemm_amx"), (AMX_MIN_ROWS, wi, "quant_gemm_amx"),
-                                 (AMX_MIN_ROWS - 1, w, "quant_gemm")):
+    for rows, weight, kernel in ((1, w, "quant_gemm_amx"), (floor_i8, wi, "quant_gemm_amx"),
+                                 (floor_i8 - 1, wi, "quant_gemm")):
         calls.clear()
         assert quant_linear(x[:rows], weight).shape == (rows, 40)
         assert calls == [kernel]
 
 
+@needs_amx
+@pytest.mark.parametrize("fmt", [T.Q4_1, T.Q8_0])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fmt):
+    # float activations take the AMX kernel at every row count: row i alone, or among 1..40 others,
+    # gives the same bits
+    w, _ = _weight(fmt, 70, 256, activations="float")
+    x = torch.randn(41, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    full = quant_linear(x, w)
+    for m in (1, 2, 7, 8, 17):
+        assert torch.equal(quant_linear(x[:m], w), full[:m]), m
+
+
 def test_amx_only_where_the_cpu_has_it():
     if "amx_bf16" not in cpu_flags():
         assert not amx_ready()
-        assert gemm_path(AMX_MIN_ROWS, torch.bfloat16) != "amx"
+        assert all(gemm_path(m, torch.bfloat16) != "amx" for m in (1, 8, 64))
     assert build.load().amx_isa() in ("", "amx_bf16")
     assert all(gemm_path(m, torch.float32) != "amx" for m in (1, 8, 64, 512))
 
