@@ -266,6 +266,11 @@ class PathExtensions:
     def load(self, path: str | None = None):
         """The built extension (`path`: a `PATHS` name, None: native), or None (disabled, no
         compiler, a CPU without the path's flags, build error)."""
+        # NOTE: every quantized GEMM of a forward asks (4 a layer): a path loaded (or refused)
+        # before is answered without the lock (a dict read is atomic; entries are never removed)
+        hit = self.state.get(path)
+        if hit is not None:
+            return hit[0]
         with self._lock:
             if path not in self.state:
                 missing = missing_flags(path) if path is not None else ()

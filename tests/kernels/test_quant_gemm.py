@@ -153,6 +153,13 @@ def test_bias_leading_dims_and_zero_rows():
     assert y.shape == (2, 3, 10)
     torch.testing.assert_close(y, x @ ref.T + bias, rtol=1e-5, atol=1e-4)
     assert quant_linear(torch.zeros(0, 256), w).shape == (0, 10)
+    # a 2-D call returns [M, N] as it is; other dtypes come back in theirs, from the float32 result
+    y2 = quant_linear(x[0], w, bias, activations="float")
+    assert y2.shape == (3, 10) and torch.equal(y2, y[0])
+    y16 = quant_linear(x.half(), w, activations="float")
+    assert y16.dtype == torch.float16 and y16.shape == (2, 3, 10)
+    torch.testing.assert_close(y16.float(), quant_linear(x.half().float(), w, activations="float"),
+                               rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="activations must be one of"):
         quant_linear(x, w, activations="fp8")
 

@@ -276,3 +276,18 @@ def test_kvmesh_serve_serves_the_builtin_gguf_as_blocks_by_default(tmp_path):
                 "96.6 MB of weights, 96.4 MB of them blocks") in srv.log()      # float32 norms
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_a_quantized_linear_builds_its_weight_view_once_per_bytes():
+    from kvmesh.kernels.quant import QuantizedWeight  # noqa: PLC0415
+    data = torch.zeros(4, 2 * 20, dtype=torch.uint8)             # Q4_1: 20 bytes a block of 32
+    lin = QuantizedLinear(QuantizedWeight(data, int(T.Q4_1), (4, 64), "float"), None)
+    first = lin.weight
+    assert lin.weight is first and first.data is lin.qweight      # read every forward: built once
+    lin.qweight = torch.ones(4, 40, dtype=torch.uint8)           # rebound (fused q/k/v, a load)
+    assert lin.weight is not first and torch.equal(lin.weight.data, lin.qweight)
+    lin.activations = "int8"
+    assert lin.weight.activations == "int8"
+    lin.qweight = torch.zeros(4, 41, dtype=torch.uint8)          # bytes that do not fit: refused
+    with pytest.raises(ValueError, match="needs uint8 bytes of shape"):
+        lin.weight

@@ -32,8 +32,14 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight, self.qtype, (self.out_features, self.in_features),
-                               self.activations)
+        # NOTE: read by every forward (o_proj, down_proj): the view is built (and validated) once
+        # per bytes tensor; a `qweight` rebound (fused q/k/v, a load) or a changed mode builds anew
+        data = self._buffers["qweight"]
+        cached = self.__dict__.get("_weight_view")
+        if cached is None or cached.data is not data or cached.activations != self.activations:
+            cached = QuantizedWeight(data, self.qtype, (self.out_features, self.in_features), self.activations)
+            self.__dict__["_weight_view"] = cached
+        return cached
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.weight, self.bias, self.activations)
