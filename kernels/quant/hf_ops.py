@@ -5,7 +5,7 @@
     reference_linear(x, w, bias)    the same product from the dequantized float32 weight (tests)
 
 On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run (float32 activations,
-or bf16 ones for the int4 GEMM's bf16 tiles, AMX bf16 tiles from 8 rows where the CPU has them;
+or bf16 ones for the int4 GEMM's bf16 tiles, AMX bf16 tiles from 2 rows where the CPU has them;
 W8A8 from W8A8_AMX_MIN_ROWS rows on AMX's int8 tiles where the CPU has them, `csrc/hf_amx.cpp`,
 the same bits as the VNNI path); on CUDA the Triton GEMMs
 of `kvmesh.kernels.quant.triton_gemm`, imported only there, so a CPU process never loads Triton.

@@ -64,7 +64,7 @@ def test_int4_gemm_equals_dequantized_matmul(path, m, k, group):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m, n", [(3, 8), (14, 19)])
 def test_int4_gemm_with_bf16_activations(path, m, n):
-    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16 (from 8 on AMX tiles), the
+    """bf16 activations: from 12 rows on, where the CPU has AVX512-BF16 (from 2 on AMX tiles), the
     product of the bf16-rounded weight and activations to float32 rounding; elsewhere the float32
     product of the bf16 activations."""
     ext = ext_for(path)
@@ -74,7 +74,7 @@ def test_int4_gemm_with_bf16_activations(path, m, n):
     y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, 64)
     assert y.dtype == torch.float32
     wd = w.dequantize()
-    bf16_tiles = (m >= 12 and ext.w4a16_isa() == "avx512_bf16") or (m >= 8 and ext.w4a16_amx_isa() != "")
+    bf16_tiles = (m >= 12 and ext.w4a16_isa() == "avx512_bf16") or (m >= 2 and ext.w4a16_amx_isa() != "")
     want = x.double() @ (wd.bfloat16() if bf16_tiles else wd).double().T
     bound = 2e-6 * (x.double().abs() @ wd.double().abs().T) + 1e-7
     assert ((y.double() - want).abs() <= bound).all()
@@ -228,8 +228,8 @@ def test_int4_on_amx_tiles_is_a_bf16_gemm_of_the_rounded_weights(m, n, k, group)
     wd = w.dequantize().bfloat16().double()
     exact = x.double() @ wd.T
     assert ((y.double() - exact).abs() <= (k + 2) * 2.0 ** -24 * (x.double().abs() @ wd.abs().T)).all()
-    # w4a16_gemm takes the tiles from 8 bf16 rows
-    assert torch.equal(ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group), y) == (m >= 8)
+    # w4a16_gemm takes the tiles from 2 bf16 rows
+    assert torch.equal(ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group), y) == (m >= 2)
 
 
 def test_int4_amx_refusals_and_where_it_is_absent():

@@ -43,9 +43,11 @@ constexpr int MT = 4;   // activation rows per inner tile: one weight load feeds
 // once and reuses it for every row (plain FMA dot products) instead of widening the codes again
 // for every MT rows; picked from benchmarks/hf_quant_gemm.py on the machine this was written on.
 constexpr int64_t ROWS_MIN = 12;
-// NOTE: bf16 activations take the AMX tiles from this many rows where the CPU has them (the GGUF
-// blocks' AMX threshold, kernels/quant/ops.py AMX_MIN_ROWS, on the same tile loop)
-constexpr int64_t W4_AMX_MIN_ROWS = 8;
+// NOTE: bf16 activations take the AMX tiles from this many rows where the CPU has them: with the
+// rows rebuilt by lookup (dequant_row_bf16) the tiles took 0.4-0.7x the per-row kernel's time from
+// 2 rows on (benchmarks/hf_quant_gemm.py's "w4a16 amx" column, docs/KERNELS.md); at one row the
+// per-row kernel stays (0.8-1.1x the tiles' time)
+constexpr int64_t W4_AMX_MIN_ROWS = 2;
 
 // ------------------------------------------------------------------------------------- w8a8
 
@@ -221,6 +223,31 @@ inline __m128i nibbles16(const uint8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One weight row rebuilt straight in bf16 into `out` (K bf16, G a multiple of 32): the AMX path's
+// operand. Per group the 16 values bf16((k - zero) * scale), k = 0..15, are computed once, with
+// dequant_row's arithmetic and the bf16 tiles' rounding (so the same bits as rebuilding in float32
+// and rounding), and each element is picked from them by its code (vpermw), 32 at a time.
+inline void dequant_row_bf16(const uint8_t* codes, const float* sc, const uint8_t* zr, int64_t K, int64_t G,
+                             uint16_t* out) {
+  const __m512 kv = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 w = _mm512_mul_ps(_mm512_set1_ps(sc[g]),
+                                   _mm512_sub_ps(kv, _mm512_set1_ps(static_cast<float>(zr[g]))));
+    const __m256bh half = _mm512_cvtneps_pbh(w);
+    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(half));
+    for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+      // 16 bytes: element 2i in the low nibble of byte i, 2i + 1 in its high nibble
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / 2));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      const __m256i q = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+      _mm512_storeu_si512(out + k, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table));
+    }
+  }
 }
 #endif
 
@@ -436,12 +463,20 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
   TORCH_CHECK(!amx_only || (x.scalar_type() == torch::kBFloat16 && !w4a16_amx_isa().empty()),
               "w4a16_gemm_amx: bfloat16 x and AMX bf16 tiles (this build or process has none)");
 #if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in float32 and
-  // rounded to bf16 as the bf16 tiles below do, 32 rows at a time, multiplied on the tiles
+  // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in bf16 as the
+  // bf16 tiles below round it (by lookup where the group is whole 32s), 32 rows at a time,
+  // multiplied on the tiles
   if (x.scalar_type() == torch::kBFloat16 && M > 0 && N > 0 && (amx_only || M >= W4_AMX_MIN_ROWS) &&
       kvmesh_amx::tiles_permitted()) {
     kvmesh_amx::bf16_rebuilt_gemm(
         reinterpret_cast<const uint16_t*>(x.data_ptr()), M, N, K, yp, [&](int64_t row, int64_t count, uint16_t* out) {
+          if (G % 32 == 0) {
+            for (int64_t i = 0; i < count; ++i) {
+              const int64_t n = row + i;
+              dequant_row_bf16(qp + n * (K / 2), sp + n * NG, zp + n * NG, K, G, out + i * K);
+            }
+            return;
+          }
           thread_local std::vector<float> f;
           f.resize(K);
           for (int64_t i = 0; i < count; ++i) {
