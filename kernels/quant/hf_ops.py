@@ -44,21 +44,25 @@ def hf_linear(x: torch.Tensor, w: HFWeight, bias: torch.Tensor | None = None) ->
     if x2.is_cuda:
         y = _cuda_linear(x2, w, bias)
     else:
-        y = _cpu_linear(x2, w)
+        y = _cpu_linear(x2, w, out_bf16=bias is None)
         if bias is not None:
             y.add_(bias)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
     return y.view(*lead, w.shape[0])
 
 
-def _cpu_linear(x: torch.Tensor, w: HFWeight) -> torch.Tensor:
+def _cpu_linear(x: torch.Tensor, w: HFWeight, out_bf16: bool = False) -> torch.Tensor:
+    """float32 [M, N]; bf16 where `out_bf16`, x is bf16 and the int4 AMX tiles run (the kernel
+    rounds its float32 sums as torch's conversion would: no float32 result and no copy)."""
     if isinstance(w, Int4GroupWeight):
         # NOTE: bf16 activations go in as they are: from 12 rows on, on a CPU with AVX512-BF16,
         # the kernel multiplies bf16 weight tiles by them (vdpbf16ps); float32 otherwise
         xq = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         if w.perm is not None:
             xq = xq.index_select(1, w.perm)     # act-order: K was permuted at load
-        return _ext().w4a16_gemm(xq.contiguous(), w.qweight, w.scales, w.zeros, w.group_size)
+        return _ext().w4a16_gemm(xq.contiguous(), w.qweight, w.scales, w.zeros, w.group_size,
+                                 out_bf16 and xq.dtype == torch.bfloat16)
     xf = x.float().contiguous()
     if isinstance(w, Int8ChannelWeight):
         if xf.shape[0] >= W8A8_AMX_MIN_ROWS and xf.shape[1] % 64 == 0 and w8a8_amx_ready():

@@ -232,6 +232,28 @@ def test_int4_on_amx_tiles_is_a_bf16_gemm_of_the_rounded_weights(m, n, k, group)
     assert torch.equal(ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group), y) == (m >= 2)
 
 
+@pytest.mark.parametrize("m, n, k, group", [(1, 7, 128, 128), (2, 33, 256, 64), (17, 48, 512, 32)])
+def test_int4_amx_bf16_output_is_torchs_rounding_of_the_float32_result(m, n, k, group):
+    ext = ext_for(None)
+    if not ext.w4a16_amx_isa():
+        pytest.skip("no AMX bf16 tiles here (CPU flags, or the kernel's permission)")
+    gen = torch.Generator().manual_seed(7 * m + n)
+    w = int4_weight(n, k, group, gen)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    y32 = ext.w4a16_gemm_amx(x, w.qweight, w.scales, w.zeros, group)
+    y16 = ext.w4a16_gemm_amx(x, w.qweight, w.scales, w.zeros, group, out_bf16=True)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert torch.equal(y16.view(torch.int16), y32.bfloat16().view(torch.int16))
+    # w4a16_gemm: bf16 y where the tiles run (from 2 rows), float32 from the other kernels
+    y = ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group, out_bf16=True)
+    assert y.dtype == (torch.bfloat16 if m >= 2 else torch.float32)
+    # hf_linear: bf16 in, bf16 out either way, a bias added to the float32 result before rounding
+    assert torch.equal(hf_linear(x, w), (y16 if m >= 2 else y.bfloat16()))
+    bias = torch.randn(n, generator=gen)
+    want = (ext.w4a16_gemm(x, w.qweight, w.scales, w.zeros, group) + bias).bfloat16()
+    assert torch.equal(hf_linear(x, w, bias), want)
+
+
 def test_int4_amx_refusals_and_where_it_is_absent():
     from kvmesh.kernels.cpu_features import cpu_flags
     ext = ext_for(None)

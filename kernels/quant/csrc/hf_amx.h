@@ -17,10 +17,10 @@ void check_w8a8(const torch::Tensor& x, const torch::Tensor& w, const torch::Ten
 // w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits as the VNNI path.
 torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale);
 
-// The int4 GEMM on AMX bf16 tiles (hf_gemm.cpp; w4a16_gemm takes it from 8 bf16 rows), and
-// "amx_bf16" where it runs here ("" otherwise).
+// The int4 GEMM on AMX bf16 tiles (hf_gemm.cpp; w4a16_gemm takes it from 2 bf16 rows; y bf16 with
+// out_bf16, else float32), and "amx_bf16" where it runs here ("" otherwise).
 torch::Tensor w4a16_gemm_amx(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                             const torch::Tensor& zeros, int64_t group_size);
+                             const torch::Tensor& zeros, int64_t group_size, bool out_bf16);
 std::string w4a16_amx_isa();
 
 // "amx_int8" where this build has the path and the kernel lets this process use the tiles; "" otherwise.

@@ -440,7 +440,7 @@ inline void w4_rows(const uint8_t* codes, const float* sc, const uint8_t* zr, in
 namespace {
 
 torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         const torch::Tensor& zeros, int64_t group_size, bool amx_only) {
+                         const torch::Tensor& zeros, int64_t group_size, bool amx_only, bool out_bf16) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
               (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x must be contiguous float32 or bfloat16 [M, K]");
@@ -458,38 +458,29 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-  float* yp = y.data_ptr<float>();
   TORCH_CHECK(!amx_only || (x.scalar_type() == torch::kBFloat16 && !w4a16_amx_isa().empty()),
               "w4a16_gemm_amx: bfloat16 x and AMX bf16 tiles (this build or process has none)");
 #if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
-  // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in bf16 as the
-  // bf16 tiles below round it (by lookup where the group is whole 32s), 32 rows at a time,
-  // multiplied on the tiles
+  // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in bf16 by
+  // lookup, with the bits the bf16 tiles below round it to, 32 rows at a time, multiplied on the
+  // tiles; with out_bf16 the accumulators go to y rounded to bf16 (no float32 [M, N], no copy)
   if (x.scalar_type() == torch::kBFloat16 && M > 0 && N > 0 && (amx_only || M >= W4_AMX_MIN_ROWS) &&
       kvmesh_amx::tiles_permitted()) {
-    kvmesh_amx::bf16_rebuilt_gemm(
-        reinterpret_cast<const uint16_t*>(x.data_ptr()), M, N, K, yp, [&](int64_t row, int64_t count, uint16_t* out) {
-          if (G % 32 == 0) {
-            for (int64_t i = 0; i < count; ++i) {
-              const int64_t n = row + i;
-              dequant_row_bf16(qp + n * (K / 2), sp + n * NG, zp + n * NG, K, G, out + i * K);
-            }
-            return;
-          }
-          thread_local std::vector<float> f;
-          f.resize(K);
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t n = row + i;
-            dequant_row(qp + n * (K / 2), sp + n * NG, zp + n * NG, K, G, f.data());
-            for (int64_t k = 0; k < K; k += 16)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * K + k),
-                                  (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f.data() + k)));
-          }
-        });
+    const auto rebuild = [&](int64_t row, int64_t count, uint16_t* out) {
+      for (int64_t i = 0; i < count; ++i)
+        dequant_row_bf16(qp + (row + i) * (K / 2), sp + (row + i) * NG, zp + (row + i) * NG, K, G, out + i * K);
+    };
+    const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+    if (out_bf16)
+      kvmesh_amx::bf16_rebuilt_gemm(xb, M, N, K, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rebuild);
+    else
+      kvmesh_amx::bf16_rebuilt_gemm(xb, M, N, K, y.data_ptr<float>(), rebuild);
     return y;
   }
 #endif
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  float* yp = y.data_ptr<float>();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (x.scalar_type() == torch::kBFloat16 && M >= ROWS_MIN) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -529,13 +520,13 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
 }  // namespace
 
 torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         const torch::Tensor& zeros, int64_t group_size) {
-  return w4a16_impl(x, qweight, scales, zeros, group_size, false);
+                         const torch::Tensor& zeros, int64_t group_size, bool out_bf16) {
+  return w4a16_impl(x, qweight, scales, zeros, group_size, false, out_bf16);
 }
 
 torch::Tensor w4a16_gemm_amx(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                             const torch::Tensor& zeros, int64_t group_size) {
-  return w4a16_impl(x, qweight, scales, zeros, group_size, true);
+                             const torch::Tensor& zeros, int64_t group_size, bool out_bf16) {
+  return w4a16_impl(x, qweight, scales, zeros, group_size, true, out_bf16);
 }
 
 std::string w4a16_amx_isa() {
@@ -570,9 +561,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits");
   m.def("w8a8_amx_isa", &kvmesh_hfquant::w8a8_amx_isa, "'amx_int8' where the AMX path runs here, else ''");
   m.def("w4a16_gemm", &kvmesh_hfquant::w4a16_gemm,
-        "y = x @ W^T: 4-bit group weights (scales, zeros) x float32 activations");
+        "y = x @ W^T: 4-bit group weights (scales, zeros) x float32 or bf16 activations; float32 y, "
+        "or bf16 with out_bf16 where the AMX tiles run (rounded from their float32 sums)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("group_size"),
+        py::arg("out_bf16") = false);
   m.def("w4a16_isa", &kvmesh_hfquant::w4a16_isa, "the instruction set of the int4 GEMM");
   m.def("w4a16_gemm_amx", &kvmesh_hfquant::w4a16_gemm_amx,
-        "w4a16_gemm's product on AMX bf16 tiles (bfloat16 x), whatever the row count");
+        "w4a16_gemm's product on AMX bf16 tiles (bfloat16 x), whatever the row count",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("group_size"),
+        py::arg("out_bf16") = false);
   m.def("w4a16_amx_isa", &kvmesh_hfquant::w4a16_amx_isa, "'amx_bf16' where the int4 AMX path runs here, else ''");
 }
