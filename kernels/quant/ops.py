@@ -21,9 +21,9 @@ int8 activations from INT8_TILED_MIN_ROWS (bf16 tiles only), where they are take
 
 "amx", where the CPU has AMX bf16 tiles (and the kernel grants this process their registers),
 takes bf16 activations from AMX_MIN_ROWS rows (one for float activations, 8 for int8) up to the
-slabs (from AMX_SLAB_MIN_ROWS there) instead of "rows" and "tiled": 32 weight rows at a time are dequantized into a bf16 scratch by the tiles'
-arithmetic and multiplied by every activation row on the tiles (csrc/amx.cpp): the bf16 tiles'
-result at several times their speed.
+slabs (from AMX_SLAB_MIN_ROWS there) instead of "rows" and "tiled": 32 weight rows at a time are
+dequantized into a bf16 scratch by the tiles' arithmetic and multiplied by every activation row
+on the tiles (csrc/amx.cpp): the bf16 tiles' result at several times their speed.
 
 "slabs", from `slab_min_rows(dtype)` rows on (a prefill's hundreds of rows): the weight is
 dequantized a slab of rows at a time into one reused scratch buffer (at most SLAB_BYTES: a few layers' rows,
