@@ -66,6 +66,11 @@ _NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # (it connects, it times out) keeps the rule: 502, not re-sent.
 _LOST_WITH_PROCESS = (httpx.NetworkError, httpx.RemoteProtocolError)
 _MAX_RETRIES = 1
+# NOTE: a pooled connection idle this long is dropped, well before the backends close idle ones
+# (uvicorn's keep-alive timeout, kvmesh's and vLLM's, is 5 s; httpx's own default is the same 5 s).
+# With equal timeouts a request written on a connection the backend is closing at that moment
+# breaks unread as RemoteProtocolError: ambiguous, so the client got a 502.
+BACKEND_KEEPALIVE_S = 2.0
 PROBE_LINGER_S = 1.0     # how long an accepted probe must stay open to count as a live backend
 _DISCONNECT_POLL_S = 0.25
 _INLINE_TOKENIZE_BYTES = 16 * 1024
@@ -158,7 +163,8 @@ class RouterState:
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=self.cfg.connect_timeout_s, read=None, write=60.0,
                                   pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=BACKEND_KEEPALIVE_S))
         if self.cfg.redis_url:
             import redis.asyncio as aioredis  # noqa: PLC0415
             from redis.backoff import NoBackoff  # noqa: PLC0415

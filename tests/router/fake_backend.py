@@ -14,6 +14,7 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
     app.state.name = name
     app.state.requests = []            # (path, body) in arrival order
     app.state.authorization = []       # each request's Authorization header (None: absent)
+    app.state.peers = []               # each request's client (host, port): its TCP connection
     app.state.delay_s = 0.0            # before answering
     app.state.die_after_chunks = None  # streams: the connection breaks after this many chunks
     app.state.disconnects = []         # bodies of requests whose client left during the delay
@@ -42,6 +43,7 @@ def make_fake_backend(name: str, chunks: int = 3, chunk_delay_s: float = 0.0) ->
         body = await request.json()
         app.state.requests.append((request.url.path, body))
         app.state.authorization.append(request.headers.get("authorization"))
+        app.state.peers.append((request.client.host, request.client.port))
         if app.state.delay_s:
             # like the engine: while it works, notice a client (the router) that went away
             deadline = time.monotonic() + app.state.delay_s

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from kvmesh.router.app import create_app
+from kvmesh.router.app import BACKEND_KEEPALIVE_S, create_app
 from kvmesh.router.config import RouterConfig
 
 from .conftest import UvicornThread
@@ -172,6 +172,30 @@ def test_a_refused_connection_is_retried_once_and_never_twice():
     finally:
         router.stop()
         middle.stop()
+
+
+def test_an_idle_backend_connection_is_dropped_before_the_backend_closes_it(good):
+    """The router reuses a kept-alive connection to a backend, but drops one idle for
+    BACKEND_KEEPALIVE_S, before the backend's own 5 s idle timeout (uvicorn's default, which the
+    fake backend keeps) can close it under a request being written: that race broke a request
+    unread and answered the client 502. Same connection back to back; a new one after the idle
+    time."""
+    assert good.server.config.timeout_keep_alive == 5 and BACKEND_KEEPALIVE_S <= 5 / 2
+    peers = good.server.config.app.state.peers
+    router = _router([good.url])
+    try:
+        for i in range(2):
+            r = httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": f"{i}"},
+                           timeout=10)
+            assert r.status_code == 200
+        assert peers[0] == peers[1]              # kept alive
+        time.sleep(BACKEND_KEEPALIVE_S + 0.5)    # idle: longer than the router keeps it, shorter
+        r = httpx.post(f"{router.url}/v1/completions", json={"model": "m", "prompt": "2"},
+                       timeout=10)               # than the backend does
+        assert r.status_code == 200
+        assert len(peers) == 3 and peers[2] != peers[1]
+    finally:
+        router.stop()
 
 
 def test_a_client_that_leaves_cancels_its_non_streaming_request_on_the_backend(good):
