@@ -16,7 +16,23 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import functools  # noqa: E402
 
+import kernel_builds  # noqa: E402  (tests/support)
 import pytest  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    # NOTE: the kernel tests' path builds start now, in the background at the lowest priority,
+    # and take the CPU the earlier server tests leave idle (tests/support/kernel_builds.py)
+    if session.config.option.collectonly:
+        return
+    root = Path(session.config.rootpath)
+    session.config._kernel_builds = kernel_builds.start(
+        [Path(item.path).relative_to(root).as_posix() for item in session.items
+         if Path(item.path).is_relative_to(root)])
+
+
+def pytest_sessionfinish(session):
+    kernel_builds.stop(getattr(session.config, "_kernel_builds", None))
 
 
 @pytest.fixture(scope="session")
