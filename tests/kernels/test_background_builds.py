@@ -20,20 +20,24 @@ def test_it_builds_only_the_narrower_paths_this_cpu_runs(monkeypatch):
 
 def test_it_starts_only_for_a_session_with_kernel_tests(monkeypatch):
     started = []
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: started.append(a[0]) or "proc")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: started.append((a[0], kw)) or "proc")
     assert kernel_builds.start(["tests/e2e/test_cli.py"]) is None
     monkeypatch.setenv(kernel_builds.DISABLE_ENV, "0")
     assert kernel_builds.start(["tests/kernels/test_cpu_paths.py"]) is None
     monkeypatch.delenv(kernel_builds.DISABLE_ENV)
     assert kernel_builds.start(["tests/e2e/test_cli.py", "tests/kernels/test_cpu_paths.py"]) == "proc"
-    assert started == [["nice", "-n", "19", sys.executable, kernel_builds.__file__]]
+    (argv, kw), = started
+    assert argv == ["nice", "-n", "19", sys.executable, kernel_builds.__file__]
+    # its own process group in the suite's session: a session of its own is scheduled beside
+    # the tests' as an equal (Linux's autogroups), whatever its nice value
+    assert kw["process_group"] == 0 and not kw.get("start_new_session")
 
 
 def test_stopping_it_ends_the_processes_it_started():
     # a stand-in builder with a child of its own (as ninja and the compiler are)
     proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
                              "c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); c.wait()"],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, text=True, process_group=0)
     child = int(proc.stdout.readline())
     kernel_builds.stop(proc)
     assert proc.returncode is not None
