@@ -19,13 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-# (module, paths): the narrower builds the kernel tests load. NOTE: not the native builds: the
-# first engine of the session builds those within its first minute anyway, and the fault
-# injection of tests/kernels/test_cpu_kernels_build.py needs nobody else at the native build's lock
+# (module, paths): the narrower builds the kernel tests load, in the order the tests load them
+# (test_attention_amx, test_cpu_paths, test_hf_quant_gemm, test_quant_gemm). NOTE: not the native
+# builds: the first engine of the session builds those within its first minute anyway, and the
+# fault injection of tests/kernels/test_cpu_kernels_build.py needs nobody else at their lock
 BUILDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kvmesh.kernels.cpu_kernels", ("avx512_bf16", "avx512", "avx2", "portable")),
-    ("kvmesh.kernels.quant.build", ("avx2",)),
     ("kvmesh.kernels.quant.hf_build", ("avx2", "portable")),
+    ("kvmesh.kernels.quant.build", ("avx2",)),
 )
 DISABLE_ENV = "KVMESH_TEST_BACKGROUND_BUILDS"     # "0": build in the tests, as they need them
 
