@@ -8,10 +8,11 @@
 The sources are compiled by torch's own extension builder (g++, `-O3 -march=native -fopenmp`)
 into `${KVMESH_CACHE_DIR:-~/.cache/kvmesh}/cpu-kernels/<key>/`, where the key hashes the source,
 the headers, the flags, the torch version and this CPU's model and flags, so a cache copied to another
-machine is rebuilt rather than run with instructions it may lack. A first build takes ~30-60 s;
-later processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off
-(the engine then runs the pure-torch reference kernels); `KVMESH_CPU_KERNELS=avx2` (any `PATHS`
-name) makes the engine load that narrower build instead of the native one, so a benchmark can
+machine is rebuilt rather than run with instructions it may lack. A first build takes ~35 s on
+two idle cores (the sources include only the ATen headers they use, `csrc/aten.h`); later
+processes load the cached library in milliseconds. `KVMESH_CPU_KERNELS=0` turns them off (the
+engine then runs the pure-torch reference kernels); `KVMESH_CPU_KERNELS=avx2` (any `PATHS` name)
+makes the engine load that narrower build instead of the native one, so a benchmark can
 stand in for a CPU that has less (with `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY` for the GEMMs).
 
 The code path is chosen at build time from the compiler's macros (`kernels/csrc/vec.h`): with
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "attention_amx.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "small_gemm.cpp", "bindings.cpp"))
 # NOTE: attention_amx.cpp takes the tile permission and the 16 x 16 transpose from the AMX home
-HEADERS = (*(_CSRC / name for name in ("kernels.h", "vec.h", "attention_amx.h")),
+HEADERS = (*(_CSRC / name for name in ("aten.h", "kernels.h", "vec.h", "attention_amx.h")),
            _CSRC.parent / "quant" / "csrc" / "amx_tiles.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"

@@ -22,7 +22,6 @@
 //   out     [T, H, D] contiguous; only the rows named are written
 // window W > 0: a row of context length n sees positions n - W .. n - 1.
 // softcap c > 0: score = c * tanh(score / c) (Gemma 2), before the softmax.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -275,8 +274,8 @@ void row_vec(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::v
 #endif
 
 template <typename T>
-void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& rows, torch::Tensor& out, double scale,
+void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& rows, at::Tensor& out, double scale,
          int64_t window, double softcap) {
   Geometry<T> g{};
   g.H = query.size(1);
@@ -339,25 +338,25 @@ void run(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::
 
 }  // namespace
 
-void paged_attention_rows(const torch::Tensor& query, const torch::Tensor& k_cache,
-                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                          const torch::Tensor& rows, torch::Tensor& out, double scale,
+void paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& rows, at::Tensor& out, double scale,
                           int64_t window, double softcap) {
   const auto dt = query.scalar_type();
-  check(query.dim() == 3 && (dt == torch::kFloat || dt == torch::kBFloat16) && query.stride(2) == 1,
+  check(query.dim() == 3 && (dt == at::kFloat || dt == at::kBFloat16) && query.stride(2) == 1,
         "query must be float32 or bfloat16 [T, H, D] with unit stride along D");
   check(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
             k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
         "k_cache / v_cache must be contiguous [num_blocks, block_size, KVH, D] in the query's dtype");
-  check(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt &&
+  check(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
             block_tables.is_contiguous(),
         "block_tables must be contiguous int32 [S, max_blocks]");
-  check(rows.dim() == 2 && rows.size(1) == 3 && rows.scalar_type() == torch::kLong &&
+  check(rows.dim() == 2 && rows.size(1) == 3 && rows.scalar_type() == at::kLong &&
             rows.is_contiguous(),
         "rows must be contiguous int64 [R, 3]");
   check(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == dt,
         "out must be contiguous and shaped like query, in its dtype");
-  if (dt == torch::kFloat) {
+  if (dt == at::kFloat) {
     run<float>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
   } else {
     run<bf16>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);

@@ -28,8 +28,7 @@
 #include "attention_amx.h"
 
 #if KVMESH_AMX
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstdlib>

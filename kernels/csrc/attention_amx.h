@@ -3,7 +3,7 @@
 // AMX-BF16 (`amx_attention_applies`).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,4 +1,6 @@
 // The C++ CPU kernels as one Python extension module (kvmesh.kernels.cpu_kernels builds it).
+#include <torch/csrc/utils/pybind.h>
+
 #include "attention_amx.h"
 #include "kernels.h"
 

@@ -3,7 +3,6 @@
 // SiLU(gate) * up, and the KV-cache write. In bfloat16 each result is rounded where the torch
 // reference's ops round (the residual sum, the normalised value, each product), so the kernels
 // and the reference agree to the last bit or within an ulp of bf16.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,8 +24,8 @@ using namespace kvmesh;
 
 namespace {
 
-bool float_or_bf16(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
 
 // (norm(x [+ residual]), x [+ residual]) of one row of H: y = w * (v * (1 / sqrt(mean(v^2) + eps))).
@@ -89,8 +88,8 @@ inline void silu_row(const T* g, const T* u, T* o, int64_t I) {
 // Small batches (a decode step) run inline on the calling thread: a parallel region per op costs
 // more than the op there, and far more when other processes hold the cores.
 
-std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                                    const c10::optional<torch::Tensor>& residual) {
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.is_contiguous(),
               "rms_norm: x must be contiguous float32 or bfloat16 [T, H]");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type() &&
@@ -103,8 +102,8 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
                     residual->is_contiguous(),
                 "rms_norm: residual must be contiguous, shaped like x, in its dtype");
   }
-  torch::Tensor out = torch::empty_like(x);
-  torch::Tensor sum = has_res ? torch::empty_like(x) : x;
+  at::Tensor out = at::empty_like(x);
+  at::Tensor sum = has_res ? at::empty_like(x) : x;
   const float feps = static_cast<float>(eps);
   auto go = [&](auto tag) {
     using E = decltype(tag);
@@ -119,7 +118,7 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor&
       }
     });
   };
-  if (x.scalar_type() == torch::kFloat) go(float{}); else go(bf16{});
+  if (x.scalar_type() == at::kFloat) go(float{}); else go(bf16{});
   return {out, sum};
 }
 
@@ -163,15 +162,15 @@ static void rope_rows(const E* xp, const int64_t* pp, const float* cs, E* op, in
   });
 }
 
-static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin) {
+static at::Tensor rope_one(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin) {
   TORCH_CHECK(x.dim() == 3 && float_or_bf16(x) && x.stride(2) == 1,
               "rotary_embedding: q / k must be float32 or bfloat16 [T, heads, D] with unit stride along D");
   const int64_t T = x.size(0), NH = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0 && cos_sin.size(1) == D, "rotary_embedding: head_dim does not match the table");
-  torch::Tensor out = torch::empty({T, NH, D}, x.options());
+  at::Tensor out = at::empty({T, NH, D}, x.options());
   const int64_t* pp = positions.data_ptr<int64_t>();
   const float* cs = cos_sin.data_ptr<float>();
-  if (x.scalar_type() == torch::kFloat) {
+  if (x.scalar_type() == at::kFloat) {
     rope_rows<float>(x.data_ptr<float>(), pp, cs, out.data_ptr<float>(), T, NH, D, x.stride(0), x.stride(1),
                      cos_sin.size(0));
   } else {
@@ -182,23 +181,23 @@ static torch::Tensor rope_one(const torch::Tensor& x, const torch::Tensor& posit
 }
 #pragma GCC pop_options
 
-std::vector<torch::Tensor> rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
-                                            const torch::Tensor& k, const torch::Tensor& cos_sin) {
-  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
+                                         const at::Tensor& k, const at::Tensor& cos_sin) {
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.size(0) == q.size(0) && k.size(0) == q.size(0),
               "rotary_embedding: positions must be contiguous int64 [T] matching q and k");
-  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous(),
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
               "rotary_embedding: cos_sin must be contiguous float32 [positions, D]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_embedding: q and k must share a dtype");
   return {rope_one(q, positions, cos_sin), rope_one(k, positions, cos_sin)};
 }
 
 // ---- SiLU(gate) * up of a fused [T, 2I] gate|up projection, in one pass --------------------------
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x must be float32 or bfloat16 [T, 2I] with unit stride along the last dim");
   const int64_t T = x.size(0), I = x.size(1) / 2, stride = x.stride(0);
-  torch::Tensor out = torch::empty({T, I}, x.options());
+  at::Tensor out = at::empty({T, I}, x.options());
   auto go = [&](auto tag) {
     using E = decltype(tag);
     const E* xp = x.data_ptr<E>();
@@ -207,13 +206,13 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
       for (int64_t t = begin; t < end; ++t) silu_row<E>(xp + t * stride, xp + t * stride + I, op + t * I, I);
     });
   };
-  if (x.scalar_type() == torch::kFloat) go(float{}); else go(bf16{});
+  if (x.scalar_type() == at::kFloat) go(float{}); else go(bf16{});
   return out;
 }
 
 // ---- KV-cache write: each token's K and V rows into their slots, -1 skipped ----------------------
-void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
-                    torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "write_kv_cache: key / value must be [T, KVH, D] with unit stride along D");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -224,7 +223,7 @@ void write_kv_cache(const torch::Tensor& key, const torch::Tensor& value, torch:
                   k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type(),
               "write_kv_cache: key, value and caches must share one dtype, float32 or bfloat16");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
-                  slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous(),
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "write_kv_cache: slot_mapping must be contiguous int64 [T]");
   const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2);
   const int64_t slots = k_cache.size(0) * k_cache.size(1);

@@ -17,7 +17,6 @@
 //
 // bfloat16: x, A, Bt and out are bf16, every sum is float32, each output rounded once; with
 // AVX512-BF16 the shrink's dot products are vdpbf16ps (pairs of bf16 products into float32).
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -180,7 +179,7 @@ void expand(const float* y, int64_t m, const T* bt, int64_t N, const int64_t* pa
 }
 
 template <typename T>
-void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, torch::Tensor& out,
+void run(const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, at::Tensor& out,
          const std::vector<Block>& blocks, const int64_t* rows, const int64_t* part_cols, int64_t parts,
          int64_t R) {
   const int64_t K = x.size(1), N = out.size(1), RT = a.size(1);
@@ -251,11 +250,11 @@ void run(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt
 
 }  // namespace
 
-void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt, torch::Tensor& out,
-                   const torch::Tensor& rows, const torch::Tensor& seg_starts, const torch::Tensor& seg_slots,
-                   const torch::Tensor& part_cols, const torch::Tensor& slot_ranks) {
+void lora_sgmv_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt, at::Tensor& out,
+                   const at::Tensor& rows, const at::Tensor& seg_starts, const at::Tensor& seg_slots,
+                   const at::Tensor& part_cols, const at::Tensor& slot_ranks) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == torch::kFloat || dt == torch::kBFloat16, "lora_sgmv_add: x must be float32 or bfloat16");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "lora_sgmv_add: x must be float32 or bfloat16");
   TORCH_CHECK(a.scalar_type() == dt && bt.scalar_type() == dt && out.scalar_type() == dt,
               "lora_sgmv_add: x, a, bt and out must share one dtype");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
@@ -267,8 +266,8 @@ void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::
   TORCH_CHECK(a.size(2) == K && bt.size(0) == L && bt.size(1) == RT && bt.size(2) == N,
               "lora_sgmv_add: shape mismatch: x [T, K], a [L, RT, K], bt [L, RT, N], out [T, N]");
   TORCH_CHECK(RT >= 1 && RT <= kMaxRank, "lora_sgmv_add: a's rank dim must be in [1, 256]");
-  for (const torch::Tensor* t : {&rows, &seg_starts, &seg_slots, &part_cols, &slot_ranks}) {
-    TORCH_CHECK(t->scalar_type() == torch::kLong && t->dim() == 1 && t->is_contiguous(),
+  for (const at::Tensor* t : {&rows, &seg_starts, &seg_slots, &part_cols, &slot_ranks}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
                 "lora_sgmv_add: rows, seg_starts, seg_slots, part_cols and slot_ranks must be contiguous int64 [n]");
   }
   TORCH_CHECK(slot_ranks.size(0) == L, "lora_sgmv_add: slot_ranks must hold one rank per slot");
@@ -297,6 +296,6 @@ void lora_sgmv_add(const torch::Tensor& x, const torch::Tensor& a, const torch::
     }
   }
   if (blocks.empty()) return;
-  if (dt == torch::kFloat) run<float>(x, a, bt, out, blocks, rp, pc, parts, RT / parts);
+  if (dt == at::kFloat) run<float>(x, a, bt, out, blocks, rp, pc, parts, RT / parts);
   else run<bf16>(x, a, bt, out, blocks, rp, pc, parts, RT / parts);
 }

@@ -1,5 +1,4 @@
 // The greedy sampler's CPU kernel (float32).
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -48,11 +47,11 @@ static int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // n == 0 cannot happen (checked); a row of -inf returns 0 as torch does
 }
 
-torch::Tensor argmax_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
               "argmax_rows: x must be float32 [R, V] with V > 0 and unit stride along V");
   const int64_t R = x.size(0), V = x.size(1), stride = x.stride(0);
-  torch::Tensor out = torch::empty({R}, x.options().dtype(torch::kLong));
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) {

@@ -20,7 +20,6 @@
 // y[m, n] depend only on K, N, n, x[m] and W[n]: not on M, on m's place in its tile or the
 // tile's height, nor on the thread count, so a row's result is bitwise the same alone or in a
 // batch (speculative verification relies on it).
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -210,7 +209,7 @@ void rows(const T* xp, int64_t xs0, const T* w, const T* bias, T* yp, int64_t M,
 }
 
 template <typename T>
-void run(const torch::Tensor& x, const torch::Tensor& w, const T* bias, torch::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& w, const T* bias, at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), xs0 = x.stride(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
@@ -234,11 +233,11 @@ bool small_gemm_supports(const std::string& dtype) {
   return false;
 }
 
-torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_gemm: CPU tensors only");
   const bool f32 = small_gemm_supports("float32"), b16 = small_gemm_supports("bfloat16");
-  TORCH_CHECK((dt == torch::kFloat && f32) || (dt == torch::kBFloat16 && b16), "small_gemm: this build takes ",
+  TORCH_CHECK((dt == at::kFloat && f32) || (dt == at::kBFloat16 && b16), "small_gemm: this build takes ",
               b16 ? "float32 and bfloat16" : (f32 ? "float32" : "no dtype (no vector path)"), ", not ", dt);
   TORCH_CHECK(w.scalar_type() == dt, "small_gemm: x and w must share one dtype");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
@@ -254,13 +253,13 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& w, const c
                 "small_gemm: bias must be a contiguous [N] tensor of x's dtype");
     bp = bias->data_ptr();
   }
-  torch::Tensor y = torch::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
   if (N == 0) return y;
 #if KVMESH_SIMD
-  if (dt == torch::kFloat) run<float>(x, w, static_cast<const float*>(bp), y);
+  if (dt == at::kFloat) run<float>(x, w, static_cast<const float*>(bp), y);
 #endif
 #if KVMESH_AVX512BF16
-  if (dt == torch::kBFloat16) run<bf16>(x, w, static_cast<const bf16*>(bp), y);
+  if (dt == at::kBFloat16) run<bf16>(x, w, static_cast<const bf16*>(bp), y);
 #endif
   return y;
 }

@@ -5,7 +5,8 @@
     build.py    builds csrc/ per machine through kernels.cpu_kernels' build machinery
     csrc/       blocks.h (the block layouts), gemm.cpp (per-row float and int8 activation paths),
                 tiled.cpp (many rows: a dequantized tile at a time, bf16 or float32), amx.cpp (the
-                same rows on AMX bf16 tiles, where the CPU has them)
+                same rows on AMX bf16 tiles, where the CPU has them), bindings.cpp (the
+                Python module)
     triton_gemm.py  GPU GEMMs for Hugging Face quantized checkpoints (W4A16, W8A8, FP8); Triton,
                     so imported only on CUDA (not from here)
     triton_quant.py their activation quantizations (per-token int8, per-tensor fp8)

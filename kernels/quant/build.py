@@ -15,8 +15,9 @@ from pathlib import Path
 from kvmesh.kernels import cpu_kernels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp", _CSRC / "amx.cpp")
-HEADERS = (_CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h", _CSRC / "amx_tiles.h")
+SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp", _CSRC / "amx.cpp", _CSRC / "bindings.cpp")
+HEADERS = (_CSRC / "gemm.h", _CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h", _CSRC / "amx_tiles.h",
+           _CSRC.parent.parent / "csrc" / "aten.h")
 NAME = "kvmesh_quant_kernels"
 SUBDIR = "quant-kernels"
 

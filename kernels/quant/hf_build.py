@@ -12,8 +12,9 @@ from pathlib import Path
 from kvmesh.kernels import cpu_kernels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "hf_gemm.cpp", _CSRC / "hf_amx.cpp")
-HEADERS = (_CSRC / "simd.h", _CSRC / "hf_amx.h", _CSRC / "amx_tiles.h")
+SOURCES = (_CSRC / "hf_gemm.cpp", _CSRC / "hf_amx.cpp", _CSRC / "hf_bindings.cpp")
+HEADERS = (_CSRC / "hf_gemm.h", _CSRC / "simd.h", _CSRC / "hf_amx.h", _CSRC / "amx_tiles.h",
+           _CSRC.parent.parent / "csrc" / "aten.h")
 NAME = "kvmesh_hfquant_kernels"
 SUBDIR = "hfquant-kernels"
 

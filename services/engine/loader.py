@@ -147,7 +147,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                      quantization, quant_activations)
 
 
-# NOTE: a first build measured 30-60 s on an idle 8-core machine, ~3 min on a busy 2-core one.
+# NOTE: a first build of the built-in model's two extensions measured 34 s + 27 s on an idle 2-core
+# Xeon (2026-11-27; the CPU kernels, then the GGUF GEMMs), minutes on a busy machine.
 CPU_KERNELS_BUILD_ESTIMATE_S = 60.0
 
 

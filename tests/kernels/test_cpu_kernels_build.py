@@ -29,3 +29,31 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
     assert proc.returncode == 0, proc.stderr
     assert f"removing {stale}, left by a C++ kernels build that did not finish" in proc.stderr
     assert not stale.exists()
+
+
+EXTENSIONS = {"cpu_kernels": (cpu_kernels.SOURCES, cpu_kernels.HEADERS)}
+
+
+def _extensions():
+    from kvmesh.kernels.quant import build, hf_build
+    return {**EXTENSIONS, "quant": (build.SOURCES, build.HEADERS), "hf_quant": (hf_build.SOURCES, hf_build.HEADERS)}
+
+
+@pytest.mark.parametrize("name", ["cpu_kernels", "quant", "hf_quant"])
+def test_only_the_bindings_include_pybind11_and_every_local_header_is_in_the_build_key(name):
+    """Each extension's kernel sources include ATen's own headers (csrc/aten.h), not
+    <torch/extension.h> (~27 s of compile time a source); one source, the bindings, includes
+    pybind11. And every header a source includes by quotes is one the build key hashes, so an
+    edit to it rebuilds."""
+    sources, headers = _extensions()[name]
+    modules = [s.name for s in sources if "PYBIND11_MODULE" in s.read_text()]
+    assert len(modules) == 1 and modules[0].endswith("bindings.cpp")
+    hashed = {h.resolve() for h in headers}
+    for f in (*sources, *headers):
+        includes = [line for line in f.read_text().splitlines() if line.startswith("#include")]
+        heavy = any("<torch/extension.h>" in line or "pybind" in line for line in includes)
+        assert heavy == (f.name == modules[0]), f
+        for line in includes:
+            if line.startswith('#include "'):
+                included = (f.parent / line.split('"')[1]).resolve()
+                assert included in hashed, f"{f.name} includes {included}, which the build key does not hash"

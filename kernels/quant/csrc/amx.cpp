@@ -22,14 +22,14 @@
 
 namespace kvmesh_quant {
 
-torch::Tensor quant_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K, bool out_bf16) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+at::Tensor quant_gemm_amx(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, bool out_bf16) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
               "quant_gemm_amx: x must be a CPU bfloat16 [M, K] tensor");
   const int64_t row_bytes = check_weight(w, fmt, K);
   TORCH_CHECK(K % 32 == 0, "quant_gemm_amx: K=", K, " is not a multiple of 32");
   TORCH_CHECK(!amx_isa().empty(), "quant_gemm_amx: no AMX bf16 tiles in this build or process");
   const int64_t M = x.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  auto y = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0 || N == 0) return y;
 #if KQ_AMX
   const auto xc = x.contiguous();

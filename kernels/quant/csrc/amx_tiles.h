@@ -12,8 +12,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "../../csrc/aten.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -208,7 +207,7 @@ void bf16_rebuilt_gemm(const uint16_t* x, int64_t M, int64_t N, int64_t K, Out* 
   constexpr int64_t TN = 32, TK = 32;
   const int64_t G = (M + 15) / 16, S = K / TK;
   // NOTE: torch's CPU allocator aligns to 64 bytes, as the tile loads want
-  auto packed = torch::empty({G * S * 256}, torch::TensorOptions().dtype(torch::kInt32));
+  auto packed = at::empty({G * S * 256}, at::TensorOptions().dtype(at::kInt));
   uint32_t* xp = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(xp) % 64 == 0, "AMX: unaligned activation tiles");
   at::parallel_for(0, G * S, 64, [&](int64_t b, int64_t e) {

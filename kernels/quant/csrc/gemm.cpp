@@ -10,8 +10,7 @@
 //
 // Neither path holds more than a chunk of rows of W unpacked (NB rows per task); the matrix is
 // never dequantized. Many activation rows go through tiled.cpp instead (ops.py picks). Work is split over output rows (at::parallel_for, ATen's thread pool).
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "../../csrc/aten.h"
 
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "simd.h"
 #include "amx.h"
 #include "tiled.h"
+#include "gemm.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -481,8 +481,8 @@ void dequantize_rows_impl(const uint8_t* w, const int64_t* ids, float* out, int6
 }  // namespace
 
 // K from the byte width of a row; checks what the Python side already promised.
-int64_t check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+int64_t check_weight(const at::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
               "quantized weight: expected a contiguous CPU uint8 [N, row_bytes] tensor");
   TORCH_CHECK(block_bytes(fmt) > 0, "unsupported GGUF quantization type ", fmt);
   TORCH_CHECK(K % block_elems(fmt) == 0, "K=", K, " is not a multiple of the block size ",
@@ -493,14 +493,14 @@ int64_t check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
   return row_bytes;
 }
 
-torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K,
-                         bool int8_activations) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                      bool int8_activations) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == K && x.device().is_cpu(),
               "quant_gemm: x must be a CPU float32 [M, K] tensor");
   const int64_t row_bytes = check_weight(w, fmt, K);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, xc.options());
+  auto y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   dispatch(fmt, [&](auto f) {
     constexpr int F = decltype(f)::value;
@@ -512,14 +512,14 @@ torch::Tensor quant_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   return y;
 }
 
-torch::Tensor dequantize_rows(const torch::Tensor& w, const torch::Tensor& ids, int64_t fmt, int64_t K) {
+at::Tensor dequantize_rows(const at::Tensor& w, const at::Tensor& ids, int64_t fmt, int64_t K) {
   const int64_t row_bytes = check_weight(w, fmt, K);
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "dequantize_rows: ids must be int64 [T]");
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "dequantize_rows: ids must be int64 [T]");
   const auto idc = ids.contiguous();
   const int64_t T = idc.size(0), N = w.size(0);
   const int64_t* p = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(p[t] >= 0 && p[t] < N, "row id ", p[t], " out of range [0, ", N, ")");
-  auto out = torch::empty({T, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
   dispatch(fmt, [&](auto f) {
     constexpr int F = decltype(f)::value;
     dequantize_rows_impl<F>(w.data_ptr<uint8_t>(), p, out.data_ptr<float>(), T, K, row_bytes);
@@ -541,19 +541,3 @@ std::string int8_isa() {
 }
 
 }  // namespace kvmesh_quant
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_gemm", &kvmesh_quant::quant_gemm,
-        "y = x @ W^T, W as GGUF blocks (float32 x; float or int8-quantized activations)");
-  m.def("dequantize_rows", &kvmesh_quant::dequantize_rows, "the float32 rows `ids` of a GGUF-block weight");
-  m.def("int8_isa", &kvmesh_quant::int8_isa, "the instruction set of the int8 dot product");
-  m.def("quant_gemm_tiled", &kvmesh_quant::quant_gemm_tiled,
-        "y = x @ W^T for many rows: W dequantized a tile at a time (float32 or bfloat16 x)");
-  m.def("dequantize_into", &kvmesh_quant::dequantize_into,
-        "rows [n0, n0 + out.size(0)) of a GGUF-block weight dequantized into out (float32 or bf16)");
-  m.def("tiled_isa", &kvmesh_quant::tiled_isa, "the instruction set of the tiled path's kernels");
-  m.def("quant_gemm_amx", &kvmesh_quant::quant_gemm_amx,
-        "y = x @ W^T on AMX bf16 tiles: W dequantized 32 rows at a time (bfloat16 x; y float32, or bf16 "
-        "rounded once when out_bf16)");
-  m.def("amx_isa", &kvmesh_quant::amx_isa, "'amx_bf16' where the AMX path runs here, else ''");
-}

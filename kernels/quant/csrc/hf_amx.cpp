@@ -11,7 +11,6 @@
 // 0-3 accumulate, 4-5 weights, 6-7 activations.
 #include "hf_amx.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -51,12 +50,12 @@ inline void store_scaled(const int32_t* c, float* y, int64_t N, int64_t m0, int6
 
 }  // namespace
 
-torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale) {
+at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale) {
   check_w8a8(x, w, w_scale);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 64 == 0, "w8a8_gemm_amx: K=", K, " is not a multiple of 64");
   TORCH_CHECK(!w8a8_amx_isa().empty(), "w8a8_gemm_amx: no AMX int8 tiles in this build or process");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #if KQ_AMX_INT8
   auto qs = quantize_rows_int8(x);
@@ -64,7 +63,7 @@ torch::Tensor w8a8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, cons
   const float* sx = qs[1].data_ptr<float>();
   const int64_t G = (M + TM - 1) / TM, S = K / TK;
   // NOTE: torch's CPU allocator aligns to 64 bytes, as the tile loads want
-  auto packed = torch::empty({G * S * 256}, torch::TensorOptions().dtype(torch::kInt32));
+  auto packed = at::empty({G * S * 256}, at::TensorOptions().dtype(at::kInt));
   uint32_t* xp = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
   at::parallel_for(0, G * S, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) kvmesh_amx::pack_b_tile(xq, K, M, i / S, i % S * TK, xp + i * 256);

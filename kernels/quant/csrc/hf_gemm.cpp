@@ -20,8 +20,7 @@
 // cpu_kernels.PATHS build) enables, as in gemm.cpp; where the CPU has AMX, W8A8 calls of many rows
 // take the int8 tiles instead (hf_amx.cpp), and int4 calls with bf16 activations the bf16 tiles
 // (amx_tiles.h's loop, from W4_AMX_MIN_ROWS). Work is split over output rows (at::parallel_for).
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "../../csrc/aten.h"
 
 #include <cmath>
 #include <cstring>
@@ -34,6 +33,7 @@
 #include "amx_tiles.h"
 #include "hf_amx.h"
 #include "simd.h"
+#include "hf_gemm.h"
 
 namespace kvmesh_hfquant {
 namespace {
@@ -140,12 +140,12 @@ inline void dot_i8(const uint8_t* const* xa, const int8_t* w, int64_t K, int32_t
 
 }  // namespace
 
-std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+std::vector<at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto s = torch::empty({M}, x.options());
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto s = at::empty({M}, x.options());
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       quantize_row(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K, s.data_ptr<float>() + m);
@@ -153,30 +153,30 @@ std::vector<torch::Tensor> quantize_rows_int8(const torch::Tensor& x) {
   return {q, s};
 }
 
-void check_w8a8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+void check_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous() && w.size(1) == x.size(1),
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) == x.size(1),
               "w must be contiguous int8 [N, K] with x's K");
-  TORCH_CHECK(w_scale.scalar_type() == torch::kFloat32 && w_scale.numel() == w.size(0) && w_scale.is_contiguous(),
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == w.size(0) && w_scale.is_contiguous(),
               "w_scale must be float32 [N]");
 }
 
-torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& w_scale,
-                        const torch::Tensor& w_sum) {
+at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                     const at::Tensor& w_sum) {
   check_w8a8(x, w, w_scale);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w_sum.scalar_type() == torch::kInt32 && w_sum.numel() == N && w_sum.is_contiguous(),
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.numel() == N && w_sum.is_contiguous(),
               "w_sum must be int32 [N]");
   auto qs = quantize_rows_int8(x);
   auto xq = qs[0];
   const float* sx = qs[1].data_ptr<float>();
-  if (kOffset) xq = xq.view(torch::kUInt8).add(128).contiguous();   // q + 128 wraps to the u8 value
+  if (kOffset) xq = xq.view(at::kByte).add(128).contiguous();   // q + 128 wraps to the u8 value
   const uint8_t* xa = reinterpret_cast<const uint8_t*>(xq.data_ptr());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sw = w_scale.data_ptr<float>();
   const int32_t* ws = w_sum.data_ptr<int32_t>();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
     for (int64_t n = nb; n < ne; ++n) {
@@ -439,39 +439,39 @@ inline void w4_rows(const uint8_t* codes, const float* sc, const uint8_t* zr, in
 
 namespace {
 
-torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         const torch::Tensor& zeros, int64_t group_size, bool amx_only, bool out_bf16) {
+at::Tensor w4a16_impl(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& zeros, int64_t group_size, bool amx_only, bool out_bf16) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-              (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be contiguous float32 or bfloat16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "group_size must be a multiple of 32 dividing K");
   const int64_t G = group_size, NG = K / G;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous() &&
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
               qweight.size(1) == K / 2, "qweight must be contiguous uint8 [N, K / 2]");
   const int64_t N = qweight.size(0);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N &&
               scales.size(1) == NG, "scales must be contiguous float32 [N, K / group_size]");
-  TORCH_CHECK(zeros.scalar_type() == torch::kUInt8 && zeros.is_contiguous() && zeros.size(0) == N &&
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == N &&
               zeros.size(1) == NG, "zeros must be contiguous uint8 [N, K / group_size]");
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  TORCH_CHECK(!amx_only || (x.scalar_type() == torch::kBFloat16 && !w4a16_amx_isa().empty()),
+  TORCH_CHECK(!amx_only || (x.scalar_type() == at::kBFloat16 && !w4a16_amx_isa().empty()),
               "w4a16_gemm_amx: bfloat16 x and AMX bf16 tiles (this build or process has none)");
 #if KQ_AMX_TILES && defined(__AVX512BF16__) && defined(__AVX512BW__)
   // NOTE: bf16 activations from W4_AMX_MIN_ROWS rows on AMX: each weight row rebuilt in bf16 by
   // lookup, with the bits the bf16 tiles below round it to, 32 rows at a time, multiplied on the
   // tiles; with out_bf16 the accumulators go to y rounded to bf16 (no float32 [M, N], no copy)
-  if (x.scalar_type() == torch::kBFloat16 && M > 0 && N > 0 && (amx_only || M >= W4_AMX_MIN_ROWS) &&
+  if (x.scalar_type() == at::kBFloat16 && M > 0 && N > 0 && (amx_only || M >= W4_AMX_MIN_ROWS) &&
       kvmesh_amx::tiles_permitted()) {
     const auto rebuild = [&](int64_t row, int64_t count, uint16_t* out) {
       for (int64_t i = 0; i < count; ++i)
         dequant_row_bf16(qp + (row + i) * (K / 2), sp + (row + i) * NG, zp + (row + i) * NG, K, G, out + i * K);
     };
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+    auto y = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
     if (out_bf16)
       kvmesh_amx::bf16_rebuilt_gemm(xb, M, N, K, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rebuild);
     else
@@ -479,10 +479,10 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
     return y;
   }
 #endif
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (x.scalar_type() == torch::kBFloat16 && M >= ROWS_MIN) {
+  if (x.scalar_type() == at::kBFloat16 && M >= ROWS_MIN) {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
       std::vector<float> scratch(K);
@@ -494,7 +494,7 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
     return y;
   }
 #endif
-  const auto xf = x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32);
+  const auto xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, N, 4, [&](int64_t nb, int64_t ne) {
     if (M >= ROWS_MIN) {
@@ -519,13 +519,13 @@ torch::Tensor w4a16_impl(const torch::Tensor& x, const torch::Tensor& qweight, c
 
 }  // namespace
 
-torch::Tensor w4a16_gemm(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                         const torch::Tensor& zeros, int64_t group_size, bool out_bf16) {
+at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& zeros, int64_t group_size, bool out_bf16) {
   return w4a16_impl(x, qweight, scales, zeros, group_size, false, out_bf16);
 }
 
-torch::Tensor w4a16_gemm_amx(const torch::Tensor& x, const torch::Tensor& qweight, const torch::Tensor& scales,
-                             const torch::Tensor& zeros, int64_t group_size, bool out_bf16) {
+at::Tensor w4a16_gemm_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t group_size, bool out_bf16) {
   return w4a16_impl(x, qweight, scales, zeros, group_size, true, out_bf16);
 }
 
@@ -550,25 +550,3 @@ std::string w4a16_isa() {
 }
 
 }  // namespace kvmesh_hfquant
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w8a8_gemm", &kvmesh_hfquant::w8a8_gemm,
-        "y = x @ W^T: int8 weights (per-row scales) x int8 activations quantized per row");
-  m.def("quantize_rows_int8", &kvmesh_hfquant::quantize_rows_int8,
-        "x -> (int8 codes, float32 per-row scales): the activation quantization of w8a8_gemm");
-  m.def("w8a8_isa", &kvmesh_hfquant::w8a8_isa, "the instruction set of the int8 dot product");
-  m.def("w8a8_gemm_amx", &kvmesh_hfquant::w8a8_gemm_amx,
-        "w8a8_gemm's product on AMX int8 tiles (K a multiple of 64): the same bits");
-  m.def("w8a8_amx_isa", &kvmesh_hfquant::w8a8_amx_isa, "'amx_int8' where the AMX path runs here, else ''");
-  m.def("w4a16_gemm", &kvmesh_hfquant::w4a16_gemm,
-        "y = x @ W^T: 4-bit group weights (scales, zeros) x float32 or bf16 activations; float32 y, "
-        "or bf16 with out_bf16 where the AMX tiles run (rounded from their float32 sums)",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("group_size"),
-        py::arg("out_bf16") = false);
-  m.def("w4a16_isa", &kvmesh_hfquant::w4a16_isa, "the instruction set of the int4 GEMM");
-  m.def("w4a16_gemm_amx", &kvmesh_hfquant::w4a16_gemm_amx,
-        "w4a16_gemm's product on AMX bf16 tiles (bfloat16 x), whatever the row count",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("zeros"), py::arg("group_size"),
-        py::arg("out_bf16") = false);
-  m.def("w4a16_amx_isa", &kvmesh_hfquant::w4a16_amx_isa, "'amx_bf16' where the int4 AMX path runs here, else ''");
-}

@@ -18,7 +18,6 @@
 // over tiles of N (at::parallel_for); a slab after the first adds into y.
 #include "tiled.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -376,18 +375,18 @@ void dequantize_range(int64_t fmt, const uint8_t* w, int64_t n0, int64_t rows, i
 
 }  // namespace
 
-torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K) {
-  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 &&
+at::Tensor quant_gemm_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 &&
                   x.size(1) == K && x.device().is_cpu(),
               "quant_gemm_tiled: x must be a CPU float32 or bfloat16 [M, K] tensor");
   const int64_t row_bytes = check_weight(w, fmt, K);
   const int64_t M = x.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
   // NOTE: bf16 tiles only for bf16 activations on AVX512-BF16: float32 activations keep float32's
   // rounding, and without vdpbf16ps a bf16 product is a float32 one plus conversions.
 #if KQ_BF16
-  if (x.dtype() == torch::kBFloat16) {
+  if (x.dtype() == at::kBFloat16) {
     const auto xc = x.contiguous();
     dispatch_tiled<bf16_t>(fmt, reinterpret_cast<const bf16_t*>(xc.data_ptr<at::BFloat16>()),
                            w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K, row_bytes);
@@ -395,14 +394,14 @@ torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, i
   }
 #endif
   {
-    const auto xf = x.to(torch::kFloat32).contiguous();
+    const auto xf = x.to(at::kFloat).contiguous();
     dispatch_tiled<float>(fmt, xf.data_ptr<float>(), w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K,
                           row_bytes);
   }
   return y;
 }
 
-void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& out, int64_t fmt, int64_t K) {
+void dequantize_into(const at::Tensor& w, int64_t n0, const at::Tensor& out, int64_t fmt, int64_t K) {
   const int64_t row_bytes = check_weight(w, fmt, K);
   TORCH_CHECK(out.dim() == 2 && out.size(1) == K && out.is_contiguous() && out.device().is_cpu(),
               "dequantize_into: out must be a contiguous CPU [rows, K] tensor");
@@ -410,13 +409,13 @@ void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& ou
   TORCH_CHECK(n0 >= 0 && n0 + rows <= w.size(0), "dequantize_into: rows [", n0, ", ", n0 + rows,
               ") out of range [0, ", w.size(0), ")");
 #if KQ_BF16
-  if (out.dtype() == torch::kBFloat16) {
+  if (out.dtype() == at::kBFloat16) {
     dequantize_range<bf16_t>(fmt, w.data_ptr<uint8_t>(), n0, rows, K, row_bytes,
                              reinterpret_cast<bf16_t*>(out.data_ptr<at::BFloat16>()));
     return;
   }
 #endif
-  TORCH_CHECK(out.dtype() == torch::kFloat32, "dequantize_into: out must be float32",
+  TORCH_CHECK(out.dtype() == at::kFloat, "dequantize_into: out must be float32",
               KQ_BF16 ? " or bfloat16" : " (this build has no bf16 tiles)");
   dequantize_range<float>(fmt, w.data_ptr<uint8_t>(), n0, rows, K, row_bytes, out.data_ptr<float>());
 }

@@ -1,21 +1,21 @@
 // The many-row quantized GEMM (tiled.cpp), registered beside the per-row paths in gemm.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include "../../csrc/aten.h"
 
 #include <string>
 
 namespace kvmesh_quant {
 
 // The row width in bytes of W [N, row_bytes] for K (checks dtype, layout and width; gemm.cpp).
-int64_t check_weight(const torch::Tensor& w, int64_t fmt, int64_t K);
+int64_t check_weight(const at::Tensor& w, int64_t fmt, int64_t K);
 
 // y[M, N] float32 = x[M, K] @ W^T, x float32 or bfloat16, W as GGUF blocks [N, row_bytes].
-torch::Tensor quant_gemm_tiled(const torch::Tensor& x, const torch::Tensor& w, int64_t fmt, int64_t K);
+at::Tensor quant_gemm_tiled(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K);
 
 // Rows [n0, n0 + out.size(0)) of W dequantized into out ([rows, K], float32, or bfloat16 where the
 // build has bf16 tiles): the large-batch path's transient slab (ops.py), the tiles' arithmetic.
-void dequantize_into(const torch::Tensor& w, int64_t n0, const torch::Tensor& out, int64_t fmt, int64_t K);
+void dequantize_into(const at::Tensor& w, int64_t n0, const at::Tensor& out, int64_t fmt, int64_t K);
 
 // `rows` whole weight rows from `w` (row_bytes apart) dequantized into out ([rows, K] bf16 bits,
 // row-major), serially: the bf16 tiles' weights, for the AMX path (amx.cpp). Only in builds with
