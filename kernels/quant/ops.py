@@ -65,10 +65,12 @@ SLAB_MIN_ROWS = {"bf16": 128, "float32": 64}
 # at every batch size, so a row's result does not depend on how many rows share its step. int8
 # activations keep their per-row int8 kernel (the mode chosen for one-row speed) below 8 rows.
 AMX_MIN_ROWS = {"float": 1, "int8": 8}
-# NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: the
-# tiles beat the slabs at 128 rows on every layer shape of the built-in model, the slabs won at
-# 256 on qkv and gate_up in the idle run (benchmarks/quant_gemm.py, docs/KERNELS.md)
-AMX_SLAB_MIN_ROWS = 256
+# NOTE: where the AMX path runs, bf16 activations take the slabs only from this many rows: since
+# the tiles' lookup dequantization and bf16 output, they beat the slabs at 256 rows on every layer
+# shape of the built-in model (1.1-1.8x, two runs), over the four shapes together at 512 and 768
+# (1.03-1.21x, four runs), and tie them at 1024 (benchmarks/quant_gemm.py, docs/KERNELS.md; 256
+# before, when the slabs won there). A 512-token prefill budget's full steps stay on the tiles.
+AMX_SLAB_MIN_ROWS = 1024
 # the scratch slab's budget: rows of W dequantized at once (the LM head takes several slabs)
 SLAB_BYTES = 4 << 20
 
