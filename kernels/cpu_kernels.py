@@ -40,9 +40,11 @@ from kvmesh.kernels.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
+# the ATen headers every C++ extension's sources include (kernels/quant's too): in each build key
+ATEN_HEADER = _CSRC / "aten.h"
 SOURCES = tuple(_CSRC / name for name in ("attention.cpp", "attention_amx.cpp", "elementwise.cpp", "sampling.cpp", "lora.cpp", "small_gemm.cpp", "bindings.cpp"))
 # NOTE: attention_amx.cpp takes the tile permission and the 16 x 16 transpose from the AMX home
-HEADERS = (*(_CSRC / name for name in ("aten.h", "kernels.h", "vec.h", "attention_amx.h")),
+HEADERS = (ATEN_HEADER, *(_CSRC / name for name in ("kernels.h", "vec.h", "attention_amx.h")),
            _CSRC.parent / "quant" / "csrc" / "amx_tiles.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 NAME = "kvmesh_cpu_kernels"

@@ -16,8 +16,8 @@ from kvmesh.kernels import cpu_kernels
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "gemm.cpp", _CSRC / "tiled.cpp", _CSRC / "amx.cpp", _CSRC / "bindings.cpp")
-HEADERS = (_CSRC / "gemm.h", _CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h", _CSRC / "amx_tiles.h",
-           _CSRC.parent.parent / "csrc" / "aten.h")
+HEADERS = (_CSRC / "gemm.h", _CSRC / "blocks.h", _CSRC / "simd.h", _CSRC / "tiled.h", _CSRC / "amx.h",
+           _CSRC / "amx_tiles.h", cpu_kernels.ATEN_HEADER)
 NAME = "kvmesh_quant_kernels"
 SUBDIR = "quant-kernels"
 

@@ -14,7 +14,7 @@ from kvmesh.kernels import cpu_kernels
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "hf_gemm.cpp", _CSRC / "hf_amx.cpp", _CSRC / "hf_bindings.cpp")
 HEADERS = (_CSRC / "hf_gemm.h", _CSRC / "simd.h", _CSRC / "hf_amx.h", _CSRC / "amx_tiles.h",
-           _CSRC.parent.parent / "csrc" / "aten.h")
+           cpu_kernels.ATEN_HEADER)
 NAME = "kvmesh_hfquant_kernels"
 SUBDIR = "hfquant-kernels"
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.common.model_files import cache_dir
 from kvmesh.kernels import cpu_kernels
+from kvmesh.kernels.quant import build, hf_build
 
 LOAD = ("import sys; from kvmesh.kernels.cpu_kernels import load; "
         "sys.exit(0 if load() is not None else 1)")
@@ -31,21 +32,17 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
     assert not stale.exists()
 
 
-EXTENSIONS = {"cpu_kernels": (cpu_kernels.SOURCES, cpu_kernels.HEADERS)}
+EXTENSIONS = {"cpu_kernels": (cpu_kernels.SOURCES, cpu_kernels.HEADERS), "quant": (build.SOURCES, build.HEADERS),
+              "hf_quant": (hf_build.SOURCES, hf_build.HEADERS)}
 
 
-def _extensions():
-    from kvmesh.kernels.quant import build, hf_build
-    return {**EXTENSIONS, "quant": (build.SOURCES, build.HEADERS), "hf_quant": (hf_build.SOURCES, hf_build.HEADERS)}
-
-
-@pytest.mark.parametrize("name", ["cpu_kernels", "quant", "hf_quant"])
+@pytest.mark.parametrize("name", list(EXTENSIONS))
 def test_only_the_bindings_include_pybind11_and_every_local_header_is_in_the_build_key(name):
     """Each extension's kernel sources include ATen's own headers (csrc/aten.h), not
     <torch/extension.h> (~27 s of compile time a source); one source, the bindings, includes
     pybind11. And every header a source includes by quotes is one the build key hashes, so an
     edit to it rebuilds."""
-    sources, headers = _extensions()[name]
+    sources, headers = EXTENSIONS[name]
     modules = [s.name for s in sources if "PYBIND11_MODULE" in s.read_text()]
     assert len(modules) == 1 and modules[0].endswith("bindings.cpp")
     hashed = {h.resolve() for h in headers}

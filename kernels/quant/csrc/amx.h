@@ -1,4 +1,4 @@
-// The AMX path of the quantized GEMM (amx.cpp), registered beside the others in gemm.cpp.
+// The AMX path of the quantized GEMM (amx.cpp), bound to Python beside the others in bindings.cpp.
 #pragma once
 
 #include "../../csrc/aten.h"

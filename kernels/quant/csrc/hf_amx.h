@@ -1,4 +1,5 @@
-// W8A8 on AMX's int8 tiles (hf_amx.cpp), registered beside the other Hugging Face GEMMs in hf_gemm.cpp.
+// W8A8 on AMX's int8 tiles (hf_amx.cpp), bound to Python beside the other Hugging Face GEMMs in
+// hf_bindings.cpp.
 #pragma once
 
 #include "../../csrc/aten.h"

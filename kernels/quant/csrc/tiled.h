@@ -1,4 +1,4 @@
-// The many-row quantized GEMM (tiled.cpp), registered beside the per-row paths in gemm.cpp.
+// The many-row quantized GEMM (tiled.cpp), bound to Python beside the per-row paths in bindings.cpp.
 #pragma once
 
 #include "../../csrc/aten.h"
