@@ -13,6 +13,11 @@
                      ~81 M parameters, ~31 M active per token), random weights, seed 0
     random-moe-tiny  the same architecture at toy size
     random-glue      SmolLM2-135M's 30 layers and heads at width 72: a step costs its Python
+    random-1b-awq    a random Llama model quantized (benchmarks/quant_checkpoints.py): every
+    (-gptq, -w8a8,   decoder projection as AWQ int4 (groups of 128, zero points), GPTQ int4
+     -fp8)           (symmetric), compressed-tensors W8A8 (int8 per channel, int8 activations
+                     per token) or FP8_DYNAMIC (e4m3 per channel and per token; GPU only);
+                     embedding / head and norms as they were. Any Llama random model takes them.
     builtin-w8a8     the built-in model (its float32 HF directory, kvmesh.engine.hf_export) with
                      every decoder projection quantized to compressed-tensors W8A8 (int8 weights
                      per channel, rounded by compressed-tensors' own `quantize`; int8 activations
@@ -33,9 +38,16 @@ directory, and hand it to the benchmark with `--tokenizer DIR`:
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):
+    # NOTE: run as a script (`python benchmarks/models.py --write-tokenizer DIR`)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.quant_checkpoints import PROJ, make_checkpoint  # noqa: E402
 
 RANDOM_MODELS: dict[str, dict] = {
     "random-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -56,6 +68,13 @@ RANDOM_MODELS: dict[str, dict] = {
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
 }
+# a random model's quantized variants (random-1b-awq, ...): suffix -> make_checkpoint's method, options
+QUANTIZED: dict[str, tuple[str, dict]] = {
+    "awq": ("awq", {}),
+    "gptq": ("gptq", {"desc_act": False, "sym": True}),
+    "w8a8": ("compressed-tensors", {"kind": "int"}),
+    "fp8": ("compressed-tensors", {"kind": "float"}),
+}
 # the transformers (config, model) classes of each random model; Llama unless named here
 _FAMILY = {"random-moe": "Qwen3Moe", "random-moe-tiny": "Qwen3Moe"}
 VOCAB = 49152           # the built-in tokenizer's
@@ -75,10 +94,13 @@ def resolve_model(spec: str, cache: Path, tokenizer: Path | None = None) -> str 
         return str(ensure_random_model(spec, cache, tokenizer=tokenizer))
     if spec == "builtin-w8a8":
         return str(ensure_builtin_w8a8(cache))
+    base, _, suffix = spec.rpartition("-")
+    if base in RANDOM_MODELS and suffix in QUANTIZED and _FAMILY.get(base, "Llama") == "Llama":
+        return str(ensure_quantized_random_model(spec, cache, tokenizer=tokenizer))
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise SystemExit(f"--model must be builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} or an HF model "
-                         f"directory; {spec!r} is none of them")
+        raise SystemExit(f"--model must be builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} (a Llama one "
+                         f"may end in -{', -'.join(QUANTIZED)}) or an HF model directory; {spec!r} is none of them")
     return str(path)
 
 
@@ -113,48 +135,43 @@ def ensure_random_model(name: str, cache: Path, seed: int = 0, tokenizer: Path |
     return out
 
 
-W8A8_PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+W8A8_PROJ = PROJ      # the projections every quantized variant quantizes
 
 
 def ensure_builtin_w8a8(cache: Path) -> Path:
     """The built-in model as a compressed-tensors W8A8 checkpoint, written once under `cache`."""
-    import json
-
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
-    from compressed_tensors.quantization.lifecycle.forward import quantize
-    from safetensors.torch import load_file, save_file
-
     from kvmesh.engine.hf_export import builtin_hf_dir
 
     out = cache / "builtin-w8a8"
-    if (out / "model.safetensors").is_file():
-        return out
-    src = builtin_hf_dir("float32")
-    tensors = load_file(str(src / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    for layer in range(cfg["num_hidden_layers"]):
-        for proj in W8A8_PROJ:
-            name = f"model.layers.{layer}.{proj}"
-            w = tensors.pop(f"{name}.weight").float()
-            scale = w.abs().amax(1, keepdim=True) / 127
-            tensors[f"{name}.weight"] = quantize(w, scale, torch.zeros_like(scale, dtype=torch.int8), args,
-                                                 dtype=torch.int8)
-            tensors[f"{name}.weight_scale"] = scale
-    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
-                            format="int-quantized", ignore=["lm_head"], quantization_status="compressed")
+    if not (out / "model.safetensors").is_file():
+        _write_once(out, lambda tmp: make_checkpoint(builtin_hf_dir("float32"), tmp, "compressed-tensors",
+                                                     kind="int", keep_dequantized=False))
+    return out
+
+
+def ensure_quantized_random_model(name: str, cache: Path, tokenizer: Path | None = None) -> Path:
+    """`name` = a random model and a QUANTIZED suffix (random-1b-awq): the random model's decoder
+    projections quantized by benchmarks/quant_checkpoints.py, written once under `cache`."""
+    base, suffix = name.rsplit("-", 1)
+    out = cache / name
+    if not (out / "model.safetensors").is_file():
+        src = ensure_random_model(base, cache, tokenizer=tokenizer)
+        method, opts = QUANTIZED[suffix]
+        cfg = RANDOM_MODELS[base]
+        # NOTE: groups of 128 as AWQ / GPTQ checkpoints use; the toy widths take 32
+        group = 128 if cfg["hidden_size"] % 128 == 0 and cfg["intermediate_size"] % 128 == 0 else 32
+        _write_once(out, lambda tmp: make_checkpoint(src, tmp, method, group_size=group,
+                                                     keep_dequantized=False, **opts))
+    return out
+
+
+def _write_once(out: Path, write) -> None:
+    """`write(tmp)` then rename tmp to `out`: an interrupted write leaves no half model behind."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            shutil.copy(f, tmp / f.name)
-    (tmp / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc.model_dump(mode="json")}))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"))
+    write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 def builtin_tokenizer_dir() -> Path:

@@ -2,25 +2,29 @@
 # A lent GPU machine's session in one command (docs/BENCHMARKS.md, "Triton kernels and the engine
 # on a GPU"). The machine has its own torch / triton and no package index:
 #
-#   benchmarks/gpu/session.sh prepare        # here: the wheels it lacks into .gpu/wheels (~16 MB)
-#   benchmarks/gpu/session.sh run [tests|bench|all]    # there, from the checkout's root, with
-#                                            # .gpu carried; results under $OUT
+#   benchmarks/gpu/session.sh prepare        # here: the wheels it lacks into .gpu/wheels (~16 MB),
+#                                            # the built-in tokenizer's files into .gpu/tokenizer
+#   benchmarks/gpu/session.sh run [tests|bench|engine|all]   # there, from the checkout's root,
+#                                            # with .gpu carried; results under $OUT
 #
 # `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
 # services/, kvmesh.kernels = kernels/, kvmesh.operator = operator/kvmesh_operator) with
 # symlinks, sets TRITON_INTERPRET=0 and runs the quantized GEMM tests, the HF quantized
-# checkpoints on CUDA (a server included) and benchmarks/quant_gemm_gpu.py ($BENCH_ARGS).
+# checkpoints on CUDA (a server included), benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the
+# engine on random-1b quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint
+# dequantized to bf16, decode-heavy (benchmarks/offline_throughput.py --quantization auto,none).
 set -u
 ROOT=$(pwd)
 case "${1:-}" in
 prepare)
     mkdir -p .gpu/wheels
     PIP=${PIP:-.venv/bin/pip}
+    "${PYTHON:-.venv/bin/python}" benchmarks/models.py --write-tokenizer .gpu/tokenizer || exit 1
     exec "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
         -d .gpu/wheels -r benchmarks/gpu/carry-requirements.txt ;;
 run) ;;
-*) echo "usage: $0 prepare | run [tests|bench|all]" >&2; exit 2 ;;
+*) echo "usage: $0 prepare | run [tests|bench|engine|all]" >&2; exit 2 ;;
 esac
 STEP=${2:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,4 +47,13 @@ if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
     # shellcheck disable=SC2086
     timeout 200 python3 benchmarks/quant_gemm_gpu.py ${BENCH_ARGS:-} > "$OUT/quant_gemm_gpu.txt" 2>&1
     echo "bench rc=$?"; head -200 "$OUT/quant_gemm_gpu.txt"
+fi
+if [ "$STEP" = all ] || [ "$STEP" = engine ]; then
+    for q in ${ENGINE_QUANTS:-awq w8a8 fp8}; do
+        timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/offline_throughput.py --device cuda \
+            --dtype bfloat16 --model "${ENGINE_MODEL:-random-1b}-$q" --tokenizer .gpu/tokenizer \
+            --model-cache /tmp/kvmodels --systems kvmesh --quantization auto,none \
+            --workload decode-heavy --max-num-seqs "${ENGINE_SEQS:-64}" > "$OUT/engine_$q.txt" 2>&1
+        echo "engine $q rc=$?"; grep -E "^# (kvmesh|model|workload)|^\| kvmesh|x output|Error" "$OUT/engine_$q.txt" | tail -12
+    done
 fi

@@ -61,6 +61,51 @@ def test_offline_throughput_on_a_random_moe_model_agrees_with_transformers(model
     assert "greedy outputs identical for 5/5 requests" in out
 
 
+@pytest.mark.parametrize("suffix,method,group", [("awq", "awq", 32), ("w8a8", "compressed-tensors", None)])
+def test_quantized_random_model_is_the_random_model_quantized(suffix, method, group, model_cache):
+    """random-tiny-awq / -w8a8: random-tiny's projections quantized (groups of 32 at its toy
+    width), written once, its float tensors the random model's; kvmesh serves it quantized."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from benchmarks.quant_checkpoints import awq_tensors, ct_tensors
+    from kvmesh.engine.loader import load_model
+    from kvmesh.kernels.quant import hf_build
+
+    path = resolve_model(f"random-tiny-{suffix}", model_cache)
+    stamp = (model_cache / f"random-tiny-{suffix}" / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(f"random-tiny-{suffix}", model_cache) == path
+    assert (model_cache / f"random-tiny-{suffix}" / "model.safetensors").stat().st_mtime_ns == stamp
+    qc = json.loads((model_cache / path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == method and qc.get("group_size") == group
+    src = load_file(str(ensure_random_model("random-tiny", model_cache) / "model.safetensors"))
+    got = load_file(f"{path}/model.safetensors")
+    w = src["model.layers.1.mlp.down_proj.weight"].float()
+    want = awq_tensors(w, 32)[0] if suffix == "awq" else ct_tensors(w, "int")[0]
+    for leaf, t in want.items():
+        assert torch.equal(got[f"model.layers.1.mlp.down_proj.{leaf}"], t), leaf
+    assert torch.equal(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+    assert (model_cache / path / "tokenizer.json").is_file()
+    if hf_build.load() is not None:
+        assert load_model(path, dtype="float32", device="cpu").quantization == method
+    with pytest.raises(SystemExit, match="may end in -awq, -gptq, -w8a8, -fp8"):
+        resolve_model("random-moe-tiny-awq", model_cache)       # a Qwen3-MoE: not a Llama
+
+
+def test_offline_throughput_runs_a_quantized_random_model_beside_its_dequantized_self(model_cache, capsys):
+    from kvmesh.kernels.quant import hf_build
+    if hf_build.load() is None:
+        pytest.skip(f"quantized kernels unavailable: {hf_build.unavailable_reason()}")
+    offline_throughput.main(["--model", "random-tiny-awq", "--model-cache", str(model_cache),
+                             "--num-requests", "5", "--scale", "40", "--systems", "kvmesh",
+                             "--quantization", "auto,none"])
+    out = capsys.readouterr().out
+    assert "quantization=auto:" in out and "(awq)" in out and "quantization=none:" in out and "(float)" in out
+    assert "| kvmesh-auto |" in out and "| kvmesh-none |" in out
+    assert "greedy outputs identical for" in out
+
+
 def test_decode_bandwidth_prints_one_row(model_cache, capsys):
     decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache),
                            "--batch", "3", "--context", "20", "--steps", "3", "--copy-mib", "16"])

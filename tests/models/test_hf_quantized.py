@@ -2,13 +2,11 @@
 on CPU (the C++ GEMMs) and on a CUDA GPU (the Triton GEMMs; those tests run where CUDA is present
 and TRITON_INTERPRET=0), against the same checkpoint dequantized at load (`--quantization none`).
 
-The checkpoints are made here from one tiny random Llama: compressed-tensors' own library writes
-the W8A8 / FP8 config and rounds the weights (`quantize`); AutoAWQ and AutoGPTQ do not install
-without CUDA, so their tensors are packed here per the formats' documented layouts (AWQ: int32
-[K, N/8] along N in the nibble order 0,2,4,6,1,3,5,7; GPTQ v1: int32 [K/8, N] along K, zeros
-stored minus one, g_idx for act-order). Each test also checks that the loader's dequantized weight
-is exactly the one this file quantized: the unpacking is tested against the packing here, not
-against itself.
+The checkpoints are made from one tiny random Llama by benchmarks/quant_checkpoints.py
+(compressed-tensors' own library for W8A8 / FP8; AWQ and GPTQ packed per the formats' documented
+layouts, since AutoAWQ and AutoGPTQ do not install without CUDA). Each test also checks that the
+loader's dequantized weight is exactly the one the writer quantized: the unpacking is tested
+against the packing, not against itself.
 """
 from __future__ import annotations
 
@@ -17,14 +15,12 @@ import logging
 import os
 import re
 
-import numpy as np
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, preset_name_to_scheme
-from compressed_tensors.quantization.lifecycle.forward import quantize
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from benchmarks.quant_checkpoints import awq_tensors, ct_config, ct_tensors, make_checkpoint
 from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear, hf_quantized_bytes
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.quantization.serving import serve_quantized
@@ -37,9 +33,6 @@ cpu_kernels = pytest.mark.skipif(hf_build.load() is None,
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
                                 reason="needs a CUDA GPU and TRITON_INTERPRET=0 (the Triton GEMMs)")
 
-PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @pytest.fixture(scope="module")
@@ -52,123 +45,6 @@ def float_dir(tmp_path_factory):
                       tie_word_embeddings=False)
     torch.manual_seed(0)
     return save_tiny_model(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny-float"), seed=3)
-
-
-def _pack_int32(cols: np.ndarray) -> np.ndarray:
-    """[R, 8 C] nibbles -> int32 [R, C]: nibble i (bits 4i..) of word c from column 8c + i."""
-    r, c8 = cols.shape
-    nib = cols.reshape(r, c8 // 8, 8).astype(np.uint32)
-    return sum(nib[..., i] << np.uint32(4 * i) for i in range(8)).astype(np.uint32).view(np.int32)
-
-
-def _asym_groups(w: torch.Tensor, groups: torch.Tensor, n_groups: int):
-    """Per (row, group) min/max 4-bit quantization: codes [N, K], scales fp16 [N, G], zeros [N, G],
-    and the dequantized weight with the stored (fp16) scales."""
-    n, k = w.shape
-    codes = torch.empty(n, k, dtype=torch.int64)
-    scales, zeros = torch.empty(n, n_groups), torch.empty(n, n_groups, dtype=torch.int64)
-    deq = torch.empty(n, k)
-    for g in range(n_groups):
-        cols = (groups == g).nonzero().flatten()
-        part = w[:, cols]
-        lo, hi = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
-        s = ((hi - lo) / 15).half().float()
-        z = torch.round(-lo / s).clamp(0, 15).long()
-        q = (torch.round(part / s[:, None]) + z[:, None]).clamp(0, 15).long()
-        codes[:, cols], scales[:, g], zeros[:, g] = q, s, z
-        deq[:, cols] = (q - z[:, None]).float() * s[:, None]
-    return codes, scales.half(), zeros, deq
-
-
-def awq_tensors(w: torch.Tensor, group: int):
-    k = w.shape[1]
-    codes, scales, zeros, deq = _asym_groups(w, torch.arange(k) // group, k // group)
-    def pack(a: torch.Tensor) -> torch.Tensor:   # [R, N] -> AWQ's interleaved int32 [R, N / 8]
-        order = np.concatenate([np.array(AWQ_ORDER) + 8 * c for c in range(a.shape[1] // 8)])
-        return torch.from_numpy(_pack_int32(a.numpy()[:, order]))
-    return {"qweight": pack(codes.T), "qzeros": pack(zeros.T), "scales": scales.T.contiguous()}, deq
-
-
-def gptq_tensors(w: torch.Tensor, group: int, act_order: bool, sym: bool, gen: torch.Generator):
-    n, k = w.shape
-    g_idx = torch.arange(k) // group
-    if act_order:
-        g_idx = g_idx[torch.argsort(torch.randperm(k, generator=gen))]   # groups spread over K
-    if sym:
-        codes, scales, zeros, deq = _sym_groups(w, g_idx, k // group)
-    else:
-        codes, scales, zeros, deq = _asym_groups(w, g_idx, k // group)
-    # word (r, n), nibble i: element 8r + i of row n
-    by_word = codes.numpy().reshape(n, k // 8, 8).transpose(1, 0, 2).reshape(k // 8 * n, 8)
-    along_k = torch.from_numpy(_pack_int32(by_word).reshape(k // 8, n))
-    stored = ((zeros - 1) & 0x0F).T.numpy()             # v1: zero - 1 (0 is stored as 15)
-    return {"qweight": along_k, "qzeros": torch.from_numpy(_pack_int32(stored)),
-            "scales": scales.T.contiguous(), "g_idx": g_idx.int()}, deq
-
-
-def _sym_groups(w, groups, n_groups):
-    n, k = w.shape
-    codes, deq = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
-    scales = torch.empty(n, n_groups)
-    for g in range(n_groups):
-        cols = (groups == g).nonzero().flatten()
-        s = (w[:, cols].abs().amax(1) * 2 / 15).half().float()
-        q = (torch.round(w[:, cols] / s[:, None]) + 8).clamp(0, 15).long()
-        codes[:, cols], scales[:, g], deq[:, cols] = q, s, (q - 8).float() * s[:, None]
-    return codes, scales.half(), torch.full((n, n_groups), 8), deq
-
-
-def ct_tensors(w: torch.Tensor, kind: str):
-    """compressed-tensors' own rounding: int8 (W8A8) or fp8 e4m3 channel-wise weights."""
-    if kind == "int":
-        scale = w.abs().amax(1, keepdim=True) / 127
-        args, dtype = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel"), torch.int8
-    else:
-        scale = w.abs().amax(1, keepdim=True) / 448
-        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
-        dtype = torch.float8_e4m3fn
-    q = quantize(w, scale, torch.zeros_like(scale, dtype=torch.int8 if kind == "int" else torch.float32),
-                 args, dtype=dtype)
-    return {"weight": q, "weight_scale": scale}, q.float() * scale
-
-
-def make_checkpoint(float_dir, out, method: str, **opts):
-    """`float_dir`'s model with every decoder projection quantized by `method`; returns
-    (directory, {module name: the dequantized weight it stands for})."""
-    gen = torch.Generator().manual_seed(5)
-    tensors = load_file(str(float_dir / "model.safetensors"))
-    cfg = json.loads((float_dir / "config.json").read_text())
-    deq = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for proj in PROJ:
-            module = f"model.layers.{layer}.{proj}"
-            w = tensors.pop(f"{module}.weight")
-            if method == "awq":
-                pieces, deq[module] = awq_tensors(w, 128)
-            elif method == "gptq":
-                pieces, deq[module] = gptq_tensors(w, 128, opts["desc_act"], opts["sym"], gen)
-            else:
-                pieces, deq[module] = ct_tensors(w, opts["kind"])
-            tensors.update({f"{module}.{leaf}": t for leaf, t in pieces.items()})
-    if method == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-    elif method == "gptq":
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": opts["desc_act"],
-              "sym": opts["sym"], "checkpoint_format": "gptq"}
-    else:
-        preset, fmt = ("W8A8", "int-quantized") if opts["kind"] == "int" else ("FP8_DYNAMIC", "float-quantized")
-        qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
-                                format=fmt, ignore=["lm_head"], quantization_status="compressed"
-                                ).model_dump(mode="json")
-        if opts.get("weight_only"):     # fp8 weights, activations as they are (W8A16)
-            qc["config_groups"]["group_0"]["input_activations"] = None
-    out.mkdir()
-    for f in float_dir.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            (out / f.name).write_bytes(f.read_bytes())
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
-    return out, deq
 
 
 def _logprob_diffs(got, ref, prompts):
@@ -434,9 +310,7 @@ def make_moe_checkpoint(out, method: str):
     if method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
     else:
-        qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
-                                format="int-quantized", ignore=["lm_head", "re:.*mlp.gate$"],
-                                quantization_status="compressed").model_dump(mode="json")
+        qc = ct_config("int", ["lm_head", "re:.*mlp.gate$"])
     out.mkdir()
     for f in src.iterdir():
         if f.name not in ("model.safetensors", "config.json"):

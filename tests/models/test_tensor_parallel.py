@@ -340,7 +340,7 @@ def test_hf_quantized_checkpoint_split_over_two_ranks(method, opts, hf_float_dir
     """Packed int4 codes with their scales and zeros, or int8 codes with their row scales, cut per
     rank without dequantizing; the gathered logits equal one rank's (int4: float32 rounding;
     W8A8 quantizes each rank's slice of the activations per token, so within its rounding)."""
-    from tests.models.test_hf_quantized import make_checkpoint
+    from benchmarks.quant_checkpoints import make_checkpoint
     path, _ = make_checkpoint(hf_float_dir, tmp_path / "ckpt", method, **opts)
     tokens = SWEEP_PROMPTS[0]
     one = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization=method)
@@ -396,7 +396,7 @@ def test_quantized_moe_experts_split_over_two_ranks(tmp_path, assert_close_to_sc
 def test_act_order_gptq_is_not_split_along_k(hf_float_dir, tmp_path, caplog, assert_close_to_scale):
     """GPTQ act-order permutes K: a row-parallel split would mix columns across ranks. Asked for
     by name it is refused; the default dequantizes, saying why."""
-    from tests.models.test_hf_quantized import make_checkpoint
+    from benchmarks.quant_checkpoints import make_checkpoint
     path, _ = make_checkpoint(hf_float_dir, tmp_path / "ckpt", "gptq", desc_act=True, sym=False)
 
     def rank(choice):
