@@ -20,6 +20,7 @@ names an impl), runs the unified kernel alone, as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -121,11 +122,21 @@ def default_impl(device: torch.device) -> str | None:
     return "varlen"
 
 
+@functools.lru_cache(maxsize=1)
+def varlen_keywords() -> frozenset[str]:
+    """The keywords this torch's `varlen_attn` takes: torch 2.11's has no `enable_gqa` (the K/V
+    heads are then repeated here) and may lack `window_size` (sliding windows then stay on the
+    unified kernel)."""
+    from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def eligible(query: torch.Tensor, softcap: float, window: int, impl: str | None) -> bool:
     """Whether this layer's fresh chunks can go to flash with `impl`."""
     head_dim = query.shape[2]
     return (impl in IMPLS and query.dtype in (torch.float16, torch.bfloat16) and softcap == 0
-            and head_dim <= 256 and head_dim % 8 == 0 and (window == 0 or impl == "varlen"))
+            and head_dim <= 256 and head_dim % 8 == 0
+            and (window == 0 or impl == "varlen" and "window_size" in varlen_keywords()))
 
 
 def _flash(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
@@ -133,10 +144,17 @@ def _flash(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
     """Causal attention of packed chunks q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
     if impl == "varlen":
         from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
-        # NOTE: window_size is (left, right); a query sees itself and W - 1 positions before it
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale,
-                           window_size=(window - 1 if window else -1, 0),
-                           enable_gqa=k.shape[1] != q.shape[1])
+        extra, takes = {}, varlen_keywords()
+        if window:
+            # NOTE: window_size is (left, right); a query sees itself and W - 1 positions before it
+            extra["window_size"] = (window - 1, 0)
+        if k.shape[1] != q.shape[1]:
+            if "enable_gqa" in takes:
+                extra["enable_gqa"] = True
+            else:
+                group = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
     out = torch.empty_like(q)
     for lo, hi in zip(cu_host[:-1], cu_host[1:]):
         o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], k[lo:hi].transpose(0, 1)[None],
