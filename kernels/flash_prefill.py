@@ -125,8 +125,8 @@ def default_impl(device: torch.device) -> str | None:
 @functools.lru_cache(maxsize=1)
 def varlen_keywords() -> frozenset[str]:
     """The keywords this torch's `varlen_attn` takes: torch 2.11's has no `enable_gqa` (the K/V
-    heads are then repeated here) and may lack `window_size` (sliding windows then stay on the
-    unified kernel)."""
+    heads are then repeated here). Its causal mask is `window_size` (-1, 0): a torch without it
+    sends nothing to "varlen"."""
     from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
     return frozenset(inspect.signature(varlen_attn).parameters)
 
@@ -136,7 +136,7 @@ def eligible(query: torch.Tensor, softcap: float, window: int, impl: str | None)
     head_dim = query.shape[2]
     return (impl in IMPLS and query.dtype in (torch.float16, torch.bfloat16) and softcap == 0
             and head_dim <= 256 and head_dim % 8 == 0
-            and (window == 0 or impl == "varlen" and "window_size" in varlen_keywords()))
+            and (impl == "sdpa" and window == 0 or impl == "varlen" and "window_size" in varlen_keywords()))
 
 
 def _flash(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
@@ -144,12 +144,11 @@ def _flash(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tor
     """Causal attention of packed chunks q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
     if impl == "varlen":
         from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
-        extra, takes = {}, varlen_keywords()
-        if window:
-            # NOTE: window_size is (left, right); a query sees itself and W - 1 positions before it
-            extra["window_size"] = (window - 1, 0)
+        # NOTE: window_size is (left, right), the causal mask with right 0; a query sees itself
+        # and W - 1 positions before it (left -1: all of them)
+        extra = {"window_size": (window - 1 if window else -1, 0)}
         if k.shape[1] != q.shape[1]:
-            if "enable_gqa" in takes:
+            if "enable_gqa" in varlen_keywords():
                 extra["enable_gqa"] = True
             else:
                 group = q.shape[1] // k.shape[1]

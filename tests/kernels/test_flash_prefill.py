@@ -110,33 +110,56 @@ def test_triton_ops_routes_through_flash_where_eligible(kx, monkeypatch):
     assert calls == ["sdpa"]
 
 
-def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None):
-    """A stand-in with torch 2.11's `varlen_attn` keywords (no enable_gqa, no window_size), per
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1)):
+    """A stand-in with torch 2.11's `varlen_attn` keywords (window_size, no enable_gqa), per
     sequence on math SDPA: the real one is CUDA-only, and this machine's torch has the newer one."""
     assert key.shape[1] == query.shape[1], "torch 2.11's varlen_attn takes no GQA"
+    left, right = window_size
     out = torch.empty_like(query)
     for lo, hi in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        i = torch.arange(hi - lo)
+        d = i[:, None] - i[None, :]                     # query position - key position
+        seen = ((d >= -right) if right >= 0 else torch.ones_like(d, dtype=torch.bool)) & (
+            (d <= left) if left >= 0 else torch.ones_like(d, dtype=torch.bool))
         out[lo:hi] = torch.nn.functional.scaled_dot_product_attention(
             query[lo:hi].transpose(0, 1), key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1),
-            is_causal=True, scale=scale).transpose(0, 1)
+            attn_mask=seen, scale=scale).transpose(0, 1)
     return out
 
 
-def test_varlen_of_a_torch_without_gqa_or_window(kx, monkeypatch):
+def _varlen_without_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+    raise AssertionError("not causal: never called")
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_varlen_of_a_torch_without_gqa(kx, monkeypatch, window):
     """torch 2.11's varlen_attn (the GPU image's) has no enable_gqa: the K/V heads are repeated
-    for it; and no window_size: a sliding window stays on the unified kernel."""
+    for it, and the causal mask (window_size (-1, 0), or a sliding window) still goes along."""
     import torch.nn.attention.varlen as varlen_mod
     monkeypatch.setattr(varlen_mod, "varlen_attn", _varlen_2_11)
     flash_prefill.varlen_keywords.cache_clear()
     try:
-        assert not eligible(torch.empty(2, 4, 64, dtype=torch.bfloat16), 0.0, 64, "varlen")
-        assert eligible(torch.empty(2, 4, 64, dtype=torch.bfloat16), 0.0, 0, "varlen")
         case = kx.make_paged_case(*MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
                                   dtype=torch.float16, seed=5)
+        meta = case.meta.with_window(window)
         with kx.poisoned():
-            out = flash_prefill.prefill_attention(case.query, case.k_cache, case.v_cache, case.meta,
+            out = flash_prefill.prefill_attention(case.query, case.k_cache, case.v_cache, meta,
                                                   case.scale, 0.0, unified_attention, "varlen")
-        kx.assert_close(out, _expected(case))
+        kx.assert_close(out, _expected(case, window))
+    finally:
+        flash_prefill.varlen_keywords.cache_clear()
+
+
+def test_a_varlen_without_window_size_is_not_used(monkeypatch):
+    """Its causal mask is window_size: a varlen_attn without it cannot run a prefill."""
+    import torch.nn.attention.varlen as varlen_mod
+    monkeypatch.setattr(varlen_mod, "varlen_attn", _varlen_without_window)
+    flash_prefill.varlen_keywords.cache_clear()
+    try:
+        for window in (0, 64):
+            assert not eligible(torch.empty(2, 4, 64, dtype=torch.bfloat16), 0.0, window, "varlen")
+        assert eligible(torch.empty(2, 4, 64, dtype=torch.bfloat16), 0.0, 0, "sdpa")
     finally:
         flash_prefill.varlen_keywords.cache_clear()
 
@@ -171,7 +194,7 @@ def test_flash_routes_match_unified_on_the_gpu(kx, window):
     expected = reference.paged_attention(q, kc, vc, meta, case.scale)
     for impl in ("varlen", "sdpa"):
         out = flash_prefill.prefill_attention(q, kc, vc, meta, case.scale, 0.0, unified_attention, impl)
-        if window and not eligible(q, 0.0, window, impl):     # (torch 2.11's varlen: no window)
+        if window and impl == "sdpa":
             assert out is None
             continue
         kx.assert_close(out, expected)
