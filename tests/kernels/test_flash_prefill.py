@@ -6,6 +6,8 @@ checked is the routing (which sequences go where) and the assembly of the output
 against the reference. The comparison of both flash routes and the unified kernel on the GPU
 is the CUDA-only test at the end.
 """
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -15,6 +17,10 @@ import torch  # noqa: E402
 from kvmesh.kernels import flash_prefill, reference, triton_ops  # noqa: E402
 from kvmesh.kernels.flash_prefill import build_route, eligible, split_sequences  # noqa: E402
 from kvmesh.kernels.prefill_attention import unified_attention  # noqa: E402
+
+# these run the unified kernel on CPU tensors: in the interpreter only (a GPU run sets TRITON_INTERPRET=0)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the unified kernel on CPU tensors needs TRITON_INTERPRET=1")
 
 # a decode, a fresh prompt, a chunk after a cached prefix, a 1-token prompt, a fresh prompt
 MIXED = ([1, 5, 3, 1, 7], [9, 5, 10, 1, 7])
@@ -76,6 +82,7 @@ def _expected(case, window=0):
     return reference.paged_attention(case.query, k, v, case.meta.with_window(window), case.scale)
 
 
+@interpreted
 @pytest.mark.parametrize("lens", [MIXED, ([6, 2, 9], [6, 2, 9])], ids=["mixed", "fresh-only"])
 def test_output_assembled_in_step_order(kx, lens, monkeypatch):
     """Math SDPA on the CPU (flash is CUDA-only) for the fresh chunks, the unified kernel
@@ -93,6 +100,7 @@ def test_output_assembled_in_step_order(kx, lens, monkeypatch):
     assert flashed == [("sdpa", 13 if lens == MIXED else 17)]
 
 
+@interpreted
 def test_triton_ops_routes_through_flash_where_eligible(kx, monkeypatch):
     """The backend's entry point: with a flash impl (forced here: the CPU has none) a mixed
     step goes through the route; without one (fp32) the unified kernel alone, as before."""
@@ -132,6 +140,7 @@ def _varlen_without_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 
     raise AssertionError("not causal: never called")
 
 
+@interpreted
 @pytest.mark.parametrize("window", [0, 3])
 def test_varlen_of_a_torch_without_gqa(kx, monkeypatch, window):
     """torch 2.11's varlen_attn (the GPU image's) has no enable_gqa: the K/V heads are repeated
