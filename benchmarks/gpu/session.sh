@@ -10,9 +10,10 @@
 # `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
 # services/, kvmesh.kernels = kernels/, kvmesh.operator = operator/kvmesh_operator) with
 # symlinks, sets TRITON_INTERPRET=0 and runs the quantized GEMM tests, the HF quantized
-# checkpoints on CUDA (a server included), benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the
-# engine on random-1b quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint
-# dequantized to bf16, decode-heavy (benchmarks/offline_throughput.py --quantization auto,none).
+# checkpoints on CUDA (a server included), a bf16 model against its float32 self through every
+# attention route, benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the engine on random-1b
+# quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint dequantized to bf16,
+# decode-heavy (benchmarks/offline_throughput.py --quantization auto,none).
 set -u
 ROOT=$(pwd)
 case "${1:-}" in
@@ -42,6 +43,10 @@ if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/models/test_hf_quantized.py \
         -k "cuda or layer_keeps" > "$OUT/tests_models.txt" 2>&1; echo "model tests rc=$?"
     grep -E "on cuda:|passed|failed|Error" "$OUT/tests_models.txt" | tail -25
+    # bf16 attention on the GPU: the flash prefill route (torch's varlen_attn) and the Triton kernels
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rA -s tests/kernels/test_flash_prefill.py \
+        tests/models/test_bf16_devices.py -k "gpu or cuda" > "$OUT/tests_bf16.txt" 2>&1
+    echo "bf16 attention tests rc=$?"; grep -E "bf16 on|passed|failed|Error" "$OUT/tests_bf16.txt" | tail -8
 fi
 if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
     # shellcheck disable=SC2086
