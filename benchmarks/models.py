@@ -125,13 +125,12 @@ def ensure_random_model(name: str, cache: Path, seed: int = 0, tokenizer: Path |
                          eos_token_id=2, **RANDOM_MODELS[name])
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.bfloat16)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    _copy_tokenizer(tokenizer or builtin_tokenizer_dir(), tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        _copy_tokenizer(tokenizer or builtin_tokenizer_dir(), tmp)
+    _write_once(out, write)
     return out
 
 
