@@ -101,6 +101,17 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[torch.T
     return prompt_logits, tokens, torch.stack(gen_logits)
 
 
+def prompt_logprob_diffs(got: list[dict], ref: list[dict], prompts: list[list[int]]) -> torch.Tensor:
+    """|log-prob difference| of each prompt's next tokens between two paged_generate results."""
+    out = []
+    for p, g, r in zip(prompts, got, ref):
+        lg = torch.as_tensor(g["prompt_logits"][:-1]).double().log_softmax(-1)
+        lr = torch.as_tensor(r["prompt_logits"][:-1]).double().log_softmax(-1)
+        nxt = torch.tensor(p[1:])[:, None]
+        out.append((lg.gather(1, nxt) - lr.gather(1, nxt)).abs().flatten())
+    return torch.cat(out)
+
+
 def assert_close_to_scale(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
     """|ours - ref| <= rel * max|ref| elementwise (float32 reorderings give ~1e-6 of scale)."""
     scale = float(ref.abs().max().clamp_min(1.0))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvmesh.engine.loader import load_model
+from tests.models.conftest import prompt_logprob_diffs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
                                 reason="needs a CUDA GPU and TRITON_INTERPRET=0 (the Triton kernels)")
@@ -41,12 +42,8 @@ def test_bf16_matches_float32_through_every_attention_route(device, gqa_dir, pag
     model = load_model(str(gqa_dir), "bfloat16", device=device, load_tokenizer=False).model
     ref = paged_generate(ref_model, prompts, 4, block_size=16, prefill_chunk=64, seed=1)
     got = paged_generate(model, prompts, 4, block_size=16, prefill_chunk=64, seed=1)
-    diffs = []
-    for p, a, b in zip(prompts, got, ref):
-        la = torch.as_tensor(a["prompt_logits"][:-1]).double().log_softmax(-1)
-        lb = torch.as_tensor(b["prompt_logits"][:-1]).double().log_softmax(-1)
-        nxt = torch.tensor(p[1:])[:, None]
-        diffs.append((la.gather(1, nxt) - lb.gather(1, nxt)).abs().flatten())
+    diffs = [prompt_logprob_diffs(got, ref, prompts)]
+    for a, b in zip(got, ref):
         # the decode steps too: each step's log-probs of the reference's greedy token
         ga = torch.as_tensor(a["gen_logits"]).double().log_softmax(-1)
         gb = torch.as_tensor(b["gen_logits"]).double().log_softmax(-1)

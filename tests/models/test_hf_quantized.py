@@ -27,6 +27,7 @@ from kvmesh.engine.quantization.serving import serve_quantized
 from kvmesh.engine.quantization.hf_config import parse_quantization_config
 from kvmesh.kernels.quant import hf_build, hf_weight
 from kvmesh.kernels.quant.hf_weight import Fp8Weight
+from tests.models.conftest import prompt_logprob_diffs
 
 cpu_kernels = pytest.mark.skipif(hf_build.load() is None,
                                  reason=f"quantized kernels unavailable: {hf_build.unavailable_reason()}")
@@ -47,16 +48,6 @@ def float_dir(tmp_path_factory):
     return save_tiny_model(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny-float"), seed=3)
 
 
-def _logprob_diffs(got, ref, prompts):
-    out = []
-    for p, g, r in zip(prompts, got, ref):
-        lg = torch.as_tensor(g["prompt_logits"][:-1]).double().log_softmax(-1)
-        lr = torch.as_tensor(r["prompt_logits"][:-1]).double().log_softmax(-1)
-        nxt = torch.tensor(p[1:])[:, None]
-        out.append((lg.gather(1, nxt) - lr.gather(1, nxt)).abs().flatten())
-    return torch.cat(out)
-
-
 def _against_dequantized(quant, dense, label: str, paged_generate, *, prompt_seed: int, seed: int,
                          new_tokens: int, chunk: int):
     """Greedy runs of both models over three random prompts (307 tokens): (quantized outputs,
@@ -65,7 +56,7 @@ def _against_dequantized(quant, dense, label: str, paged_generate, *, prompt_see
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (120, 100, 90)]
     got = paged_generate(quant.model, prompts, new_tokens, block_size=16, prefill_chunk=chunk, seed=seed)
     ref = paged_generate(dense.model, prompts, new_tokens, block_size=16, prefill_chunk=chunk, seed=seed)
-    diff = _logprob_diffs(got, ref, prompts)
+    diff = prompt_logprob_diffs(got, ref, prompts)
     print(f"{label}: mean |log-prob difference| over {diff.numel()} prompt tokens = "
           f"{diff.mean().item():.2e} (max {diff.max().item():.2e})")
     return got, ref, diff
