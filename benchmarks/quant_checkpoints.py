@@ -135,6 +135,34 @@ def load_float_tensors(float_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def quant_config(method: str, *, group_size: int = 128, ignore: list[str] | None = None, **opts) -> dict:
+    """config.json's quantization_config for `method` as make_checkpoint's options name it;
+    `ignore`: the float modules compressed-tensors lists (AWQ / GPTQ name none)."""
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": opts["desc_act"],
+                "sym": opts["sym"], "checkpoint_format": "gptq"}
+    return ct_config(opts["kind"], ignore or [], weight_only=opts.get("weight_only", False))
+
+
+def write_checkpoint(src_dir: Path, out: Path, tensors: dict[str, torch.Tensor], qc: dict) -> Path:
+    """The new directory `out`: `src_dir`'s config.json with `qc` as its quantization_config,
+    `tensors` as one model.safetensors, and every other file of `src_dir` (tokenizer, generation
+    config) copied."""
+    from safetensors.torch import save_file
+
+    src_dir, out = Path(src_dir), Path(out)
+    cfg = json.loads((src_dir / "config.json").read_text())
+    out.mkdir(parents=True)
+    for f in src_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
 def make_checkpoint(float_dir, out, method: str, *, group_size: int = 128, keep_dequantized: bool = True,
                     **opts):
     """`float_dir`'s model with every decoder projection quantized by `method` (awq, gptq with
@@ -142,8 +170,6 @@ def make_checkpoint(float_dir, out, method: str, *, group_size: int = 128, keep_
     to the new directory `out`; the other tensors (embedding, head, norms) are copied as they are.
     Returns (out, {module name: the float32 weight it dequantizes to}), that map empty unless
     `keep_dequantized` (a 1B model's would be 4 GB)."""
-    from safetensors.torch import save_file
-
     float_dir, out = Path(float_dir), Path(out)
     gen = torch.Generator().manual_seed(5)
     tensors = load_float_tensors(float_dir)
@@ -162,17 +188,6 @@ def make_checkpoint(float_dir, out, method: str, *, group_size: int = 128, keep_
             if keep_dequantized:
                 deq[module] = d
             tensors.update({f"{module}.{leaf}": t for leaf, t in pieces.items()})
-    if method == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
-    elif method == "gptq":
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": opts["desc_act"],
-              "sym": opts["sym"], "checkpoint_format": "gptq"}
-    else:
-        qc = ct_config(opts["kind"], ["lm_head"], weight_only=opts.get("weight_only", False))
-    out.mkdir(parents=True)
-    for f in float_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, out / f.name)
-    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    write_checkpoint(float_dir, out, tensors,
+                     quant_config(method, group_size=group_size, ignore=["lm_head"], **opts))
     return out, deq

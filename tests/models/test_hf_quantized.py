@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from benchmarks.quant_checkpoints import awq_tensors, ct_config, ct_tensors, make_checkpoint
+from benchmarks.quant_checkpoints import (awq_tensors, ct_tensors, make_checkpoint, quant_config,
+                                         write_checkpoint)
 from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear, hf_quantized_bytes
 from kvmesh.engine.loader import load_model
 from kvmesh.engine.quantization.serving import serve_quantized
@@ -298,17 +299,8 @@ def make_moe_checkpoint(out, method: str):
         w = tensors.pop(name)
         pieces, _ = awq_tensors(w, 128) if method == "awq" else ct_tensors(w, "int")
         tensors.update({f"{name.removesuffix('.weight')}.{leaf}": t for leaf, t in pieces.items()})
-    if method == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-    else:
-        qc = ct_config("int", ["lm_head", "re:.*mlp.gate$"])
-    out.mkdir()
-    for f in src.iterdir():
-        if f.name not in ("model.safetensors", "config.json"):
-            (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    qc = quant_config(method, kind="int", ignore=["lm_head", "re:.*mlp.gate$"])
+    write_checkpoint(src, out, tensors, qc)
     return out, len(quantized)
 
 
