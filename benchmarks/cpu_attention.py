@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--query-len", type=int, default=1, help="query tokens per sequence (the last of its context)")
     p.add_argument("--paths", default="", help="two cpu_kernels.PATHS names: their ratio, interleaved")
+    p.add_argument("--kv-cache-dtypes", default="",
+                   help="two --kv-cache-dtype values (auto, fp8, fp8_e4m3, fp8_e5m2): the C++ kernel over "
+                        "the same K/V stored in each, interleaved, and the ratio")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     if args.paths:
         return compare_paths(args, head, q, caches, meta)
+    if args.kv_cache_dtypes:
+        return compare_cache_dtypes(args, head, q, caches, meta)
 
     def step(ops):
         for k, v in caches:
@@ -114,6 +119,36 @@ def compare_paths(args, head, q, caches, meta) -> None:
     print(head)
     for name, t in zip(names, times):
         print(f"{name}: best {1000 * min(t):.1f} ms, median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
+    print(f"{names[1]} / {names[0]} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
+          f"{ratios[3 * n // 4]:.2f}x) over {n} alternating repeats")
+
+
+def compare_cache_dtypes(args, head, q, caches, meta) -> None:
+    from kvmesh.kernels import cpu_ops
+    from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_codes
+
+    names = args.kv_cache_dtypes.split(",")
+    if len(names) != 2:
+        raise SystemExit("--kv-cache-dtypes: two values, e.g. auto,fp8")
+    stores = []
+    for n in names:
+        dt = resolve_kv_cache_dtype(n, q.dtype, "cpu")
+        stores.append([(to_cache_codes(k, dt), to_cache_codes(v, dt)) for k, v in caches])
+    scale = q.shape[2] ** -0.5
+    times: list[list[float]] = [[], []]
+    for _ in range(args.repeats):
+        for i, store in enumerate(stores):
+            t0 = time.perf_counter()
+            for k, v in store:
+                cpu_ops.paged_attention(q, k, v, meta, scale)
+            times[i].append(time.perf_counter() - t0)
+    ratios = sorted(b / a for a, b in zip(*times))
+    n = len(ratios)
+    print(head)
+    for name, store, t in zip(names, stores, times):
+        mb = sum(k.numel() * k.element_size() * 2 for k, _ in store) / 1e6
+        print(f"{name} ({store[0][0].dtype}, {mb:.0f} MB of K/V): best {1000 * min(t):.1f} ms, "
+              f"median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
     print(f"{names[1]} / {names[0]} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
           f"{ratios[3 * n // 4]:.2f}x) over {n} alternating repeats")
 

@@ -125,7 +125,8 @@ def kvmesh_name(tp: int, dtype: str, several_dtypes: bool) -> str:
 
 
 def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
-               model_path: str | None = None) -> tuple[float, float, list[list[int]], str]:
+               model_path: str | None = None,
+               kv_cache_dtype: str = "auto") -> tuple[float, float, list[list[int]], str]:
     """`loaded`'s dtype is the one measured (with tensor parallelism the ranks load their own)."""
     from kvmesh.common.config import EngineConfig
     from kvmesh.common.gc_freeze import freeze_after_startup
@@ -136,7 +137,8 @@ def run_kvmesh(loaded, reqs: list[BenchRequest], args, tp: int = 1,
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype=str(loaded.dtype).removeprefix("torch."), device=args.device)
+                       swap_space=0.0, dtype=str(loaded.dtype).removeprefix("torch."), device=args.device,
+                       kv_cache_dtype=kv_cache_dtype)
     if tp > 1:
         # NOTE: the ranks load their own shards (the model path, not `loaded`); threads per rank
         # split the threads TP=1 gets, so both use the same cores.
@@ -179,7 +181,7 @@ def _time_kvmesh(engine, reqs: list[BenchRequest], args, SamplingParams) -> tupl
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = engine.num_steps - steps0
     note = (f"max_num_seqs={args.max_num_seqs}, budget={engine.scheduler.token_budget} tok/step, "
-            f"{steps} steps")
+            f"{steps} steps, KV cache {str(engine.cache_dtype).removeprefix('torch.')}")
     if group is not None:
         # NOTE: rank 0's wall time inside all-reduce / gather, waiting for slower ranks included;
         # CPU time is rank 0's process only (the workers' is not counted)
@@ -288,6 +290,7 @@ def run_vllm(model_path: str | None, reqs: list[BenchRequest], args) -> tuple[fl
         "model": hf_dir, "dtype": args.dtype, "seed": args.seed,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": max(2048, -(-longest // 256) * 256),
+        **({"kv_cache_dtype": args.vllm_kv_cache_dtype} if args.vllm_kv_cache_dtype != "auto" else {}),
         "warmup": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in _warmup_requests(reqs)],
         "requests": [{"prompt_ids": r.prompt_ids, "max_tokens": r.output_len} for r in reqs],
     }
@@ -430,6 +433,10 @@ def main(argv: list[str] | None = None) -> None:
                    "by side (gguf,none)")
     p.add_argument("--quant-activations", default="float", choices=("float", "int8"),
                    help="how the quantized GEMM takes the activations")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="kvmesh's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2), or a comma list to "
+                        "run kvmesh once per value, side by side (auto,fp8)")
+    p.add_argument("--vllm-kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
     p.add_argument("--tensor-parallel-size", default="1",
                    help="kvmesh's tensor-parallel size, or a comma list to run kvmesh once per size")
     p.add_argument("--allocator", default=os.environ.get("KVMESH_ALLOCATOR", "auto"),
@@ -494,14 +501,17 @@ def main(argv: list[str] | None = None) -> None:
     hf = None
     n_prompt = sum(len(r.prompt_ids) for r in reqs)
     n_out = sum(r.output_len for r in reqs)
-    runs = [(kvmesh_name(n, d, len(dtypes) > 1) + (f"-{q}" if len(quants) > 1 else ""), n, d, q)
-            if s == "kvmesh" else (s, 1, dtypes[0], None)
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    runs = [(kvmesh_name(n, d, len(dtypes) > 1) + (f"-{q}" if len(quants) > 1 else "")
+             + (f"-kv-{kv}" if len(kv_dtypes) > 1 else ""), n, d, q, kv)
+            if s == "kvmesh" else (s, 1, dtypes[0], None, None)
             for s in systems for d in (dtypes if s == "kvmesh" else dtypes[:1])
             for n in (tp_sizes if s == "kvmesh" else [1])
-            for q in (quants if s == "kvmesh" else [None])]
-    for system, tp, dtype, q in runs:
+            for q in (quants if s == "kvmesh" else [None])
+            for kv in (kv_dtypes if s == "kvmesh" else [None])]
+    for system, tp, dtype, q, kv in runs:
         if system.startswith("kvmesh"):
-            wall, cpu, outs, note = run_kvmesh(loads[dtype, q], reqs, args, tp, model_path)
+            wall, cpu, outs, note = run_kvmesh(loads[dtype, q], reqs, args, tp, model_path, kv)
         elif system == "vllm":
             wall, cpu, outs, note = run_vllm(model_path, reqs, args)
         elif system == "llama.cpp":

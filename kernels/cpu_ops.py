@@ -27,6 +27,7 @@ import torch
 
 from kvmesh.kernels import reference
 from kvmesh.kernels.cpu_kernels import load
+from kvmesh.kernels.kv_cache_dtype import FP8_DTYPES
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.reference import (  # noqa: F401 - the backend's other ops, unchanged
     fused_moe,
@@ -80,8 +81,10 @@ def attention_rows(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
 
 
 def kernel_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The C++ kernel reads caches in the query's dtype and 8-bit float caches (--kv-cache-dtype)."""
     return (query.device.type == "cpu" and query.dtype in KERNEL_DTYPES and query.dim() == 3
-            and query.stride(2) == 1 and k_cache.dtype == v_cache.dtype == query.dtype
+            and query.stride(2) == 1 and k_cache.dtype == v_cache.dtype
+            and (k_cache.dtype == query.dtype or k_cache.dtype in FP8_DTYPES)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and load() is not None)
 
 

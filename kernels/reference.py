@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvmesh.kernels.kv_cache_dtype import is_fp8, to_cache_codes
 from kvmesh.kernels.linear import linear
 from kvmesh.kernels.metadata import AttentionMetadata
 from kvmesh.kernels.precision import at_least_float32
@@ -28,8 +29,13 @@ def write_kv_cache(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_new, v_new = to_cache_codes(key, k_cache.dtype), to_cache_codes(value, v_cache.dtype)
+    if is_fp8(k_cache.dtype):
+        # NOTE: torch has no index_copy_ for float8 on CPU: the codes are copied as bytes
+        k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+        k_new, v_new = k_new.view(torch.uint8), v_new.view(torch.uint8)
+    k_flat.index_copy_(0, slot_mapping, k_new)
+    v_flat.index_copy_(0, slot_mapping, v_new)
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -13,6 +13,12 @@
 // (32 products per instruction); otherwise plain loops the compiler vectorizes (row_portable).
 // bf16 prefill rows go to AMX tiles instead where the build and CPU have them (attention_amx.cpp).
 //
+// Cache type C: T, or 8-bit float codes (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2, scale 1):
+// each block's rows are widened exactly to T once (vec.h's vload of the codes), into a per-thread
+// buffer its heads read as they would the cache; half of bf16's bytes come from memory. A prefill
+// chunk's rows would widen the same blocks once per row: their sequences' blocks are widened once
+// into a T copy the rows then read as a T cache (attend_codes; bf16 chunks on AMX tiles from it).
+//
 // Layouts (T):
 //   query   [T, H, D]   any token / head strides, unit stride along D
 //   k_cache [num_blocks, block_size, KVH, D] contiguous (same for v_cache)
@@ -40,8 +46,8 @@ using namespace kvmesh;
 
 void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ", msg); }
 
-template <typename T>
-using Geometry = AttentionGeometry<T>;
+template <typename T, typename C = T>
+using Geometry = AttentionGeometry<T, C>;
 
 // Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
 void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
@@ -75,8 +81,8 @@ void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
 }
 
 // The row's context [lo, ctx) and its block-table entries, checked before any key is read.
-template <typename T>
-inline void row_span(const Geometry<T>& g, int64_t r, int64_t& tok, const int32_t*& table, int64_t& lo,
+template <typename T, typename C>
+inline void row_span(const Geometry<T, C>& g, int64_t r, int64_t& tok, const int32_t*& table, int64_t& lo,
                      int64_t& ctx) {
   tok = g.rows[3 * r];
   const int64_t seq = g.rows[3 * r + 1];
@@ -87,8 +93,8 @@ inline void row_span(const Geometry<T>& g, int64_t r, int64_t& tok, const int32_
 }
 
 // Portable path: plain loops the compiler vectorizes (any head_dim, any ISA).
-template <typename T>
-void row_portable(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc) {
+template <typename T, typename C>
+void row_portable(const Geometry<T, C>& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc) {
   int64_t tok, lo, ctx;
   const int32_t* table;
   row_span(g, r, tok, table, lo, ctx);
@@ -96,10 +102,10 @@ void row_portable(const Geometry<T>& g, int64_t r, std::vector<float>& scores, s
   scores.resize(g.H * n);
   acc.assign(g.H * D, 0.0f);
   for (int64_t t = lo; t < ctx; ++t) {
-    const T* kt = g.kc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
+    const C* kt = g.kc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
     for (int64_t h = 0; h < g.H; ++h) {
       const T* qh = g.q + tok * g.qs0 + h * g.qs1;
-      const T* kp = kt + (h / g.G) * D;
+      const C* kp = kt + (h / g.G) * D;
       float dotv = 0.0f;
 #pragma omp simd reduction(+ : dotv)
       for (int64_t i = 0; i < D; ++i) dotv += to_f(qh[i]) * to_f(kp[i]);
@@ -108,10 +114,10 @@ void row_portable(const Geometry<T>& g, int64_t r, std::vector<float>& scores, s
   }
   softmax_rows(scores.data(), g.H, n, g.cap);
   for (int64_t t = lo; t < ctx; ++t) {
-    const T* vt = g.vc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
+    const C* vt = g.vc + table[t / g.block_size] * g.blk_stride + (t % g.block_size) * g.tok_stride;
     for (int64_t h = 0; h < g.H; ++h) {
       const float w = scores[h * n + (t - lo)];
-      const T* vp = vt + (h / g.G) * D;
+      const C* vp = vt + (h / g.G) * D;
       float* a = acc.data() + h * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) a[d] += w * to_f(vp[d]);
@@ -215,25 +221,37 @@ inline void prefetch_span(const void* p, int64_t bytes) {
 // Calls per_head(h, that head's K/V rows of the block, count, index in the span) for each block
 // of the span [lo, ctx) (the part of a block in it) and each query head, the next block of the
 // table requested from memory a share per head, so that the requests overlap the compute.
-template <typename T, typename PerHead>
-inline void walk_blocks(const Geometry<T>& g, const int32_t* table, const T* cache, int64_t lo, int64_t ctx,
-                        PerHead per_head) {
+// An 8-bit cache (C != T): the block's rows are widened to T in `wide` once, for all its heads
+// (the GQA group and the query heads read them from there, as they would the cache).
+template <typename T, typename C, typename PerHead>
+inline void walk_blocks(const Geometry<T, C>& g, const int32_t* table, const C* cache, int64_t lo, int64_t ctx,
+                        std::vector<T>& wide, PerHead per_head) {
   const int64_t bs = g.block_size;
   for (int64_t t = lo; t < ctx;) {
     const int64_t count = std::min(bs - t % bs, ctx - t);
-    const T* base = cache + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
-    const T* next = t + count < ctx ? cache + table[(t + count) / bs] * g.blk_stride : nullptr;
+    const C* base = cache + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
+    const C* next = t + count < ctx ? cache + table[(t + count) / bs] * g.blk_stride : nullptr;
     const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
+    const T* rows;
+    if constexpr (std::is_same_v<C, T>) {
+      rows = base;
+    } else {
+      const int64_t n = count * g.tok_stride;   // a multiple of kW: D is
+      wide.resize(bs * g.tok_stride);
+      for (int64_t i = 0; i < n; i += kW) vstore(wide.data() + i, vload(base + i));
+      rows = wide.data();
+    }
     for (int64_t h = 0; h < g.H; ++h) {
-      if (next) prefetch_span(next + h * share, share * static_cast<int64_t>(sizeof(T)));
-      per_head(h, base + (h / g.G) * g.D, count, t - lo);
+      if (next) prefetch_span(next + h * share, share * static_cast<int64_t>(sizeof(C)));
+      per_head(h, rows + (h / g.G) * g.D, count, t - lo);
     }
     t += count;
   }
 }
 
-template <typename T>
-void row_vec(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc, bool dp) {
+template <typename T, typename C>
+void row_vec(const Geometry<T, C>& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc,
+             std::vector<T>& wide, bool dp) {
   int64_t tok, lo, ctx;
   const int32_t* table;
   row_span(g, r, tok, table, lo, ctx);
@@ -243,13 +261,13 @@ void row_vec(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::v
   if (dp) {
 #if KVMESH_AVX512BF16
     if constexpr (std::is_same_v<T, bf16>) {
-      walk_blocks(g, table, g.kc, lo, ctx, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
+      walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
         qk_keys_dp(qrow + h * g.qs1, keys, g.tok_stride, D, count, g.scale, scores.data() + h * n + i);
       });
     }
 #endif
   } else {
-    walk_blocks(g, table, g.kc, lo, ctx, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
+    walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
       qk_keys(qrow + h * g.qs1, keys, g.tok_stride, D, count, g.scale, scores.data() + h * n + i);
     });
   }
@@ -263,7 +281,7 @@ void row_vec(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::v
     out = acc.data();
   }
   std::fill(out, out + g.H * D, 0.0f);
-  walk_blocks(g, table, g.vc, lo, ctx, [&](int64_t h, const T* values, int64_t count, int64_t i) {
+  walk_blocks(g, table, g.vc, lo, ctx, wide, [&](int64_t h, const T* values, int64_t count, int64_t i) {
     pv_values(scores.data() + h * n + i, values, g.tok_stride, D, count, out + h * D);
   });
   if constexpr (!std::is_same_v<T, float>) {
@@ -273,11 +291,16 @@ void row_vec(const Geometry<T>& g, int64_t r, std::vector<float>& scores, std::v
 }
 #endif
 
-template <typename T>
+template <typename T, typename C>
+void attend_rows(const Geometry<T, C>& g, int64_t R);
+template <typename T, typename C>
+void attend_codes(Geometry<T, C> g, int64_t R, int64_t S, const at::TensorOptions& wide_options);
+
+template <typename T, typename C>
 void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& rows, at::Tensor& out, double scale,
          int64_t window, double softcap) {
-  Geometry<T> g{};
+  Geometry<T, C> g{};
   g.H = query.size(1);
   g.D = query.size(2);
   g.block_size = k_cache.size(1);
@@ -295,8 +318,8 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
           "row context length exceeds its block table");
   }
   g.q = query.data_ptr<T>();
-  g.kc = k_cache.data_ptr<T>();
-  g.vc = v_cache.data_ptr<T>();
+  g.kc = k_cache.data_ptr<C>();
+  g.vc = v_cache.data_ptr<C>();
   g.bt = block_tables.data_ptr<int32_t>();
   g.out = out.data_ptr<T>();
   g.qs0 = query.stride(0);
@@ -306,11 +329,22 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
   g.window = window;
   g.scale = static_cast<float>(scale);
   g.cap = static_cast<float>(softcap);
-  // bf16 prefill runs on AMX tiles where they are here; the rest (decodes) below
+  if constexpr (std::is_same_v<C, T>) {
+    attend_rows(g, R);
+  } else {
+    attend_codes(g, R, S, query.options());
+  }
+}
+
+// Every row of g.rows [0, R): bf16 prefill on AMX tiles where they are here, the rest (decodes)
+// on the vector (or portable) path.
+template <typename T, typename C>
+void attend_rows(const Geometry<T, C>& g, int64_t R) {
+  if (R == 0) return;
   std::vector<int64_t> rest;
   const int64_t* todo = nullptr;   // the row indices left, or null: every row
   int64_t left = R;
-  if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, T>) {
     if (amx_attention_applies(g.H, g.KVH, g.D, g.block_size)) {
       rest = amx_attention(g, R);
       todo = rest.data();
@@ -323,17 +357,98 @@ void run(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v
 #endif
   at::parallel_for(0, left, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
+    std::vector<T> wide;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = todo ? todo[i] : i;
 #if KVMESH_SIMD
       if (vectorized) {
-        row_vec(g, r, scores, acc, dp);
+        row_vec(g, r, scores, acc, wide, dp);
         continue;
       }
 #endif
       row_portable(g, r, scores, acc);
     }
   });
+}
+
+// n codes widened to T (exact).
+template <typename T, typename C>
+inline void widen(const C* src, int64_t n, T* dst) {
+  int64_t i = 0;
+#if KVMESH_SIMD
+  for (; i + kW <= n; i += kW) vstore(dst + i, vload(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = from_f<T>(to_f(src[i]));
+}
+
+// An 8-bit cache. A decode row reads each key once: its blocks are widened as it walks them
+// (walk_blocks). The rows of a prefill chunk (a sequence with 2 or more rows here) read the same
+// keys once per row: the blocks of those sequences are widened once into a T copy, and their rows
+// run over it as over a T cache (bf16: on AMX tiles where they are here).
+template <typename T, typename C>
+void attend_codes(Geometry<T, C> g, int64_t R, int64_t S, const at::TensorOptions& wide_options) {
+  std::vector<int64_t> nrows(S, 0), reach(S, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t seq = g.rows[3 * r + 1];
+    nrows[seq] += 1;
+    reach[seq] = std::max(reach[seq], g.rows[3 * r + 2]);
+  }
+  std::vector<int64_t> chunk_rows, other_rows;
+  for (int64_t r = 0; r < R; ++r) {
+    auto& dst = nrows[g.rows[3 * r + 1]] >= 2 ? chunk_rows : other_rows;
+    dst.insert(dst.end(), g.rows + 3 * r, g.rows + 3 * r + 3);
+  }
+  if (chunk_rows.empty()) {
+    attend_rows(g, R);
+    return;
+  }
+  // the chunked sequences' blocks, renumbered into the copy; other entries kept
+  std::vector<int32_t> table(g.bt, g.bt + S * g.max_blocks);
+  std::vector<int32_t> sources;
+  for (int64_t s = 0; s < S; ++s) {
+    if (nrows[s] < 2) continue;
+    const int32_t* own = g.bt + s * g.max_blocks;
+    g.check_blocks(own, 0, reach[s]);
+    for (int64_t b = 0; b <= (reach[s] - 1) / g.block_size; ++b) {
+      table[s * g.max_blocks + b] = static_cast<int32_t>(sources.size());
+      sources.push_back(own[b]);
+    }
+  }
+  const int64_t nb = static_cast<int64_t>(sources.size());
+  at::Tensor wide_k = at::empty({nb, g.block_size, g.KVH, g.D}, wide_options);
+  at::Tensor wide_v = at::empty({nb, g.block_size, g.KVH, g.D}, wide_options);
+  T* wk = wide_k.data_ptr<T>();
+  T* wv = wide_v.data_ptr<T>();
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      widen(g.kc + sources[i] * g.blk_stride, g.blk_stride, wk + i * g.blk_stride);
+      widen(g.vc + sources[i] * g.blk_stride, g.blk_stride, wv + i * g.blk_stride);
+    }
+  });
+  Geometry<T, T> w{};
+  w.q = g.q;
+  w.kc = wk;
+  w.vc = wv;
+  w.bt = table.data();
+  w.rows = chunk_rows.data();
+  w.out = g.out;
+  w.qs0 = g.qs0;
+  w.qs1 = g.qs1;
+  w.H = g.H;
+  w.KVH = g.KVH;
+  w.G = g.G;
+  w.D = g.D;
+  w.block_size = g.block_size;
+  w.max_blocks = g.max_blocks;
+  w.num_blocks = nb;
+  w.tok_stride = g.tok_stride;
+  w.blk_stride = g.blk_stride;
+  w.window = g.window;
+  w.scale = g.scale;
+  w.cap = g.cap;
+  attend_rows(w, static_cast<int64_t>(chunk_rows.size() / 3));
+  g.rows = other_rows.data();
+  attend_rows(g, static_cast<int64_t>(other_rows.size() / 3));
 }
 
 }  // namespace
@@ -343,11 +458,14 @@ void paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& rows, at::Tensor& out, double scale,
                           int64_t window, double softcap) {
   const auto dt = query.scalar_type();
+  const auto ct = k_cache.scalar_type();
   check(query.dim() == 3 && (dt == at::kFloat || dt == at::kBFloat16) && query.stride(2) == 1,
         "query must be float32 or bfloat16 [T, H, D] with unit stride along D");
   check(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-            k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-        "k_cache / v_cache must be contiguous [num_blocks, block_size, KVH, D] in the query's dtype");
+            k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == ct &&
+            (ct == dt || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2),
+        "k_cache / v_cache must be contiguous [num_blocks, block_size, KVH, D], both in the query's "
+        "dtype or both float8_e4m3fn / float8_e5m2");
   check(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
             block_tables.is_contiguous(),
         "block_tables must be contiguous int32 [S, max_blocks]");
@@ -356,9 +474,19 @@ void paged_attention_rows(const at::Tensor& query, const at::Tensor& k_cache,
         "rows must be contiguous int64 [R, 3]");
   check(out.sizes() == query.sizes() && out.is_contiguous() && out.scalar_type() == dt,
         "out must be contiguous and shaped like query, in its dtype");
+  auto with_cache = [&](auto q) {
+    using T = decltype(q);
+    if (ct == at::kFloat8_e4m3fn) {
+      run<T, fp8e4m3>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
+    } else if (ct == at::kFloat8_e5m2) {
+      run<T, fp8e5m2>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
+    } else {
+      run<T, T>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
+    }
+  };
   if (dt == at::kFloat) {
-    run<float>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
+    with_cache(0.0f);
   } else {
-    run<bf16>(query, k_cache, v_cache, block_tables, rows, out, scale, window, softcap);
+    with_cache(bf16{});
   }
 }

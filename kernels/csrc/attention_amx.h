@@ -15,11 +15,12 @@
 namespace kvmesh {
 
 // Everything one call's rows read, resolved and validated once by attention.cpp (its layouts).
-template <typename T>
+// T: the query's and output's element type; C: the cache's (T, or an 8-bit float code).
+template <typename T, typename C = T>
 struct AttentionGeometry {
   const T* q;
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   const int32_t* bt;
   const int64_t* rows;
   T* out;

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,9 +48,18 @@
 
 #define KVMESH_SIMD KVMESH_AVX2
 
+// 8-bit float KV codes widened in vectors through float16 (vcvtph2ps: F16C, or AVX-512F)
+#if KVMESH_AVX2 && defined(__F16C__)
+#define KVMESH_FP8_VEC 1
+#else
+#define KVMESH_FP8_VEC 0
+#endif
+
 namespace kvmesh {
 
 using bf16 = c10::BFloat16;
+using fp8e4m3 = c10::Float8_e4m3fn;   // --kv-cache-dtype fp8 / fp8_e4m3
+using fp8e5m2 = c10::Float8_e5m2;     // --kv-cache-dtype fp8_e5m2
 
 // The instruction-set path this build runs (logged by kernels/cpu_kernels.py).
 inline const char* isa_name() {
@@ -67,6 +78,8 @@ inline const char* isa_name() {
 
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
+inline float to_f(fp8e4m3 x) { return static_cast<float>(x); }   // exact, c10's conversion
+inline float to_f(fp8e5m2 x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }   // bf16: round to nearest even (c10)
 
@@ -190,6 +203,44 @@ inline vf vselect_ge0(vf v, vf if_ge, vf if_lt) {
   return _mm256_blendv_ps(if_lt, if_ge, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
 inline vf vneg_abs(vf v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.0f)); }
+#endif
+
+#if KVMESH_FP8_VEC
+// kW 8-bit float codes widened exactly to float32, through float16 bits: an e5m2 code is the
+// top byte of the float16 of its value; an e4m3 code's magnitude bits shifted into a float16's
+// exponent and mantissa fields are its value times 2^-8 (both biases differ by 8, and float16's
+// subnormals cover e4m3's), so the float is scaled back by 256 (exact). e4m3fn's NaN codes
+// (0x7f, 0xff) read as +-480: the cache's writer saturates, it never stores them.
+// e4m3: the code sign-extended to 16 bits and shifted left by 7 holds the sign in bit 15, a
+// second copy of it in bit 14 (cleared: the top of float16's exponent field) and the exponent
+// and mantissa in bits 13..7.
+#if KVMESH_AVX512
+inline __m128i fp8_bytes(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline vf vload(const fp8e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(fp8_bytes(p)), 8)); }
+inline vf vload(const fp8e4m3* p) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(fp8_bytes(p)), 7),
+                                     _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+#else
+inline __m128i fp8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline vf vload(const fp8e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(fp8_bytes(p)), 8)); }
+inline vf vload(const fp8e4m3* p) {
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(fp8_bytes(p)), 7),
+                                  _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+#endif
+#elif KVMESH_SIMD
+// (a vector build without F16C: the codes widened one by one)
+template <typename C>
+inline vf vload_codes(const C* p) {
+  alignas(64) float f[kW];
+  for (int64_t i = 0; i < kW; ++i) f[i] = to_f(p[i]);
+  return vload(f);
+}
+inline vf vload(const fp8e5m2* p) { return vload_codes(p); }
+inline vf vload(const fp8e4m3* p) { return vload_codes(p); }
 #endif
 
 #if KVMESH_SIMD

@@ -216,6 +216,8 @@ def engine_config(svc: InferenceService) -> dict[str, Any]:
     # config hash (no rollout of every engine on an operator upgrade).
     if e.tensor_parallel_size != 1:
         config["tensor_parallel_size"] = e.tensor_parallel_size
+    if e.kv_cache_dtype != "auto":
+        config["kv_cache_dtype"] = e.kv_cache_dtype
     if svc.router.cache_salt_from != "none":
         config["cache_salt_from"] = svc.router.cache_salt_from
     # NOTE: the sizing flags only, never the adapters: those are loaded on the running pods

@@ -60,6 +60,8 @@ def vllm_args(svc: InferenceService, model: str) -> list[str]:
         args += ["--tokenizer", svc.model.tokenizer]
     if e.speculative_config is not None:
         args += ["--speculative-config", e.speculative_config.to_json()]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     return args + kv_events_args(svc)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from kvmesh.common.config import KV_CACHE_DTYPES
+
 from . import GROUP, KIND, PLURAL, VERSION
 
 SCHEDULING_POLICIES = ["fcfs", "priority", "sjf", "dynamic"]
@@ -268,6 +270,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
         "enablePrefixCaching": _bool("Reuse KV blocks of shared prefixes.", True),
         "preemptionMode": _str("What to do with a preempted sequence's KV blocks.",
                                enum=PREEMPTION_MODES, default="recompute"),
+        "kvCacheDtype": _str("The KV cache's element type (--kv-cache-dtype): auto (the model's dtype) or "
+                             "8-bit floats, twice bf16's tokens in the same memory: fp8 (= fp8_e4m3) or "
+                             "fp8_e5m2. kvmesh reads them on CPU engines only; runtime vllm takes them as "
+                             "vLLM does.", enum=list(KV_CACHE_DTYPES), default="auto"),
         "runtime": _str("kvmesh (`kvmesh serve`) or vllm (`vllm serve` from spec.image, kvmesh's router and index "
                         "in front, fed by vLLM's KV events).", enum=RUNTIMES, default="kvmesh"),
         "openmpWaitPolicy": _str("How the engine's OpenMP workers wait between parallel regions: "

@@ -260,7 +260,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
              # and how the weights are held: "gguf", an HF method (awq, gptq, ...) or null (float)
              "quantization": ctx.engine.engine.loaded.quantization,
              # and their bytes as held (a rank's share under tensor parallelism)
-             "weight_bytes": ctx.engine.engine.loaded.weight_bytes},
+             "weight_bytes": ctx.engine.engine.loaded.weight_bytes,
+             # and the KV cache's element type (--kv-cache-dtype, resolved: float8_e4m3fn, ...)
+             "kv_cache_dtype": str(ctx.engine.engine.cache_dtype).removeprefix("torch.")},
             *state.loras.model_cards(state.created, ctx.max_model_len)]}
 
     @app.post("/v1/completions", responses=error_responses(400, 401, 404, 429, 503))

@@ -261,7 +261,7 @@ class EngineMetrics(EngineObserver):
                   "num_gpu_blocks": str(kv.pool.num_blocks),
                   "num_cpu_blocks": str(kv.num_cpu_blocks),
                   "enable_prefix_caching": str(bool(kv.enable_caching)),
-                  "cache_dtype": str(e.loaded.dtype).removeprefix("torch.")}
+                  "cache_dtype": str(e.cache_dtype).removeprefix("torch.")}
         g = GaugeMetricFamily(f"{prefix}:cache_config_info", "Information of the KV cache "
                               "configuration (value 1).", labels=list(labels))
         g.add_metric(list(labels.values()), 1.0)

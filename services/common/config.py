@@ -12,6 +12,8 @@ from kvmesh.common.speculative_config import SpeculativeConfig, parse_speculativ
 POLICIES = ("fcfs", "priority", "sjf", "dynamic")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype's names (kvmesh.kernels.kv_cache_dtype maps them to dtypes)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = (None, "none", "gguf", "auto",   # EngineConfig.quantization; None: auto
                  "compressed-tensors", "awq", "gptq", "fp8")   # Hugging Face quantized checkpoints
 
@@ -49,6 +51,9 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int | None = None  # None: min(max_num_seqs, 512)
     swap_space: float = 1.0                # GiB of CPU memory for swap preemption
+    # the KV cache's element type (vLLM's --kv-cache-dtype): auto (the model's dtype), or 8-bit
+    # floats, half of bf16's bytes a token: fp8 / fp8_e4m3, fp8_e5m2 (kernels/kv_cache_dtype.py)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_seqs: int = 128
@@ -115,6 +120,8 @@ class EngineConfig:
         need(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
              f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}")
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -249,6 +256,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag("--max-cudagraph-capture-size", type=int,
          help="CUDA: largest default capture size (default: min(max-num-seqs, 512))")
     flag("--swap-space", type=float, help="GiB of CPU swap space")
+    flag("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+         help="the KV cache's element type: auto (the model's dtype) or 8-bit floats, twice the "
+              "tokens in the same memory: fp8 (= fp8_e4m3) or fp8_e5m2, stored with scale 1.0; "
+              "the cpu and reference attention backends")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     flag("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     flag("--max-num-seqs", type=int)

@@ -40,6 +40,7 @@ from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.spec_decode.draft_model import DraftModel, check_same_vocabulary
 from kvmesh.engine.structured.manager import StructuredOutputManager
 from kvmesh.common.kv_events import KVEventBatch
+from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype
 from kvmesh.kernels.linear import packed_copy_bytes
 
 if TYPE_CHECKING:
@@ -91,9 +92,10 @@ class LLMEngine:
         # tracing, metrics, the prefix-index publisher: see observers.py
         self.observers: list[EngineObserver] = []
         logger.info("engine ready: model=%s dtype=%s device=%s tensor_parallel=%d kv_blocks=%d "
-                    "(%d tokens) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
+                    "(%d tokens, %s) swap_blocks=%d max_model_len=%d", self.model_name, self.loaded.dtype,
                     self.loaded.device, config.tensor_parallel_size, num_gpu_blocks,
-                    num_gpu_blocks * config.block_size, num_cpu_blocks, self.max_model_len)
+                    num_gpu_blocks * config.block_size, str(self.cache_dtype).removeprefix("torch."),
+                    num_cpu_blocks, self.max_model_len)
         if config.async_scheduling:
             logger.info("async scheduling: on (a step is scheduled while the one before runs%s)",
                         "" if self.loaded.device.type == "cuda"
@@ -147,8 +149,11 @@ class LLMEngine:
         """(GPU blocks, CPU swap blocks); sets block_bytes and max_model_len, which must fit."""
         config, mc = self.config, self.loaded.config
         self.block_size = config.block_size
+        # --kv-cache-dtype: the cache's element type (refused here if the backend cannot read it)
+        self.cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype,
+                                                  self.loaded.attention_backend)
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
-                                          self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
+                                          self._local_kv_heads(), mc.head_dim, self.cache_dtype)
         if self.draft is not None:
             # NOTE: one block holds both models' K/V of its tokens: the draft shares the budget
             dc = self.draft.config
@@ -186,7 +191,7 @@ class LLMEngine:
             if self.executor is not None:
                 self.runner = self.executor.make_runner(self.loaded, config.block_size,
                                                         num_gpu_blocks, num_cpu_blocks, config.seed,
-                                                        lora=self.lora)
+                                                        self.cache_dtype, lora=self.lora)
             else:
                 opts = runner_options(config, self.loaded.device, self.loaded.attention_backend,
                                       self.max_model_len)
@@ -195,7 +200,7 @@ class LLMEngine:
                     opts.max_num_tokens, _cdiv(self.max_model_len, config.block_size))
                 self.runner = ModelRunner(self.loaded.model, mc.num_hidden_layers,
                                           self._local_kv_heads(), mc.head_dim, config.block_size,
-                                          num_gpu_blocks, num_cpu_blocks, self.loaded.dtype,
+                                          num_gpu_blocks, num_cpu_blocks, self.cache_dtype,
                                           self.loaded.device, seed=config.seed,
                                           kv_connector=self.kv_share, options=opts,
                                           lora=self.lora, drafter=drafter)
@@ -209,9 +214,9 @@ class LLMEngine:
             return None
         mc = self.loaded.config
         layout = kv_block_layout(mc.num_hidden_layers, self.config.block_size,
-                                 self._local_kv_heads(), mc.head_dim, self.loaded.dtype)
+                                 self._local_kv_heads(), mc.head_dim, self.cache_dtype)
         return factory(KVConnectorContext(model_fingerprint(self.loaded.model, repr(mc)),
-                                          str(self.loaded.dtype).removeprefix("torch."), layout))
+                                          str(self.cache_dtype).removeprefix("torch."), layout))
 
     def _build_kv_transfer(self) -> "MooncakeConnector | None":
         """--kv-transfer-config: the connector that registers the runner's cache with Mooncake."""
@@ -275,7 +280,7 @@ class LLMEngine:
                                                           max_len)
             mem = profile_device_memory(
                 self.loaded.model, mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
-                mc.head_dim, self.loaded.dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
+                mc.head_dim, self.cache_dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
                 max(opts.decode_pad_sizes, default=0))
             # the LoRA slots, allocated already, are part of the memory in use
             mem = dataclasses.replace(mem, lora_slots=self._lora_slot_bytes())

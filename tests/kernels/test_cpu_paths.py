@@ -14,6 +14,7 @@ import torch
 from paged_batch import paged_batch
 
 from kvmesh.kernels import cpu_kernels, cpu_ops, reference
+from kvmesh.kernels.kv_cache_dtype import to_cache_codes
 
 DTYPES = (torch.float32, torch.bfloat16)
 # (atol, rtol) of attention and the norm: float32 within a few ulp; bf16 within ~2 ulp of bf16
@@ -66,6 +67,22 @@ def _attention_case(on_path, dtype, query_lens, seq_lens, window=0, softcap=0.0,
     want = reference.paged_attention(query, k, v, meta, scale, softcap)
     assert got.dtype == dtype
     atol, rtol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [64, 12])
+def test_attention_over_an_8_bit_cache_matches_the_reference(on_path, cache_dtype, dtype, dim):
+    """--kv-cache-dtype fp8 / fp8_e5m2: each path widens the codes (vectors through float16 bits,
+    or one by one) to the values the reference reads."""
+    query, k, v, meta = _batch([1, 37, 1, 5], [70, 37, 3, 100], heads=9, kv_heads=3, dim=dim, block=16,
+                               dtype=torch.float32, seed=dim)
+    query, k, v = query.to(dtype), to_cache_codes(k * 3, cache_dtype), to_cache_codes(v * 3, cache_dtype)
+    assert cpu_ops.kernel_applies(query, k, v)
+    got = cpu_ops.paged_attention(query, k, v, meta, dim ** -0.5)
+    want = reference.paged_attention(query, k, v, meta, dim ** -0.5)
+    atol, rtol = (1e-5, 2e-5) if dtype == torch.float32 else ATTENTION_TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 

@@ -43,7 +43,7 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
                                    "enablePrefixCaching": True, "preemptionMode": "recompute",
                                    "runtime": "kvmesh", "nccl": {"debug": "WARN"},
                                    "enableLora": False, "maxLoras": 1, "maxLoraRank": 16,
-                                   "openmpWaitPolicy": "auto"}
+                                   "openmpWaitPolicy": "auto", "kvCacheDtype": "auto"}
     assert defaulted["router"] == {"enabled": True, "strategy": "kv-aware", "replicas": 1, "mode": "builtin",
                                    "cacheSaltFrom": "none", "exposeRouteHeaders": False, "inferencePool": {
                                        "endpointPickerImage": "ghcr.io/llm-d/llm-d-inference-scheduler:v0.8.0",
@@ -298,6 +298,11 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                                                  "disableByBatchSize": 8}}},
      ["spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative config has no such "
       "key (leave it out with runtime vllm)"]),
+    ({"model": {}, "gpu": {"count": 1}, "engine": {"kvCacheDtype": "fp8"}},
+     ["spec.engine.kvCacheDtype fp8: kvmesh reads an 8-bit KV cache on CPU engines only (its GPU kernels read "
+      "the model's dtype); use auto with gpu.count > 0"]),
+    ({"model": {}, "engine": {"kvCacheDtype": "int8"}},
+     ["spec.engine.kvCacheDtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"]),
 ]
 
 

@@ -115,6 +115,18 @@ def test_vllm_engine_runs_vllm_serve_with_the_equivalent_flags() -> None:
     assert "kvmesh.io/config-hash" not in dep["spec"]["template"]["metadata"]["annotations"]
 
 
+def test_the_kv_cache_dtype_reaches_either_engine_and_auto_keeps_the_config_hash() -> None:
+    cpu = _svc({"model": {}, "gpu": {"count": 0}, "engine": {"kvCacheDtype": "fp8_e5m2"}})
+    assert R.engine_config(cpu)["kv_cache_dtype"] == "fp8_e5m2"
+    assert "kv_cache_dtype" not in R.engine_config(_svc({"model": {}}))
+    assert R.engine_config(_svc({"model": {}, "engine": {"kvCacheDtype": "auto"}})) == \
+        R.engine_config(_svc({"model": {}}))
+    vllm = _svc({**VLLM, "engine": {"runtime": "vllm", "kvCacheDtype": "fp8"}})
+    args = RT.vllm_args(vllm, "/models/m")
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in RT.vllm_args(_svc({**VLLM, "engine": {"runtime": "vllm"}}), "/models/m")
+
+
 def test_vllm_children_have_no_engine_config_and_a_router_following_the_kv_events() -> None:
     svc = _svc(VLLM)
     children = R.build_children(svc, OWNER, 1)

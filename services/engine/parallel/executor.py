@@ -138,14 +138,15 @@ class TPExecutor:
         return free if device.type == "cuda" else free // self.size
 
     def make_runner(self, loaded: LoadedModel, block_size: int, num_gpu_blocks: int,
-                    num_cpu_blocks: int, seed: int, lora=None) -> "DriverRunner":
+                    num_cpu_blocks: int, seed: int, cache_dtype: torch.dtype,
+                    lora=None) -> "DriverRunner":
         """Every rank allocates the same number of blocks (each of its KV heads); rank 0's runner
         (`lora`: rank 0's LoRAManager with --enable-lora)."""
         self._send(encode(InitCache(num_gpu_blocks, num_cpu_blocks)))
         mc = loaded.config
         return DriverRunner(self, loaded.model, mc.num_hidden_layers, loaded.plan.local_kv_heads,
                             mc.head_dim, block_size, num_gpu_blocks, num_cpu_blocks,
-                            loaded.dtype, loaded.device, seed=seed, lora=lora)
+                            cache_dtype, loaded.device, seed=seed, lora=lora)
 
     # ---- steps ---------------------------------------------------------------------------
     def send_step(self, step: Step) -> None:

@@ -17,6 +17,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.parallel.messages import InitCache, Ready, Shutdown, Started, Step, decode, encode
+from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype
 
 
 def device_for_rank(device: torch.device, rank: int) -> torch.device:
@@ -66,7 +67,9 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
         lora = lora_manager(loaded, config)
     runner = ModelRunner(loaded.model, mc.num_hidden_layers, loaded.plan.local_kv_heads,
                          mc.head_dim, config.block_size, init.num_gpu_blocks, init.num_cpu_blocks,
-                         loaded.dtype, device, seed=config.seed, lora=lora)
+                         resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype,
+                                                loaded.attention_backend),
+                         device, seed=config.seed, lora=lora)
     while True:
         msg = decode(conn.recv_bytes())
         if isinstance(msg, Shutdown):
