@@ -170,3 +170,34 @@ def test_resolution_maps_each_name():
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, "cpu") == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.float32, "reference") == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, "cpu") == torch.float8_e5m2
+
+
+def test_a_server_with_an_8_bit_cache_says_so_and_serves(tmp_path):
+    """`kvmesh serve --kv-cache-dtype fp8` driven by the official openai client: /v1/models and
+    vllm:cache_config_info name the cache's dtype, the startup log its blocks, and a completion
+    is served; a bad name is a CLI error naming the choices."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    from openai import OpenAI  # noqa: PLC0415
+    from servers import start_server  # noqa: PLC0415
+
+    srv = start_server(tmp_path, "--dtype", "float32", "--kv-cache-dtype", "fp8", "--num-kv-blocks", "32",
+                       "--max-model-len", "256")
+    try:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        card = client.models.list().data[0].model_extra
+        assert card["kv_cache_dtype"] == "float8_e4m3fn"
+        res = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                        max_tokens=8, temperature=0)
+        assert res.usage.completion_tokens == 8
+        metrics = urllib.request.urlopen(f"{srv.url}/metrics").read().decode()
+        assert 'cache_dtype="float8_e4m3fn"' in metrics
+        assert "kv_blocks=32 (512 tokens, float8_e4m3fn)" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    bad = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--kv-cache-dtype", "int8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'int8' (choose from 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2')" in bad.stderr

@@ -543,6 +543,33 @@ def test_engine_qwen2_gqa_two_ranks_swap(qwen2_gqa, hf_greedy_logits, assert_clo
     _assert_gone(pids)
 
 
+def test_engine_two_ranks_with_an_8_bit_kv_cache(qwen2_gqa, assert_close_to_scale):
+    """--kv-cache-dtype fp8 under tensor parallelism: every rank holds its KV heads' e4m3 codes
+    (a quarter of float32's bytes), sequences swap out and back in as bytes, and the logits and
+    greedy tokens are one fp8 rank's."""
+    _, path = qwen2_gqa
+    prompts = _prompts(301)
+    engine = _engine(path, 2, "swap", kv_cache_dtype="fp8")
+    pids = _worker_pids(engine)
+    try:
+        assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert engine.block_bytes == kv_block_bytes(2, BLOCK, 1, 16, torch.float8_e4m3fn)
+        single = load_model(str(path), dtype="float32", device="cpu")
+        one = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=BLOCK,
+                                     num_kv_blocks=64, max_model_len=64, kv_cache_dtype="fp8"), loaded=single)
+        assert_close_to_scale(_first_step_logits(engine, prompts[-1]), _first_step_logits(one, prompts[-1]),
+                              rel=1e-5)
+        got, stats = _generate(engine, prompts)
+        assert stats["swap"] > 0, stats
+        want, _ = _generate(one, prompts)
+        # NOTE: a rank's K/V differ from one rank's by float rounding (~1e-6), which can move a
+        # value across an e4m3 rounding boundary (a code 6% away): one sequence may part there
+        assert sum(g == w for g, w in zip(got, want)) >= len(prompts) - 1, (got, want)
+    finally:
+        engine.shutdown()
+    _assert_gone(pids)
+
+
 def test_engine_qwen3_moe_replicated_kv_two_ranks_recompute(tmp_path, hf_greedy_logits,
                                                           assert_close_to_scale):
     """MoE experts split over the ranks, one KV head held by both, a dense layer between."""
