@@ -106,20 +106,36 @@ def compare_paths(args, head, q, caches, meta) -> None:
             raise SystemExit(f"the {n} path needs {', '.join(missing)}, which this CPU lacks")
         exts.append(cpu_kernels.load(n) if cpu_kernels.PATHS[n][0] else cpu_kernels.load())
     scale = q.shape[2] ** -0.5
-    times: list[list[float]] = [[], []]
-    for _ in range(args.repeats):
-        for i, ext in enumerate(exts):
-            cpu_ops.load = lambda ext=ext: ext   # noqa: E731 - this process only
+
+    def step(ext):
+        cpu_ops.load = lambda: ext   # noqa: E731 - this process only
+        for k, v in caches:
+            cpu_ops.paged_attention(q, k, v, meta, scale)
+
+    times = alternate(args.repeats, [lambda ext=ext: step(ext) for ext in exts])
+    report(head, names, times)
+
+
+def alternate(repeats: int, steps) -> list[list[float]]:
+    """Seconds of each of `steps` (callables), run in turn `repeats` times."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
             t0 = time.perf_counter()
-            for k, v in caches:
-                cpu_ops.paged_attention(q, k, v, meta, scale)
+            step()
             times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def report(head: str, labels: list[str], times: list[list[float]]) -> None:
+    """Best and median of two alternated variants, and the median of the per-repeat ratios."""
     ratios = sorted(b / a for a, b in zip(*times))
     n = len(ratios)
     print(head)
-    for name, t in zip(names, times):
-        print(f"{name}: best {1000 * min(t):.1f} ms, median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
-    print(f"{names[1]} / {names[0]} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
+    for label, t in zip(labels, times):
+        print(f"{label}: best {1000 * min(t):.1f} ms, median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
+    first, second = (label.split(" ")[0] for label in labels)
+    print(f"{second} / {first} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
           f"{ratios[3 * n // 4]:.2f}x) over {n} alternating repeats")
 
 
@@ -135,22 +151,15 @@ def compare_cache_dtypes(args, head, q, caches, meta) -> None:
         dt = resolve_kv_cache_dtype(n, q.dtype, "cpu")
         stores.append([(to_cache_codes(k, dt), to_cache_codes(v, dt)) for k, v in caches])
     scale = q.shape[2] ** -0.5
-    times: list[list[float]] = [[], []]
-    for _ in range(args.repeats):
-        for i, store in enumerate(stores):
-            t0 = time.perf_counter()
-            for k, v in store:
-                cpu_ops.paged_attention(q, k, v, meta, scale)
-            times[i].append(time.perf_counter() - t0)
-    ratios = sorted(b / a for a, b in zip(*times))
-    n = len(ratios)
-    print(head)
-    for name, store, t in zip(names, stores, times):
-        mb = sum(k.numel() * k.element_size() * 2 for k, _ in store) / 1e6
-        print(f"{name} ({store[0][0].dtype}, {mb:.0f} MB of K/V): best {1000 * min(t):.1f} ms, "
-              f"median {1000 * sorted(t)[len(t) // 2]:.1f} ms per step")
-    print(f"{names[1]} / {names[0]} time: median {ratios[n // 2]:.2f}x (quartiles {ratios[n // 4]:.2f}x, "
-          f"{ratios[3 * n // 4]:.2f}x) over {n} alternating repeats")
+
+    def step(store):
+        for k, v in store:
+            cpu_ops.paged_attention(q, k, v, meta, scale)
+
+    times = alternate(args.repeats, [lambda store=store: step(store) for store in stores])
+    labels = [f"{n} ({store[0][0].dtype}, {sum(k.nbytes + v.nbytes for k, v in store) / 1e6:.0f} MB of K/V)"
+              for n, store in zip(names, stores)]
+    report(head, labels, times)
 
 
 def norm_rope(args) -> None:

@@ -214,23 +214,28 @@ inline vf vneg_abs(vf v) { return _mm256_or_ps(v, _mm256_set1_ps(-0.0f)); }
 // e4m3: the code sign-extended to 16 bits and shifted left by 7 holds the sign in bit 15, a
 // second copy of it in bit 14 (cleared: the top of float16's exponent field) and the exponent
 // and mantissa in bits 13..7.
+// kW float16 words (hw) from kW bytes, zero- or sign-extended; shifted, masked, widened to float
 #if KVMESH_AVX512
+using hw = __m256i;
 inline __m128i fp8_bytes(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline vf vload(const fp8e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(fp8_bytes(p)), 8)); }
-inline vf vload(const fp8e4m3* p) {
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(fp8_bytes(p)), 7),
-                                     _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-}
+inline hw hw_u8(const void* p) { return _mm256_cvtepu8_epi16(fp8_bytes(p)); }
+inline hw hw_i8(const void* p) { return _mm256_cvtepi8_epi16(fp8_bytes(p)); }
+inline hw hw_shl(hw x, int n) { return _mm256_slli_epi16(x, n); }
+inline hw hw_and(hw x, int16_t m) { return _mm256_and_si256(x, _mm256_set1_epi16(m)); }
+inline vf hw_to_f(hw x) { return _mm512_cvtph_ps(x); }
 #else
+using hw = __m128i;
 inline __m128i fp8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-inline vf vload(const fp8e5m2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(fp8_bytes(p)), 8)); }
-inline vf vload(const fp8e4m3* p) {
-  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(fp8_bytes(p)), 7),
-                                  _mm_set1_epi16(static_cast<int16_t>(0xbfff)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-}
+inline hw hw_u8(const void* p) { return _mm_cvtepu8_epi16(fp8_bytes(p)); }
+inline hw hw_i8(const void* p) { return _mm_cvtepi8_epi16(fp8_bytes(p)); }
+inline hw hw_shl(hw x, int n) { return _mm_slli_epi16(x, n); }
+inline hw hw_and(hw x, int16_t m) { return _mm_and_si128(x, _mm_set1_epi16(m)); }
+inline vf hw_to_f(hw x) { return _mm256_cvtph_ps(x); }
 #endif
+inline vf vload(const fp8e5m2* p) { return hw_to_f(hw_shl(hw_u8(p), 8)); }
+inline vf vload(const fp8e4m3* p) {
+  return vmul(hw_to_f(hw_and(hw_shl(hw_i8(p), 7), static_cast<int16_t>(0xbfff))), vset1(256.0f));
+}
 #elif KVMESH_SIMD
 // (a vector build without F16C: the codes widened one by one)
 template <typename C>
