@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-profile", type=int, default=0, metavar="N")
     p.add_argument("--quantization", default="auto", choices=("auto", "gguf", "none"),
                    help="load_model's GGUF quantization (auto: the blocks, as `kvmesh serve`)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     need = sum(-(-(len(r.prompt_ids) + r.output_len) // block) for r in reqs) + len(reqs)
     cfg = EngineConfig(num_kv_blocks=max(need, 64), max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block,
-                       swap_space=0.0, dtype=args.dtype, device="cpu")
+                       swap_space=0.0, dtype=args.dtype, device="cpu", kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(cfg, loaded=loaded)
 
     def add(batch, tag):

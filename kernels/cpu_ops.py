@@ -96,10 +96,12 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token to skip
 ) -> None:
     """The reference's contract: each token's K/V into its slot, one pass, no mask or gather
-    (the reference's `-1` check costs a host sync and a masked copy per layer)."""
+    (the reference's `-1` check costs a host sync and a masked copy per layer); into an 8-bit
+    float cache, the reference's codes (nearest even, saturated)."""
     ext = load()
     if (ext is None or key.device.type != "cpu" or key.dim() != 3 or key.dtype not in KERNEL_DTYPES
-            or not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype)
+            or key.dtype != value.dtype or k_cache.dtype != v_cache.dtype
+            or not (k_cache.dtype == key.dtype or k_cache.dtype in FP8_DTYPES)
             or key.stride(2) != 1 or value.stride(2) != 1 or slot_mapping.dtype != torch.int64
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)

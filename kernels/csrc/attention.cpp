@@ -141,12 +141,12 @@ inline void store8(const vf* a, float scale, float* dst) {
 }
 
 // Scores of `count` consecutive keys (stride tok_stride) for one query head.
-template <typename T>
-inline void qk_keys(const T* qh, const T* k0, int64_t tok_stride, int64_t D, int64_t count, float scale,
+template <typename T, typename K>
+inline void qk_keys(const T* qh, const K* k0, int64_t tok_stride, int64_t D, int64_t count, float scale,
                     float* dst) {
   int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
-    const T* k = k0 + j * tok_stride;
+    const K* k = k0 + j * tok_stride;
     vf a[8];
     for (int i = 0; i < 8; ++i) a[i] = vzero();
     for (int64_t c = 0; c < D; c += kW) {
@@ -156,7 +156,7 @@ inline void qk_keys(const T* qh, const T* k0, int64_t tok_stride, int64_t D, int
     store8(a, scale, dst + j);
   }
   for (; j < count; ++j) {
-    const T* k = k0 + j * tok_stride;
+    const K* k = k0 + j * tok_stride;
     vf a = vzero();
     for (int64_t c = 0; c < D; c += kW) a = vfmadd(vload(qh + c), vload(k + c), a);
     dst[j] = vhsum(a) * scale;
@@ -218,22 +218,29 @@ inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
+// What a decode row widens an 8-bit cache's block to: bf16 where vdpbf16ps takes it from there,
+// float32 otherwise (a bf16 buffer would be rounded to and widened from again); the cache's own
+// type when it is the query's.
+template <typename T, typename C>
+using Wide = std::conditional_t<std::is_same_v<C, T>, T,
+                                std::conditional_t<KVMESH_AVX512BF16 && std::is_same_v<T, bf16>, bf16, float>>;
+
 // Calls per_head(h, that head's K/V rows of the block, count, index in the span) for each block
 // of the span [lo, ctx) (the part of a block in it) and each query head, the next block of the
 // table requested from memory a share per head, so that the requests overlap the compute.
-// An 8-bit cache (C != T): the block's rows are widened to T in `wide` once, for all its heads
-// (the GQA group and the query heads read them from there, as they would the cache).
-template <typename T, typename C, typename PerHead>
+// An 8-bit cache (C != T): the block's rows are widened in `wide` once (W: Wide<T, C>), for all
+// its heads (the GQA group and the query heads read them from there, as they would the cache).
+template <typename T, typename C, typename W, typename PerHead>
 inline void walk_blocks(const Geometry<T, C>& g, const int32_t* table, const C* cache, int64_t lo, int64_t ctx,
-                        std::vector<T>& wide, PerHead per_head) {
+                        std::vector<W>& wide, PerHead per_head) {
   const int64_t bs = g.block_size;
   for (int64_t t = lo; t < ctx;) {
     const int64_t count = std::min(bs - t % bs, ctx - t);
     const C* base = cache + table[t / bs] * g.blk_stride + (t % bs) * g.tok_stride;
     const C* next = t + count < ctx ? cache + table[(t + count) / bs] * g.blk_stride : nullptr;
     const int64_t share = next ? (std::min(bs, ctx - t - count) * g.tok_stride + g.H - 1) / g.H : 0;
-    const T* rows;
-    if constexpr (std::is_same_v<C, T>) {
+    const W* rows;
+    if constexpr (std::is_same_v<C, W>) {
       rows = base;
     } else {
       const int64_t n = count * g.tok_stride;   // a multiple of kW: D is
@@ -251,7 +258,7 @@ inline void walk_blocks(const Geometry<T, C>& g, const int32_t* table, const C* 
 
 template <typename T, typename C>
 void row_vec(const Geometry<T, C>& g, int64_t r, std::vector<float>& scores, std::vector<float>& acc,
-             std::vector<T>& wide, bool dp) {
+             std::vector<Wide<T, C>>& wide, bool dp) {
   int64_t tok, lo, ctx;
   const int32_t* table;
   row_span(g, r, tok, table, lo, ctx);
@@ -261,13 +268,13 @@ void row_vec(const Geometry<T, C>& g, int64_t r, std::vector<float>& scores, std
   if (dp) {
 #if KVMESH_AVX512BF16
     if constexpr (std::is_same_v<T, bf16>) {
-      walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
+      walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const bf16* keys, int64_t count, int64_t i) {
         qk_keys_dp(qrow + h * g.qs1, keys, g.tok_stride, D, count, g.scale, scores.data() + h * n + i);
       });
     }
 #endif
   } else {
-    walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const T* keys, int64_t count, int64_t i) {
+    walk_blocks(g, table, g.kc, lo, ctx, wide, [&](int64_t h, const auto* keys, int64_t count, int64_t i) {
       qk_keys(qrow + h * g.qs1, keys, g.tok_stride, D, count, g.scale, scores.data() + h * n + i);
     });
   }
@@ -281,7 +288,7 @@ void row_vec(const Geometry<T, C>& g, int64_t r, std::vector<float>& scores, std
     out = acc.data();
   }
   std::fill(out, out + g.H * D, 0.0f);
-  walk_blocks(g, table, g.vc, lo, ctx, wide, [&](int64_t h, const T* values, int64_t count, int64_t i) {
+  walk_blocks(g, table, g.vc, lo, ctx, wide, [&](int64_t h, const auto* values, int64_t count, int64_t i) {
     pv_values(scores.data() + h * n + i, values, g.tok_stride, D, count, out + h * D);
   });
   if constexpr (!std::is_same_v<T, float>) {
@@ -357,7 +364,7 @@ void attend_rows(const Geometry<T, C>& g, int64_t R) {
 #endif
   at::parallel_for(0, left, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    std::vector<T> wide;
+    std::vector<Wide<T, C>> wide;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = todo ? todo[i] : i;
 #if KVMESH_SIMD

@@ -1,6 +1,6 @@
 // Elementwise CPU kernels of the decoder layer (float32 or bfloat16 tensors, float32 arithmetic),
 // one pass each, no temporaries: RMSNorm with the fused residual add, NeoX RoPE of q and k,
-// SiLU(gate) * up, and the KV-cache write. In bfloat16 each result is rounded where the torch
+// SiLU(gate) * up, and the KV-cache write (to an 8-bit float cache: the codes). In bfloat16 each result is rounded where the torch
 // reference's ops round (the residual sum, the normalised value, each product), so the kernels
 // and the reference agree to the last bit or within an ulp of bf16.
 
@@ -211,6 +211,68 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // ---- KV-cache write: each token's K and V rows into their slots, -1 skipped ----------------------
+namespace {
+
+// float32 -> the nearest 8-bit float code with M mantissa bits and exponent bias B (nearest
+// even), saturated at the largest finite code MAXC (infinities too); NaN -> the format's NaN
+// (0x7f). Normal results: the float's exponent and mantissa rounded to M bits in place, then
+// rebiased; below the smallest normal 2^(1-B): a multiple of the subnormal step 2^(1-B-M).
+// Torch's conversion of the value clamped to +-MAXC's value gives the same bits.
+template <int M, int B, int MAXC>
+inline uint8_t fp8_code(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  bits &= 0x7fffffffu;
+  float a;
+  std::memcpy(&a, &bits, 4);
+  if (a != a) return static_cast<uint8_t>(sign | 0x7fu);
+  constexpr int S = 23 - M;
+  constexpr float kMinNormal = 1.0f / static_cast<float>(1u << (B - 1));
+  constexpr float kSubSteps = static_cast<float>(1u << (B - 1 + M));
+  int32_t code;
+  if (a < kMinNormal) {
+    code = static_cast<int32_t>(std::nearbyint(a * kSubSteps));   // the default mode: nearest even
+  } else {
+    const uint32_t r = (bits + ((1u << (S - 1)) - 1u) + ((bits >> S) & 1u)) >> S;
+    code = static_cast<int32_t>(r) - ((127 - B) << M);
+  }
+  return static_cast<uint8_t>(sign | static_cast<uint32_t>(std::min(code, MAXC)));
+}
+
+// Rows of T [T, KVH, D] (any token / head strides) into an 8-bit cache's slots.
+template <typename T, int M, int B, int MAXC>
+void write_codes(const at::Tensor& src, at::Tensor& cache, const int64_t* sp) {
+  const int64_t T_ = src.size(0), KVH = src.size(1), D = src.size(2);
+  const T* x = static_cast<const T*>(src.data_ptr());
+  uint8_t* c = static_cast<uint8_t*>(cache.data_ptr());
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;   // a padding token
+      for (int64_t h = 0; h < KVH; ++h) {
+        const T* in = x + t * s0 + h * s1;
+        uint8_t* out = c + (sp[t] * KVH + h) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] = fp8_code<M, B, MAXC>(to_f(in[d]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void write_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+               const int64_t* sp) {
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {   // 448 = 0x7e
+    write_codes<T, 3, 7, 0x7e>(key, k_cache, sp);
+    write_codes<T, 3, 7, 0x7e>(value, v_cache, sp);
+  } else {                                            // e5m2: 57344 = 0x7b
+    write_codes<T, 2, 15, 0x7b>(key, k_cache, sp);
+    write_codes<T, 2, 15, 0x7b>(value, v_cache, sp);
+  }
+}
+
+}  // namespace
+
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
@@ -219,9 +281,12 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == key.size(1) &&
                   k_cache.size(3) == key.size(2),
               "write_kv_cache: caches must be contiguous [num_blocks, block_size, KVH, D] matching key");
-  TORCH_CHECK(float_or_bf16(key) && value.scalar_type() == key.scalar_type() &&
-                  k_cache.scalar_type() == key.scalar_type() && v_cache.scalar_type() == key.scalar_type(),
-              "write_kv_cache: key, value and caches must share one dtype, float32 or bfloat16");
+  const auto ct = k_cache.scalar_type();
+  const bool codes = ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2;
+  TORCH_CHECK(float_or_bf16(key) && value.scalar_type() == key.scalar_type() && v_cache.scalar_type() == ct &&
+                  (ct == key.scalar_type() || codes),
+              "write_kv_cache: key and value must be float32 or bfloat16, the caches in their dtype or both "
+              "float8_e4m3fn / float8_e5m2");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "write_kv_cache: slot_mapping must be contiguous int64 [T]");
@@ -230,6 +295,14 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {  // checked before anything is written
     TORCH_CHECK(sp[t] >= -1 && sp[t] < slots, "write_kv_cache: slot ", sp[t], " outside the cache");
+  }
+  if (codes) {
+    if (key.scalar_type() == at::kFloat) {
+      write_fp8<float>(key, value, k_cache, v_cache, sp);
+    } else {
+      write_fp8<bf16>(key, value, k_cache, v_cache, sp);
+    }
+    return;
   }
   const int64_t bytes = D * key.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());

@@ -60,6 +60,32 @@ def test_the_write_stores_codes_and_skips_padding(ext, cache_dtype, dtype, ops):
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpp_write_gives_torchs_codes_bit_for_bit(ext, cache_dtype, dtype):
+    """The C++ encoder against torch's conversion of the clamped value: every code's value, the
+    midpoints between neighbouring codes (ties go to even), values just either side of them,
+    subnormals, the saturation range, zeros and infinities, and random values of every scale."""
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
+    finite = codes[torch.isfinite(codes)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-30, 20, (20000,), generator=g).float())
+    x = torch.cat([finite, mids, mids.nextafter(torch.tensor(float("inf"))),
+                   mids.nextafter(torch.tensor(float("-inf"))), wide,
+                   torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e30, -1e30, 1e-30])]).to(dtype)
+    n = -(-x.numel() // 64) * 64
+    rows = torch.cat([x, torch.zeros(n - x.numel(), dtype=dtype)]).view(-1, 1, 64)
+    k_cache = torch.zeros(rows.shape[0], 1, 1, 64, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    ext.write_kv_cache(rows, rows, k_cache, v_cache, torch.arange(rows.shape[0]))
+    want = to_cache_codes(rows, cache_dtype).view(torch.uint8).view(-1)
+    got = k_cache.view(torch.uint8).view(-1)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(rows.view(-1)[i]), int(got[i]), int(want[i])) for i in bad[:5]]
+    assert torch.equal(v_cache.view(torch.uint8).view(-1), want)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 def test_every_finite_code_is_widened_exactly(ext, cache_dtype):
     """One key per sequence: the softmax weight is exactly 1, so the output is the value row the
     kernel widened. Every finite code of the format appears once in some value row."""
