@@ -14,8 +14,9 @@
 // bf16 prefill rows go to AMX tiles instead where the build and CPU have them (attention_amx.cpp).
 //
 // Cache type C: T, or 8-bit float codes (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2, scale 1):
-// each block's rows are widened exactly to T once (vec.h's vload of the codes), into a per-thread
-// buffer its heads read as they would the cache; half of bf16's bytes come from memory. A prefill
+// a decode row widens each block exactly once (vec.h's vload of the codes; to bf16 where
+// vdpbf16ps reads it, float32 elsewhere: Wide), into a per-thread buffer its heads read as they
+// would the cache; half of bf16's bytes come from memory. A prefill
 // chunk's rows would widen the same blocks once per row: their sequences' blocks are widened once
 // into a T copy the rows then read as a T cache (attend_codes; bf16 chunks on AMX tiles from it).
 //
