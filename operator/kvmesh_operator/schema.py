@@ -474,6 +474,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
              "self.engine.runtime != 'kvmesh' || (has(self.engine.tensorParallelSize) ? "
              "self.engine.tensorParallelSize == 1 : self.gpu.count <= 1)",
      "message": "engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"},
+    {"rule": "self.engine.kvCacheDtype == 'auto' || self.engine.runtime != 'kvmesh' || self.gpu.count == 0",
+     "message": "engine.kvCacheDtype other than auto is read by CPU kvmesh engines only (gpu.count 0)"},
     {"rule": "self.engine.runtime != 'vllm' || !has(self.engine.speculativeConfig) || "
              "!has(self.engine.speculativeConfig.disableByBatchSize)",
      "message": "engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no "
