@@ -50,6 +50,13 @@ void check(bool ok, const char* msg) { TORCH_CHECK(ok, "paged_attention_rows: ",
 template <typename T, typename C = T>
 using Geometry = AttentionGeometry<T, C>;
 
+// What a decode row widens an 8-bit cache's block to: bf16 where vdpbf16ps takes it from there,
+// float32 otherwise (a bf16 buffer would be rounded to and widened from again); the cache's own
+// type when it is the query's.
+template <typename T, typename C>
+using Wide = std::conditional_t<std::is_same_v<C, T>, T,
+                                std::conditional_t<KVMESH_AVX512BF16 && std::is_same_v<T, bf16>, bf16, float>>;
+
 // Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
 void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
   for (int64_t h = 0; h < heads; ++h) {
@@ -218,13 +225,6 @@ inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
-
-// What a decode row widens an 8-bit cache's block to: bf16 where vdpbf16ps takes it from there,
-// float32 otherwise (a bf16 buffer would be rounded to and widened from again); the cache's own
-// type when it is the query's.
-template <typename T, typename C>
-using Wide = std::conditional_t<std::is_same_v<C, T>, T,
-                                std::conditional_t<KVMESH_AVX512BF16 && std::is_same_v<T, bf16>, bf16, float>>;
 
 // Calls per_head(h, that head's K/V rows of the block, count, index in the span) for each block
 // of the span [lo, ctx) (the part of a block in it) and each query head, the next block of the

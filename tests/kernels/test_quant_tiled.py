@@ -68,8 +68,22 @@ def test_bf16_tiles_where_the_cpu_has_avx512_bf16():
     assert tiled_isa() == next(p for p in cpu_kernels.PATHS if p != "amx" and not cpu_kernels.missing_flags(p))
 
 
-def test_quant_linear_switches_kernels_at_the_threshold():
+def test_quant_linear_switches_kernels_at_the_threshold(monkeypatch):
+    import kvmesh.kernels.quant.ops as qops  # noqa: PLC0415
     w, _ = _weight(T.Q4_1, 24, 256, activations="float")
+    ext, called = qops._ext(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(ext, name)
+
+    def kernel_of(x):
+        called.clear()
+        with monkeypatch.context() as m:
+            m.setattr(qops, "_ext", Spy)
+            y = quant_linear(x, w)
+        return y, called[-1]
     # NOTE: on a CPU with AMX, bf16 activations take the AMX path over the bf16 tiles (test_quant_amx)
     for dtype in (torch.float32,) if amx_ready() else (torch.float32, torch.bfloat16):
         at = TILED_MIN_ROWS[tile_kind(dtype)]
@@ -85,10 +99,12 @@ def test_quant_linear_switches_kernels_at_the_threshold():
             assert torch.equal(quant_linear(xi[:-1], w, activations="int8"),
                                quant_linear(xi[:-1], w, activations="int8", path="rows"))
         x = torch.randn(at, 256, generator=torch.Generator().manual_seed(at)).to(dtype)
-        # the paths round differently, so equal bits say which one ran
-        assert torch.equal(quant_linear(x, w), quant_linear(x, w, path="tiled"))
-        assert torch.equal(quant_linear(x[:-1], w), quant_linear(x[:-1], w, path="rows"))
-        assert not torch.equal(quant_linear(x, w, path="rows"), quant_linear(x, w, path="tiled"))
+        # the kernel each call reached (on an AVX2-only CPU the two paths can round alike, so the
+        # bits alone cannot say which ran), and its result is that path's
+        y, kernel = kernel_of(x)
+        assert kernel == "quant_gemm_tiled" and torch.equal(y, quant_linear(x, w, path="tiled"))
+        y, kernel = kernel_of(x[:-1])
+        assert kernel == "quant_gemm" and torch.equal(y, quant_linear(x[:-1], w, path="rows"))
 
 
 def test_bias_leading_dims_zero_rows_and_refusals():
