@@ -57,6 +57,16 @@ template <typename T, typename C>
 using Wide = std::conditional_t<std::is_same_v<C, T>, T,
                                 std::conditional_t<KVMESH_AVX512BF16 && std::is_same_v<T, bf16>, bf16, float>>;
 
+// n codes widened exactly to T (float32 or bf16).
+template <typename T, typename C>
+inline void widen(const C* src, int64_t n, T* dst) {
+  int64_t i = 0;
+#if KVMESH_SIMD
+  for (; i + kW <= n; i += kW) vstore(dst + i, vload(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = from_f<T>(to_f(src[i]));
+}
+
 // Softmax of each head's n scores in place (max-subtracted, float32), soft-capped first if asked.
 void softmax_rows(float* scores, int64_t heads, int64_t n, float cap) {
   for (int64_t h = 0; h < heads; ++h) {
@@ -244,9 +254,8 @@ inline void walk_blocks(const Geometry<T, C>& g, const int32_t* table, const C* 
     if constexpr (std::is_same_v<C, W>) {
       rows = base;
     } else {
-      const int64_t n = count * g.tok_stride;   // a multiple of kW: D is
       wide.resize(bs * g.tok_stride);
-      for (int64_t i = 0; i < n; i += kW) vstore(wide.data() + i, vload(base + i));
+      widen(base, count * g.tok_stride, wide.data());
       rows = wide.data();
     }
     for (int64_t h = 0; h < g.H; ++h) {
@@ -377,16 +386,6 @@ void attend_rows(const Geometry<T, C>& g, int64_t R) {
       row_portable(g, r, scores, acc);
     }
   });
-}
-
-// n codes widened to T (exact).
-template <typename T, typename C>
-inline void widen(const C* src, int64_t n, T* dst) {
-  int64_t i = 0;
-#if KVMESH_SIMD
-  for (; i + kW <= n; i += kW) vstore(dst + i, vload(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = from_f<T>(to_f(src[i]));
 }
 
 // An 8-bit cache. A decode row reads each key once: its blocks are widened as it walks them
