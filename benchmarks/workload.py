@@ -18,6 +18,7 @@ No engine import: the HTTP load-scenario benchmark reuses this module as is.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -152,20 +153,27 @@ _CORPUS = (
     "The river flows past the old mill, under the stone bridge and out towards the sea, where "
     "fishing boats wait for the tide to turn before they set out in the grey morning light. "
 )
-_corpus_ids: dict[int, list[int]] = {}
+# NOTE: keyed by the tokenizer object itself, weakly: an id() key outlives its tokenizer, and a
+# later tokenizer given the same address would read the first one's ids
+_corpus_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _encode_corpus(tokenizer: _Encoder) -> list[int]:
-    key = id(tokenizer)
-    if key not in _corpus_ids:
-        try:
-            ids = tokenizer.encode(_CORPUS, add_special_tokens=False)
-        except TypeError:
-            ids = tokenizer.encode(_CORPUS)
-        if len(ids) < 2:
-            raise ValueError("the tokenizer turned the corpus into fewer than 2 tokens")
-        _corpus_ids[key] = list(ids)
-    return _corpus_ids[key]
+    try:
+        return _corpus_ids[tokenizer]
+    except (KeyError, TypeError):           # TypeError: an object that takes no weak reference
+        pass
+    try:
+        ids = list(tokenizer.encode(_CORPUS, add_special_tokens=False))
+    except TypeError:
+        ids = list(tokenizer.encode(_CORPUS))
+    if len(ids) < 2:
+        raise ValueError("the tokenizer turned the corpus into fewer than 2 tokens")
+    try:
+        _corpus_ids[tokenizer] = ids
+    except TypeError:
+        pass
+    return ids
 
 
 def make_prompt_ids(tokenizer: _Encoder, prompt_len: int, rng: np.random.Generator) -> list[int]:

@@ -88,6 +88,25 @@ def test_prompt_ids_are_real_text():
     assert sum(c.isalpha() for c in text) > 200
 
 
+class ShiftedTokenizer(CharTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) + 1000 for c in text]
+
+
+def test_each_tokenizer_gets_its_own_corpus_ids_even_at_a_reused_address():
+    first = ShiftedTokenizer()
+    assert min(make_prompt_ids(first, 50, np.random.default_rng(0))) >= 1000
+    del first                       # a new object of the same size usually takes its address
+    for _ in range(20):
+        ids = make_prompt_ids(CharTokenizer(), 50, np.random.default_rng(0))
+        assert max(ids) < 1000
+    class NoWeakRef:
+        __slots__ = ()
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+    assert len(make_prompt_ids(NoWeakRef(), 10, np.random.default_rng(0))) == 10
+
+
 
 def test_summarize_counts_tokens():
     reqs = [WorkloadRequest(0.0, 1, 0, 3, 4), WorkloadRequest(1.0, 2, 2, 5, 6)]
