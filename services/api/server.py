@@ -33,7 +33,7 @@ from kvmesh.common.cache_salt import CacheSaltSource
 from kvmesh.common.config import (EngineConfig, add_engine_args, engine_config_from_args,
                                   field_default, parse_args_with_config)
 from kvmesh.common.http_server import run_until_signal
-from kvmesh.common.openmp import release_thread_team, spin_requested
+from kvmesh.common.openmp import process_thread_count, release_thread_team, spin_requested
 from kvmesh.common.startup import startup_phase
 from kvmesh.common.startup_times import get_startup_times, process_age_s, reset_startup_times
 from kvmesh.common.storage import resolve_engine_model
@@ -196,10 +196,12 @@ def _load(state: ServerState, config: EngineConfig, args: argparse.Namespace,
 
 async def _release_loop_openmp() -> None:
     """On the event loop: its OpenMP team released, one thread for it from now on."""
+    before = process_thread_count()
     if release_thread_team():
-        logger.info("OpenMP: the event loop's team released, so the forward's workers spin as "
-                    "asked (GOMP_SPINCOUNT=%s, OMP_WAIT_POLICY=%s)",
-                    os.environ.get("GOMP_SPINCOUNT", "-"), os.environ.get("OMP_WAIT_POLICY", "-"))
+        logger.info("OpenMP: the event loop's team released (%d parked workers ended), so the "
+                    "forward's workers spin as asked (GOMP_SPINCOUNT=%s, OMP_WAIT_POLICY=%s)",
+                    before - process_thread_count(), os.environ.get("GOMP_SPINCOUNT", "-"),
+                    os.environ.get("OMP_WAIT_POLICY", "-"))
     else:
         logger.warning("OpenMP: spinning asked for, but no libgomp team could be released")
 

@@ -6,9 +6,11 @@ manages more threads than the process has CPUs, it spins 100 rounds only (1,000 
 OMP_WAIT_POLICY=ACTIVE), whatever GOMP_SPINCOUNT says, so every parallel region (~240 in a step
 of the built-in model) starts by waking a sleeping worker.
 
-`kvmesh serve` always has one team too many: the main thread (the event loop) runs oneDNN's
-probes at import (kernels/linear.py), so its worker stays parked for good, while the engine
-thread runs the forward with a team of its own: 3 managed threads on 2 CPUs. An offline engine
+`kvmesh serve` can have one team too many: where a parallel region runs on the main thread (the
+event loop) before it serves, as oneDNN's probes at import (kernels/linear.py) did on the
+AVX-512 Xeon, its worker stays parked for good, while the engine thread runs the forward with a
+team of its own: 3 managed threads on 2 CPUs. (On an AVX2-only EPYC the import ran no parallel
+region: the event loop had no team, and releasing it ended no thread.) An offline engine
 stepping on its main thread has 2, and spins. Which one is faster depends on the machine:
 
 - 2 CPUs, load ~2-3 (one engine stepping one sequence on a second thread, interleaved runs):
@@ -22,6 +24,7 @@ variables (GOMP_SPINCOUNT > 0 or OMP_WAIT_POLICY=ACTIVE, for dedicated cores): t
 loop's team is released once the engine is up, and the spin count they set holds.
 
     spin_requested(env)       whether the environment asks for spinning workers
+    process_thread_count()    the process's threads now (/proc/self/task)
     release_thread_team()     on a thread that will run no more forwards (the event loop): its
                               parked workers exit, and it takes one thread for any later
                               parallel region, so it never parks one again
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger("kvmesh.openmp")
@@ -67,6 +71,14 @@ def loaded_libgomp(maps: str | None = None) -> str | None:
                 and ".so" in fields[5]:
             return fields[5]
     return None
+
+
+def process_thread_count() -> int:
+    """The threads this process has now (0 where /proc cannot tell)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def release_thread_team(lib_path: str | None = None) -> bool:
