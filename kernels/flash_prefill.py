@@ -10,8 +10,8 @@ that is not all-decode, `prefill_attention` sends those sequences to
 
 and every other sequence (a chunk after a cached prefix, a decode mixed in) as its own batch to
 the Triton unified kernel, then assembles the output rows in the step's order. The chunk's K/V
-are read back from the cache (one gather of its slots: `write_kv_cache` ran first) so the ops
-interface stays the reference's.
+are read back from the cache (one gather of its slots: `write_kv_cache` ran first, and an 8-bit
+cache's codes are widened to the query's dtype) so the ops interface stays the reference's.
 
 Flash applies to fp16/bf16, head_dim <= 256 (a multiple of 8), no soft-cap; a sliding window
 only with "varlen" (its `window_size`). Anything else, and every step off CUDA (unless a test
@@ -176,8 +176,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return None
     slots = meta.slot_mapping if route.flash_tokens is None else meta.slot_mapping.index_select(
         0, route.flash_tokens)
-    k = k_cache.flatten(0, 1).index_select(0, slots)        # [Tf, KVH, D]: the chunks' own K/V
-    v = v_cache.flatten(0, 1).index_select(0, slots)
+    # [Tf, KVH, D]: the chunks' own K/V (8-bit codes widened exactly to the query's dtype)
+    k = k_cache.flatten(0, 1).index_select(0, slots).to(query.dtype)
+    v = v_cache.flatten(0, 1).index_select(0, slots).to(query.dtype)
     q = query if route.flash_tokens is None else query.index_select(0, route.flash_tokens)
     cu_host = [0]
     for i in route.flash_seqs:

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace, decode_splits
+from kvmesh.kernels.fp8_codes import cache_bytes, kv_code, widen_codes
+from kvmesh.kernels.kv_cache_dtype import is_fp8
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -27,12 +29,14 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, stride_kd,
-                 stride_vb, stride_vs, stride_vd, offs_d, d_mask, n0, end,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                 stride_vb, stride_vs, stride_vd, offs_d, d_mask, n0, end, q,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+                 KV_CODE: tl.constexpr):
     """Positions n0 .. n0+BLOCK_N of one sequence's K and V, read through its block table.
 
     Returns (pos [BLOCK_N], valid [BLOCK_N], k [BLOCK_N, D], v [BLOCK_N, D]); invalid rows are 0.
-    Shared by the decode and the unified kernels.
+    An 8-bit cache (KV_CODE 1 / 2, read as bytes) is widened to the dtype of `q`, the program's
+    query tile, which the tiles meet in tl.dot. Shared by the decode and the unified kernels.
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
@@ -44,7 +48,10 @@ def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, st
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if UPCAST:
+    if KV_CODE != 0:
+        k = widen_codes(k, KV_CODE).to(q.dtype)
+        v = widen_codes(v, KV_CODE).to(q.dtype)
+    elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     return pos, valid, k, v
@@ -127,6 +134,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
+    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,7 +166,7 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
                                         stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
-                                        n0, end, BLOCK_N, BLOCK_SIZE, UPCAST)
+                                        n0, end, q, BLOCK_N, BLOCK_SIZE, UPCAST, KV_CODE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         if USE_SOFTCAP:
             s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
@@ -234,9 +242,9 @@ def check_attention_args(query, k_cache, v_cache, block_tables, seq_lens) -> tup
                          f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if query.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"query dtype must be fp16, bf16 or fp32, got {query.dtype}")
-    if not (query.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"query and caches must share one dtype, got {query.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == query.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"the caches must both hold the query's dtype or both 8-bit float codes, "
+                         f"got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -311,6 +319,7 @@ def paged_decode_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """One query token per sequence against its paged context (flash-decoding when split).
+    The caches hold the query's dtype, or 8-bit float codes (`--kv-cache-dtype fp8`).
 
     `sliding_window` W > 0: the query sees the last W positions (itself included); `softcap`
     > 0: scores become cap * tanh(score / cap) before the softmax. `num_splits` (default: the
@@ -329,8 +338,11 @@ def paged_decode_attention(
     # NOTE: fp32 K/V tiles take twice the registers: 64 tokens x head_dim 128 with 4 warps spill
     # (152-680 B of stack on sm_80 / sm_90, kernels/gpu_compile.py); 32 tokens with 8 warps do not.
     fp32 = query.dtype == torch.float32
-    block_n = block_n or (32 if fp32 else 64)
-    num_warps = num_warps or (8 if fp32 else 4)
+    # NOTE: so do 8-bit K/V tiles at head_dim 256 (their widening's temporaries: 16-56 B of
+    # stack on sm_80 / sm_90 at 64 tokens and 4 warps, 8 B at 32)
+    wide_codes = is_fp8(k_cache.dtype) and head_dim > 128
+    block_n = block_n or (32 if fp32 or wide_codes else 64)
+    num_warps = num_warps or (8 if fp32 or wide_codes else 4)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if min_split_tokens is not None and min_split_tokens < 1:
@@ -363,14 +375,14 @@ def paged_decode_attention(
         lse_strides = lse.stride()[:2]
     window = int(sliding_window)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        query, cache_bytes(k_cache), cache_bytes(v_cache), block_tables, seq_lens, out, part, lse,
         scale * _LOG2E, window, float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(), *part_strides, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
-        USE_SOFTCAP=softcap > 0,
+        USE_SOFTCAP=softcap > 0, KV_CODE=kv_code(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

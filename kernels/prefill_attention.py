@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels.fp8_codes import cache_bytes, kv_code
+from kvmesh.kernels.kv_cache_dtype import is_fp8
 from kvmesh.kernels.paged_attention import (check_attention_args, check_window_softcap, dot_precision,
                                             load_kv_tile, online_softmax_step, tanh,
                                             upcast_operands)
@@ -75,6 +77,7 @@ def _unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
     NUM_STAGES: tl.constexpr,   # software-pipelining depth of the K/V loops
     UNMASKED_LOOP: tl.constexpr,  # run the tiles below the diagonal without masks (16-bit)
+    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,7 +130,7 @@ def _unified_attention_kernel(
         for n0 in tl.range(kv_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
             _, _, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
                                       stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
-                                      n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
+                                      n0, kv_end, q, BLOCK_N, BLOCK_SIZE, UPCAST, KV_CODE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
             if USE_SOFTCAP:
                 s = softcap_log2 * tanh(s / softcap_log2)
@@ -136,7 +139,7 @@ def _unified_attention_kernel(
     for n0 in tl.range(full_end, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         pos, valid, k, v = load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks,
                                         stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_mask,
-                                        n0, kv_end, BLOCK_N, BLOCK_SIZE, UPCAST)
+                                        n0, kv_end, q, BLOCK_N, BLOCK_SIZE, UPCAST, KV_CODE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             s = softcap_log2 * tanh(s / softcap_log2)     # log2 domain: cap * tanh(x * scale / cap)
@@ -152,7 +155,7 @@ def _unified_attention_kernel(
 
 
 def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int,
-                  arch: int = 80) -> tuple[int, int, int, int]:
+                  arch: int = 80, fp8_cache: bool = False) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) that compile without register spills for
     sm_<arch> (80: A100-class, also the default off CUDA; 90: H100/H200).
 
@@ -163,13 +166,15 @@ def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int,
     tiles in fp32. On sm_90, 16-bit and head_dim <= 128: 128 x 64 tiles with 8 warps and 3
     pipeline stages (the fused-attention tutorial's Hopper shape) fit: ~220 registers, 96 KiB of
     its 228 KiB of shared memory; twice the rows per K/V tile halves the K/V traffic.
+    An 8-bit cache's widening needs registers of its own: on sm_80 its 16-bit tiles take 8
+    warps (at head_dim 128 and 4 warps: 255 registers and 8 B of stack for e5m2 codes).
     """
     wide = head_dim > 128
     if dtype == torch.float32:
         return max(32, block_g), 16 if wide else 32, 8, 2
     if arch >= 90 and not wide:
         return max(128, block_g), 64, 8, 3
-    return max(64, block_g), 32, 8 if wide else 4, 2
+    return max(64, block_g), 32, 8 if wide or fp8_cache else 4, 2
 
 
 def device_arch(device: torch.device) -> int:
@@ -206,12 +211,13 @@ def unified_attention(
     >= 16 and >= the padded GQA group size; unset tiles come from `default_tiles` for `arch`
     (default: the query's device). `sliding_window`
     W > 0: each query sees the last W positions (itself included); `softcap` > 0: scores become
-    cap * tanh(score / cap).
+    cap * tanh(score / cap). The caches hold the query's dtype, or 8-bit float codes.
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
     check_window_softcap(sliding_window, softcap)
     dm, dn, dw, ds = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2],
-                                   device_arch(query.device) if arch is None else arch)
+                                   device_arch(query.device) if arch is None else arch,
+                                   fp8_cache=is_fp8(k_cache.dtype))
     block_m, block_n = block_m or dm, block_n or dn
     num_warps, num_stages = num_warps or dw, num_stages or ds
     num_tokens, num_heads, head_dim = query.shape
@@ -235,7 +241,7 @@ def unified_attention(
     block_q = block_m // block_g
     grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
     _unified_attention_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        query, cache_bytes(k_cache), cache_bytes(v_cache), out, block_tables, seq_lens, query_start_loc,
         num_seqs, scale * _LOG2E, int(sliding_window), float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *block_tables.stride(),
@@ -246,7 +252,7 @@ def unified_attention(
         USE_SOFTCAP=softcap > 0, NUM_STAGES=num_stages,
         # NOTE: fp32 tiles with a second loop body spill on sm_90 (200-344 B at head_dim 128,
         # gpu_compile): fp32 (a correctness dtype on GPUs) keeps the one masked loop
-        UNMASKED_LOOP=query.dtype != torch.float32,
+        UNMASKED_LOOP=query.dtype != torch.float32, KV_CODE=kv_code(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

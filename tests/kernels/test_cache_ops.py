@@ -50,7 +50,7 @@ def test_write_kv_cache_all_padding_and_empty():
 
 
 @pytest.mark.parametrize("case,match", [
-    ("dtype", "share one dtype"),
+    ("dtype", "key and value must share a float dtype"),
     ("slot_dtype", "int32 or int64"),
     ("heads", "do not match"),
     ("slot_len", "num_tokens"),

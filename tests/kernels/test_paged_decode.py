@@ -64,7 +64,7 @@ def test_decode_strided_query_padded_head_dim_int64_indices(kx):
 
 
 @pytest.mark.parametrize("case_name,match", [
-    ("dtype", "share one dtype"),
+    ("dtype", "both hold the query.s dtype or both 8-bit float codes"),
     ("heads", "multiple of num_kv_heads"),
     ("head_dim", "head_dim"),
     ("index_dtype", "int32 or int64"),

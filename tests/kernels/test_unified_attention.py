@@ -112,6 +112,8 @@ def test_default_tiles_per_architecture():
     from kvmesh.kernels.prefill_attention import default_tiles
     assert default_tiles(torch.bfloat16, 4, 128) == (64, 32, 4, 2)
     assert default_tiles(torch.bfloat16, 4, 128, arch=90) == (128, 64, 8, 3)
+    assert default_tiles(torch.bfloat16, 4, 128, fp8_cache=True) == (64, 32, 8, 2)   # widening's registers
+    assert default_tiles(torch.bfloat16, 4, 128, arch=90, fp8_cache=True) == (128, 64, 8, 3)
     assert default_tiles(torch.float16, 4, 256, arch=90) == (64, 32, 8, 2)
     assert default_tiles(torch.float32, 4, 128, arch=90) == (32, 32, 8, 2)
     assert default_tiles(torch.bfloat16, 256, 64, arch=90) == (256, 64, 8, 3)
