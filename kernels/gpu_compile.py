@@ -20,6 +20,7 @@ Triton's JIT specialises them. A new kernel is covered by adding its public func
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -94,8 +95,24 @@ def _launch_norm_rope_cache(s: EngineShape, dtype) -> None:
     cache_ops.write_kv_cache(k, v, _cache(s, dtype), _cache(s, dtype), _meta(tokens, dtype=torch.int64))
 
 
-def _launch_attention(s: EngineShape, dtype) -> None:
+# the targets a launch made inside `_for_target` is for (the launcher chose its tiles for one
+# architecture); everything else is launched the same way on every target
+_targets: tuple[int, ...] = TARGETS
+
+
+@contextmanager
+def _for_target(cc: int) -> Iterator[None]:
+    global _targets
+    saved, _targets = _targets, (cc,)
+    try:
+        yield
+    finally:
+        _targets = saved
+
+
+def _launch_attention(s: EngineShape, dtype, cache_dtype=None) -> None:
     from kvmesh.kernels import paged_attention, prefill_attention
+    cache_dtype = cache_dtype or dtype
     seqs, tables = 4, _meta(4, 32, dtype=torch.int32)
     seq_lens, qsl = _meta(seqs, dtype=torch.int32), _meta(seqs + 1, dtype=torch.int32)
     q, _, _ = _qkv(s, seqs, dtype)
@@ -103,13 +120,28 @@ def _launch_attention(s: EngineShape, dtype) -> None:
     # large batches or short contexts: one split; batch 1 at long context: many + the reduce;
     # with the engine's minimum split length (DecodePlanner), as every engine decode runs
     for splits in (1, 16):
-        paged_attention.paged_decode_attention(q, _cache(s, dtype), _cache(s, dtype), tables, seq_lens,
+        paged_attention.paged_decode_attention(q, _cache(s, cache_dtype), _cache(s, cache_dtype), tables, seq_lens,
                                                512, s.head_dim ** -0.5, num_splits=splits,
                                                min_split_tokens=DEFAULT_MIN_SPLIT_TOKENS, **kw)
     q, _, _ = _qkv(s, 64, dtype)
-    for arch in (80, 90):    # the launcher's tiles per architecture (a meta tensor has none)
-        prefill_attention.unified_attention(q, _cache(s, dtype), _cache(s, dtype), qsl, seq_lens,
-                                            tables, s.head_dim ** -0.5, arch=arch, **kw)
+    for arch in TARGETS:     # the launcher's tiles per architecture (a meta tensor has none)
+        with _for_target(arch):
+            prefill_attention.unified_attention(q, _cache(s, cache_dtype), _cache(s, cache_dtype), qsl, seq_lens,
+                                                tables, s.head_dim ** -0.5, arch=arch, **kw)
+
+
+# --kv-cache-dtype fp8 / fp8_e5m2 under bf16 models (the codes are read as bytes: one kernel for
+# sm_80 and sm_90; under fp16 only the widened tiles' final conversion differs)
+FP8_CACHES = {torch.bfloat16: (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _launch_fp8_cache(s: EngineShape, dtype) -> None:
+    from kvmesh.kernels import cache_ops
+    for cache_dtype in FP8_CACHES.get(dtype, ()):
+        _, k, v = _qkv(s, 8, dtype)
+        cache_ops.write_kv_cache(k, v, _cache(s, cache_dtype), _cache(s, cache_dtype),
+                                 _meta(8, dtype=torch.int64))
+        _launch_attention(s, dtype, cache_dtype)
 
 
 def _launch_moe(s: EngineShape, dtype) -> None:
@@ -179,7 +211,8 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
 
 # Each entry calls public kernel functions as the engine does for one (shape, dtype).
 LAUNCHES: tuple[Callable[[EngineShape, torch.dtype], None], ...] = (
-    _launch_norm_rope_cache, _launch_attention, _launch_moe, _launch_lora, _launch_quant_gemm,
+    _launch_norm_rope_cache, _launch_attention, _launch_fp8_cache, _launch_moe, _launch_lora,
+    _launch_quant_gemm,
 )
 
 
@@ -195,6 +228,7 @@ class Variant:
     num_stages: int
     dtype: str                   # the engine dtype it was recorded under
     shapes: tuple[str, ...]      # the engine shapes that launch it
+    targets: tuple[int, ...] = TARGETS   # the compute capabilities whose launcher picks it
 
     @property
     def key(self):
@@ -252,11 +286,11 @@ def _recording(dtype: torch.dtype, shape: EngineShape, out: dict) -> Iterator[No
                 if divisible:
                     div.append(i)
             v = Variant(fn.__name__, fn, tuple(sig), tuple(consts), tuple(div), num_warps, num_stages,
-                        str(dtype).removeprefix("torch."), (shape.name,))
+                        str(dtype).removeprefix("torch."), (shape.name,), _targets)
             if v.key in out:
                 old = out[v.key]
-                out[v.key] = Variant(*[getattr(old, f) for f in Variant.__slots__[:-1]],
-                                     tuple(dict.fromkeys(old.shapes + v.shapes)))
+                out[v.key] = dataclasses.replace(old, shapes=tuple(dict.fromkeys(old.shapes + v.shapes)),
+                                                 targets=tuple(sorted(set(old.targets + v.targets))))
             else:
                 out[v.key] = v
         return launch
@@ -336,6 +370,8 @@ def _cuobjdump(cubin: bytes) -> dict[str, int]:
 
 def compile_variant(v: Variant, cc: int) -> Resources:
     """Compile for sm_<cc> (ptxas included) and read the cubin's resource usage."""
+    if cc not in v.targets:
+        return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: sm_{cc} launches other tiles")
     for _, ty in v.signature:
         if cc < _MIN_CC.get(ty.lstrip("*"), 0):
             return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: {ty.lstrip('*')} needs sm_{_MIN_CC[ty.lstrip('*')]}+")
@@ -356,7 +392,8 @@ def compile_variant(v: Variant, cc: int) -> Resources:
 
 _SHOWN = ("GROUP", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_G", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_K",
           "BLOCK_D", "NUM_SPLITS", "MIN_CHUNK", "BLOCK_S", "BLOCK_H", "BLOCK_HALF", "HALF", "BLOCK", "HAS_RESIDUAL",
-          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "EXPAND", "NUM_STAGES", "WEIGHT_ONLY", "perm_ptr", "bias_ptr")
+          "A_DIV", "MUL_WEIGHT", "USE_SOFTCAP", "KV_CODE", "EXPAND", "NUM_STAGES", "WEIGHT_ONLY", "perm_ptr",
+          "bias_ptr")
 
 
 def describe(v: Variant) -> str:
