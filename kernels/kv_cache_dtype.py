@@ -8,8 +8,9 @@ default without calibrated scales): each value rounded to the nearest code, valu
 largest finite code saturated to it, never to inf / NaN. Readers widen a code exactly (every
 fp8 value is a float32, and a bfloat16); attention sums in float32 as with any other cache.
 
-This module is the one place a name becomes a dtype and a value becomes a code; the attention
-kernels read the codes (kernels/csrc/attention.cpp, the reference's upcast).
+This module is the one place a name becomes a dtype and a value becomes a code in torch; the
+kernels read and write the same codes (kernels/csrc/attention.cpp and elementwise.cpp, the
+reference's upcast, the Triton kernels' bit operations in kernels/fp8_codes.py).
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from kvmesh.common.config import KV_CACHE_DTYPES
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                 "fp8_e5m2": torch.float8_e5m2}
-# backends whose attention reads fp8 codes (the Triton kernels read the model's dtype only)
-FP8_BACKENDS = ("cpu", "reference")
+# backends whose attention reads fp8 codes: all of them (C++, the torch reference, the Triton
+# kernels through kernels/fp8_codes.py)
+FP8_BACKENDS = ("cpu", "reference", "triton")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:

@@ -280,7 +280,7 @@ class LLMEngine:
                                                           max_len)
             mem = profile_device_memory(
                 self.loaded.model, mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads,
-                mc.head_dim, self.loaded.dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
+                mc.head_dim, self.cache_dtype, device, opts.max_num_tokens, cfg.max_num_seqs,
                 max(opts.decode_pad_sizes, default=0))
             # the LoRA slots, allocated already, are part of the memory in use
             mem = dataclasses.replace(mem, lora_slots=self._lora_slot_bytes())

@@ -68,15 +68,28 @@ def _query(v: AttentionVariant, tokens: int, dtype: torch.dtype, device: torch.d
     return qkv[:, :nq].view(tokens, v.num_heads, v.head_dim)
 
 
+def query_dtype(model: torch.nn.Module, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention's queries have: the cache's, or with an 8-bit cache the model's (its
+    norms' weights, which every family keeps in the dtype it computes in)."""
+    from kvmesh.kernels.kv_cache_dtype import is_fp8  # noqa: PLC0415
+    if not is_fp8(cache_dtype):
+        return cache_dtype
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") and p.is_floating_point():
+            return p.dtype
+    raise ValueError("an 8-bit KV cache needs the model's dtype: no norm weight found")
+
+
 def warm_attention(variants: list[AttentionVariant], kv_cache: tuple[torch.Tensor, torch.Tensor],
-                   planner) -> float:
-    """Launch each variant once on a one-block batch over `kv_cache` (read only); seconds taken.
-    `planner`: the runner's `DecodePlanner` (its workspace and minimum split length)."""
+                   planner, dtype: torch.dtype | None = None) -> float:
+    """Launch each variant once on a one-block batch over `kv_cache` (read only) with queries
+    of `dtype` (default: the cache's); seconds taken. `planner`: the runner's `DecodePlanner`
+    (its workspace and minimum split length)."""
     from kvmesh.kernels.paged_attention import paged_decode_attention  # noqa: PLC0415
     from kvmesh.kernels.prefill_attention import unified_attention  # noqa: PLC0415
 
     k_cache, v_cache = kv_cache
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, dtype or k_cache.dtype
     t0 = time.perf_counter()
     tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     for v in variants:
@@ -124,7 +137,8 @@ def prepare_attention(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor
     variants = attention_variants(specs, planner.variants())
     with startup_phase("warming attention kernels", f"{len(variants)} variants",
                        phase="kernel_build"):
-        seconds = warm_attention(variants, kv_caches[0], planner)
+        seconds = warm_attention(variants, kv_caches[0], planner,
+                                 query_dtype(model, kv_caches[0][0].dtype))
     logger.info("attention kernels: %d variants warmed in %.1f s (decode splits %s; workspace "
                 "%.1f MiB)", len(variants), seconds, planner.variants(),
                 0 if planner.workspace is None else planner.workspace.part.numel() * 4 / 2**20)

@@ -48,7 +48,7 @@ def test_the_engine_sizes_a_cuda_cache_from_the_profile(smollm, monkeypatch):
 
     def fake_profile(model, num_layers, block_size, kv_heads, head_dim, dtype, device,
                      max_num_tokens, max_num_seqs, largest_graph):
-        seen.update(tokens=max_num_tokens, seqs=max_num_seqs, graph=largest_graph)
+        seen.update(tokens=max_num_tokens, seqs=max_num_seqs, graph=largest_graph, dtype=dtype)
         return DeviceMemory(total=4 * GIB, in_use=GIB, weights=GIB // 2,
                             activation_peak=GIB // 4, graph_pool=GIB // 4)
 
@@ -60,5 +60,6 @@ def test_the_engine_sizes_a_cuda_cache_from_the_profile(smollm, monkeypatch):
     eng.executor = None
     eng.lora = None
     eng.block_bytes = 1 << 20
+    eng.cache_dtype = torch.float8_e4m3fn         # the profile runs with the cache's dtype
     assert eng._num_gpu_blocks() == (2 * GIB - GIB - GIB // 2) // (1 << 20)
-    assert seen == {"tokens": 512, "seqs": 16, "graph": 16}
+    assert seen == {"tokens": 512, "seqs": 16, "graph": 16, "dtype": torch.float8_e4m3fn}

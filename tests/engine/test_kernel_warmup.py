@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvmesh.engine.kernel_warmup import (AttentionVariant, attention_specs, attention_variants,
-                                         prepare_attention, uses_triton, warm_attention)
+                                         prepare_attention, query_dtype, uses_triton, warm_attention)
 from kvmesh.engine.layers.attention import Attention, AttentionSpec
 from kvmesh.kernels import reference
 
@@ -82,6 +82,31 @@ def test_warm_launches_every_variant(monkeypatch):
     assert calls == [(k, stride, n, w, cap, m) for w, cap in ((0, 0.0), (32, 30.0)) for k, stride, n, m in (
         ("decode", one, 1, 512), ("decode", qkv, 1, 512), ("decode", one, 2, 512),
         ("decode", qkv, 2, 512), ("unified", qkv, None, None), ("unified", one, None, None))]
+
+
+def test_an_8_bit_cache_is_warmed_with_the_models_queries(monkeypatch):
+    """The warm-up's queries take the model's dtype (its norms'), not the 8-bit cache's, and
+    the kernels run on the codes (interpreter)."""
+    pytest.importorskip("triton")
+    from kvmesh.kernels import paged_attention
+    from kvmesh.kernels.decode_plan import DecodePlanner
+
+    model = torch.nn.Module()
+    model.input_layernorm = torch.nn.Module()
+    model.input_layernorm.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    assert query_dtype(model, torch.float8_e4m3fn) == torch.bfloat16
+    assert query_dtype(model, torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="no norm weight found"):
+        query_dtype(torch.nn.Linear(2, 2), torch.float8_e5m2)
+    seen = []
+    real = paged_attention.paged_decode_attention
+    monkeypatch.setattr(paged_attention, "paged_decode_attention",
+                        lambda q, k, *a, **kw: seen.append((q.dtype, k.dtype)) or real(q, k, *a, **kw))
+    planner = DecodePlanner(max_num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            max_model_len=64, num_sms=2, device="cpu")
+    cache = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    warm_attention(attention_variants([GLOBAL], [1]), (cache, cache.clone()), planner, torch.bfloat16)
+    assert seen == [(torch.bfloat16, torch.float8_e4m3fn)] * 2
 
 
 def _compiled(kernel) -> int:

@@ -143,13 +143,14 @@ def test_swap_preemption_keeps_the_codes(smollm, prompts):
         assert got[f"r{i}"].outputs[0].token_ids == roomy[f"r{i}"].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("name, backend, message", [
-    ("fp8", "triton", "runs on the cpu and reference attention backends"),
-    ("int8", "cpu", "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"),
+@pytest.mark.parametrize("name, model_dtype, backend, message", [
+    ("int8", torch.bfloat16, "cpu", "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"),
+    ("fp8", torch.bfloat16, "tpu", "runs on the cpu and reference and triton attention backends"),
+    ("fp8", torch.float64, "triton", "needs a float32, bfloat16 or float16 model"),
 ])
-def test_what_cannot_be_served_is_refused(name, backend, message):
+def test_what_cannot_be_served_is_refused(name, model_dtype, backend, message):
     with pytest.raises(ValueError, match=message):
-        resolve_kv_cache_dtype(name, torch.bfloat16, backend)
+        resolve_kv_cache_dtype(name, model_dtype, backend)
 
 
 def test_the_config_and_the_cli_name_the_choices():
@@ -170,6 +171,7 @@ def test_resolution_maps_each_name():
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, "cpu") == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.float32, "reference") == torch.float8_e4m3fn
     assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, "cpu") == torch.float8_e5m2
+    assert resolve_kv_cache_dtype("fp8", torch.float16, "triton") == torch.float8_e4m3fn
 
 
 def test_a_server_with_an_8_bit_cache_says_so_and_serves(tmp_path):
@@ -201,3 +203,50 @@ def test_a_server_with_an_8_bit_cache_says_so_and_serves(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "argument --kv-cache-dtype: invalid choice: 'int8' (choose from 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2')" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_path(tmp_path_factory):
+    from tiny_models import save_tiny_model  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return save_tiny_model(LlamaForCausalLM(cfg), tmp_path_factory.mktemp("m") / "tiny", seed=4)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
+def test_the_triton_backend_reads_the_codes_the_cpu_backend_reads(tiny_llama_path, name):
+    """The whole engine on the Triton kernels (interpreter) with an 8-bit cache: chunked prefill,
+    a prefix-cache hit and decodes give the C++ backend's log-probs (both write the same codes
+    and widen them exactly: float32 rounding apart) and its greedy tokens."""
+    import os  # noqa: PLC0415
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    shared = [3 + (i * 7) % 120 for i in range(40)]
+    prompts = [shared + [5, 9, 11], [8 + (i * 5) % 100 for i in range(29)], shared + [17, 4]]
+    with_prompt = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0, logprobs=0, ignore_eos=True)
+    # NOTE: a request asking for prompt log-probs computes its whole prompt: the prefix-cache hit
+    # is the third prompt's, with the log-probs of its generated tokens
+    generated = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    outs = {}
+    for backend in ("cpu", "triton"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), dtype="float32", attention_backend=backend,
+                                        kv_cache_dtype=name, num_kv_blocks=24, block_size=16,
+                                        max_model_len=128, max_num_batched_tokens=32, swap_space=0))
+        assert engine.loaded.attention_backend == backend
+        assert engine.runner.kv_cache.dtype == resolve_kv_cache_dtype(name, torch.float32, backend)
+        first = run(engine, prompts[:2], with_prompt)
+        hit = run(engine, prompts[2:], generated)["r0"]
+        outs[backend] = [first["r0"], first["r1"], hit]
+        assert [o.num_cached_tokens for o in outs[backend]] == [0, 0, 32]
+        engine.shutdown()
+    for i, ids in enumerate(prompts):
+        cpu, tri = outs["cpu"][i], outs["triton"][i]
+        assert tri.outputs[0].token_ids == cpu.outputs[0].token_ids
+        gen = [abs(a[t].logprob - b[t].logprob) for a, b, t in
+               zip(tri.outputs[0].logprobs, cpu.outputs[0].logprobs, cpu.outputs[0].token_ids)]
+        assert len(gen) == 6 and max(gen) < 1e-4, (i, gen)
+        if i < 2:
+            diff = (prompt_logprobs(tri, ids) - prompt_logprobs(cpu, ids)).abs().max()
+            assert diff < 1e-4, (i, float(diff))
