@@ -484,9 +484,6 @@ def parse(name: str, namespace: str, spec: Any) -> InferenceService:
         enable_lora=e.get("enableLora"), max_loras=e.get("maxLoras"), max_lora_rank=e.get("maxLoraRank"),
         max_cpu_loras=e.get("maxCpuLoras"), speculative_config=_speculative(e, problems),
         openmp_wait_policy=e.get("openmpWaitPolicy"), kv_cache_dtype=e.get("kvCacheDtype"))
-    if engine.runtime == "kvmesh" and gpus > 0 and engine.kv_cache_dtype not in (None, "auto"):
-        problems.append(f"spec.engine.kvCacheDtype {engine.kv_cache_dtype}: kvmesh reads an 8-bit KV cache on "
-                        "CPU engines only (its GPU kernels read the model's dtype); use auto with gpu.count > 0")
     if (isinstance(engine.max_cpu_loras, int) and isinstance(engine.max_loras, int)
             and engine.max_cpu_loras < engine.max_loras):
         problems.append(f"spec.engine.maxCpuLoras ({engine.max_cpu_loras}) must be at least spec.engine.maxLoras "

@@ -272,8 +272,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
                                enum=PREEMPTION_MODES, default="recompute"),
         "kvCacheDtype": _str("The KV cache's element type (--kv-cache-dtype): auto (the model's dtype) or "
                              "8-bit floats, twice bf16's tokens in the same memory: fp8 (= fp8_e4m3) or "
-                             "fp8_e5m2. kvmesh reads them on CPU engines only; runtime vllm takes them as "
-                             "vLLM does.", enum=list(KV_CACHE_DTYPES), default="auto"),
+                             "fp8_e5m2, on CPU and GPU engines alike; runtime vllm takes them as vLLM does.",
+                             enum=list(KV_CACHE_DTYPES), default="auto"),
         "runtime": _str("kvmesh (`kvmesh serve`) or vllm (`vllm serve` from spec.image, kvmesh's router and index "
                         "in front, fed by vLLM's KV events).", enum=RUNTIMES, default="kvmesh"),
         "openmpWaitPolicy": _str("How the engine's OpenMP workers wait between parallel regions: "
@@ -474,8 +474,6 @@ SPEC_SCHEMA: dict[str, Any] = _obj("Desired state of one served model.", {
              "self.engine.runtime != 'kvmesh' || (has(self.engine.tensorParallelSize) ? "
              "self.engine.tensorParallelSize == 1 : self.gpu.count <= 1)",
      "message": "engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"},
-    {"rule": "self.engine.kvCacheDtype == 'auto' || self.engine.runtime != 'kvmesh' || self.gpu.count == 0",
-     "message": "engine.kvCacheDtype other than auto is read by CPU kvmesh engines only (gpu.count 0)"},
     {"rule": "self.engine.runtime != 'vllm' || !has(self.engine.speculativeConfig) || "
              "!has(self.engine.speculativeConfig.disableByBatchSize)",
      "message": "engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no "

@@ -298,9 +298,6 @@ CROSS_FIELD = [  # CEL rules in the CRD (x-kubernetes-validations); jsonschema c
                                                  "disableByBatchSize": 8}}},
      ["spec.engine.speculativeConfig.disableByBatchSize is kvmesh-only: vLLM's speculative config has no such "
       "key (leave it out with runtime vllm)"]),
-    ({"model": {}, "gpu": {"count": 1}, "engine": {"kvCacheDtype": "fp8"}},
-     ["spec.engine.kvCacheDtype fp8: kvmesh reads an 8-bit KV cache on CPU engines only (its GPU kernels read "
-      "the model's dtype); use auto with gpu.count > 0"]),
 ]
 
 

@@ -51,7 +51,7 @@ def _cr(spec: dict[str, Any], name: str = "x") -> dict[str, Any]:
 
 
 def test_the_crd_declares_every_cross_field_rule() -> None:
-    assert len(RULES) == 60
+    assert len(RULES) == 59
 
 
 @pytest.mark.parametrize("spec", [
@@ -94,11 +94,12 @@ def test_the_crd_declares_every_cross_field_rule() -> None:
                                                          "model": "/m/draft"}}},
     {"model": {"source": "uri", "uri": "/m"}, "image": "vllm/vllm-openai:v0.11.0", "gpu": {"count": 1},
      "engine": {"runtime": "vllm", "kvCacheDtype": "fp8"}},
+    {"model": {}, "gpu": {"count": 1}, "engine": {"kvCacheDtype": "fp8_e5m2"}},
 ], ids=["minimal", "full", "vllm", "inference-pool", "tp-2-of-4", "tp-1-on-cpu", "fp8-kv-on-cpu", "vllm-cpu-block-32", "pool-tokenizer-on-pvc",
         "local-paths", "equal-seqs-and-tokens", "equal-min-max", "s3-model", "hf-model", "lora-adapters",
         "lora-enabled-without-adapters", "s3-adapters-with-the-models-credentials", "disaggregated-cpu",
         "disaggregated-rdma-one-gpu-each", "speculative-ngram",
-        "speculative-draft-tp-1", "speculative-draft-vllm-tp-2", "fp8-kv-vllm-gpu"])
+        "speculative-draft-tp-1", "speculative-draft-vllm-tp-2", "fp8-kv-vllm-gpu", "fp8-kv-kvmesh-gpu"])
 def test_good_specs_pass_every_rule(spec: dict[str, Any]) -> None:
     crd.parse("x", "ns", spec)                              # the operator agrees
     assert failures(_cr(spec)) == []
@@ -175,7 +176,6 @@ CEL_MESSAGES = [
     ["engine.speculativeConfig.promptLookupMin must not exceed promptLookupMax"],
     ["engine.speculativeConfig method draft_model needs tensorParallelSize 1 with runtime kvmesh"],
     ["engine.speculativeConfig.disableByBatchSize is kvmesh-only; vLLM's speculative config has no such key"],
-    ["engine.kvCacheDtype other than auto is read by CPU kvmesh engines only (gpu.count 0)"],
 ]
 
 
