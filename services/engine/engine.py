@@ -33,6 +33,7 @@ from kvmesh.engine.observers import EngineObserver, LoadSnapshot, StepReport
 # NOTE: add_request builds the groups under their old name
 from kvmesh.engine.output_processor import OutputProcessor, RequestGroup as _Group
 from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.quantization.kv_scales import apply as apply_kv_scales
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sched_output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -152,6 +153,9 @@ class LLMEngine:
         # --kv-cache-dtype: the cache's element type (refused here if the backend cannot read it)
         self.cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype,
                                                   self.loaded.attention_backend)
+        scaled = apply_kv_scales(self.loaded.model, self.cache_dtype)
+        if scaled:
+            logger.info("KV cache: %d layers store K/V divided by the checkpoint's k_scale / v_scale", scaled)
         self.block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size,
                                           self._local_kv_heads(), mc.head_dim, self.cache_dtype)
         if self.draft is not None:

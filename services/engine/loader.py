@@ -45,6 +45,8 @@ from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear, hf_quantized_by
 from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, quantized_bytes
 from kvmesh.engine.quantization.hf_config import METHODS, HFQuantConfig, parse_quantization_config
 from kvmesh.engine.quantization.hf_load import hf_quantized_weights
+from kvmesh.engine.quantization.kv_scales import is_kv_scale
+from kvmesh.engine.quantization.kv_scales import record as record_kv_scale
 from kvmesh.engine.quantization.serving import serve_quantized
 from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
@@ -356,6 +358,9 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # NOTE: some tied checkpoints store a copy; embed_tokens' is the one used
+        if name not in expected and is_kv_scale(name):
+            record_kv_scale(model, name, tensor, source)
+            continue
         if name not in expected:
             if not name.endswith("rotary_emb.inv_freq"):
                 log.warning("ignoring unexpected tensor %s in %s", name, source)

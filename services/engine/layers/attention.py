@@ -42,6 +42,10 @@ class Attention(nn.Module):
     # step's adapter terms to the q/k/v and o projections and do nothing in a base-only step.
     lora_qkv = None
     lora_o = None
+    # NOTE: a checkpoint's calibrated KV-cache scales, set with an 8-bit cache only
+    # (kvmesh.engine.quantization.kv_scales): the cache holds k / k_scale and v / v_scale
+    k_scale = 1.0
+    v_scale = 1.0
 
     def __init__(self, hidden: int, spec: AttentionSpec, ops: ModuleType, *, qkv_bias: bool = False,
                  o_bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
@@ -92,12 +96,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
+        scaled = self.k_scale != 1.0 or self.v_scale != 1.0
+        if scaled:
+            k, v = k / self.k_scale, v / self.v_scale
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # NOTE: the layer's window travels in the metadata; with_window memoises one view per
         # window on the step's metadata, so every layer of a window shares one object (and the
-        # reference backend's per-metadata plan).
+        # reference backend's per-metadata plan). Scaled codes: q . k is k_scale times q . code,
+        # and the softmax's weights sum to 1, so the output is v_scale times theirs.
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.with_window(s.sliding_window),
-                                     s.scale, s.softcap)                 # [T, heads, d]
+                                     s.scale * self.k_scale, s.softcap)  # [T, heads, d]
+        if scaled and self.v_scale != 1.0:
+            o = o * self.v_scale
         o = o.reshape(t, nq)
         out = linear(o, self.o_proj.weight, self.o_proj.bias)
         if self.lora_o is not None:

@@ -17,6 +17,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.engine.lora.request import LoRARequest
 from kvmesh.engine.memory import free_memory
 from kvmesh.engine.parallel.messages import InitCache, Ready, Shutdown, Started, Step, decode, encode
+from kvmesh.engine.quantization.kv_scales import apply as apply_kv_scales
 from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype
 
 
@@ -65,11 +66,11 @@ def _serve(rank: int, size: int, port: int, config: EngineConfig, threads: int,
     if config.enable_lora:
         from kvmesh.engine.lora.manager import lora_manager  # noqa: PLC0415
         lora = lora_manager(loaded, config)
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype, loaded.attention_backend)
+    apply_kv_scales(loaded.model, cache_dtype)       # the checkpoint's k_scale / v_scale, as rank 0
     runner = ModelRunner(loaded.model, mc.num_hidden_layers, loaded.plan.local_kv_heads,
                          mc.head_dim, config.block_size, init.num_gpu_blocks, init.num_cpu_blocks,
-                         resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype,
-                                                loaded.attention_backend),
-                         device, seed=config.seed, lora=lora)
+                         cache_dtype, device, seed=config.seed, lora=lora)
     while True:
         msg = decode(conn.recv_bytes())
         if isinstance(msg, Shutdown):

@@ -158,8 +158,14 @@ def _compressed_tensors(qc: dict) -> HFQuantConfig:
     w, a = group.get("weights") or {}, group.get("input_activations")
     if group.get("output_activations") is not None:
         raise _refuse(m, f"{name}.output_activations", group["output_activations"], "null")
-    if qc.get("kv_cache_scheme") is not None:
-        raise _refuse(m, "kv_cache_scheme", qc["kv_cache_scheme"], "null")
+    kv = qc.get("kv_cache_scheme")
+    if kv is not None:
+        # NOTE: 8-bit float KV codes with one static scale per tensor (k_scale / v_scale, read
+        # by the loader: kvmesh.engine.quantization.kv_scales), as vLLM serves them
+        if not isinstance(kv, dict):
+            raise _refuse(m, "kv_cache_scheme", kv, "null or a quantization args object")
+        _want(kv, "kv_cache_scheme", type="float", num_bits=8, strategy="tensor", dynamic=False,
+              symmetric=True)
     wtype = w.get("type")
     if wtype == "int":
         _want(w, f"{name}.weights", num_bits=8, symmetric=True, strategy="channel", dynamic=False)
