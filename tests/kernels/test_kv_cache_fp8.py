@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import paged_batch
+from fp8_cases import every_code_case, fp8_batch, hard_values
 
 from kvmesh.kernels import cpu_ops, reference
 from kvmesh.kernels.cpu_kernels import load
 from kvmesh.kernels.kv_cache_dtype import to_cache_codes
-from kvmesh.kernels.metadata import AttentionMetadata
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -20,12 +19,6 @@ def ext():
     mod = load()
     assert mod is not None, "the C++ CPU kernels must build on the test machine (g++ is required)"
     return mod
-
-
-def fp8_batch(query_lens, seq_lens, cache_dtype, dtype=torch.float32, scale=3.0, **shape):
-    query, k, v, meta = paged_batch(query_lens, seq_lens, dtype=torch.float32, **shape)
-    return (query.to(dtype), to_cache_codes(k * scale, cache_dtype),
-            to_cache_codes(v * scale, cache_dtype), meta)
 
 
 @pytest.mark.parametrize("cache_dtype, top", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)], ids=str)
@@ -65,14 +58,7 @@ def test_the_cpp_write_gives_torchs_codes_bit_for_bit(ext, cache_dtype, dtype):
     """The C++ encoder against torch's conversion of the clamped value: every code's value, the
     midpoints between neighbouring codes (ties go to even), values just either side of them,
     subnormals, the saturation range, zeros and infinities, and random values of every scale."""
-    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
-    finite = codes[torch.isfinite(codes)].unique()
-    mids = (finite[1:] + finite[:-1]) / 2
-    g = torch.Generator().manual_seed(0)
-    wide = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-30, 20, (20000,), generator=g).float())
-    x = torch.cat([finite, mids, mids.nextafter(torch.tensor(float("inf"))),
-                   mids.nextafter(torch.tensor(float("-inf"))), wide,
-                   torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e30, -1e30, 1e-30])]).to(dtype)
+    x = hard_values(cache_dtype).to(dtype)
     n = -(-x.numel() // 64) * 64
     rows = torch.cat([x, torch.zeros(n - x.numel(), dtype=dtype)]).view(-1, 1, 64)
     k_cache = torch.zeros(rows.shape[0], 1, 1, 64, dtype=cache_dtype)
@@ -89,15 +75,8 @@ def test_the_cpp_write_gives_torchs_codes_bit_for_bit(ext, cache_dtype, dtype):
 def test_every_finite_code_is_widened_exactly(ext, cache_dtype):
     """One key per sequence: the softmax weight is exactly 1, so the output is the value row the
     kernel widened. Every finite code of the format appears once in some value row."""
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[torch.isfinite(codes.view(cache_dtype).float())]
-    dim = 64
-    rows = -(-codes.numel() // dim)
-    padded = torch.cat([codes, torch.zeros(rows * dim - codes.numel(), dtype=torch.uint8)])
-    v_cache = padded.view(rows, 1, 1, dim).view(cache_dtype).contiguous()
-    k_cache = torch.zeros(rows, 1, 1, dim, dtype=cache_dtype)
-    meta = AttentionMetadata.build([1] * rows, [1] * rows, [[i] for i in range(rows)], 1)
-    query = torch.randn(rows, 1, dim)
+    k_cache, v_cache, meta = every_code_case(cache_dtype)
+    query = torch.randn(k_cache.shape[0], 1, k_cache.shape[3])
     assert cpu_ops.kernel_applies(query, k_cache, v_cache)
     got = cpu_ops.paged_attention(query, k_cache, v_cache, meta, 0.125)
     assert torch.equal(got.view(-1), v_cache.float().view(-1))

@@ -11,13 +11,12 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-from paged_batch import paged_batch  # noqa: E402
+from fp8_cases import every_code_case, fp8_batch, hard_values  # noqa: E402
 
 from kvmesh.kernels import flash_prefill, reference, triton_ops  # noqa: E402
 from kvmesh.kernels.cache_ops import write_kv_cache  # noqa: E402
 from kvmesh.kernels.fp8_codes import cache_bytes, kv_code  # noqa: E402
 from kvmesh.kernels.kv_cache_dtype import to_cache_codes  # noqa: E402
-from kvmesh.kernels.metadata import AttentionMetadata  # noqa: E402
 from kvmesh.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from kvmesh.kernels.prefill_attention import unified_attention  # noqa: E402
 
@@ -37,24 +36,11 @@ def test_codes_and_byte_views():
     assert cache_bytes(f) is f
 
 
-def _hard_values(cache_dtype: torch.dtype) -> torch.Tensor:
-    """Every code's value, the midpoints between neighbouring codes (ties go to even), values
-    just either side of them, subnormals, saturation, zeros, infinities, every scale."""
-    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
-    finite = codes[torch.isfinite(codes)].unique()
-    mids = (finite[1:] + finite[:-1]) / 2
-    g = torch.Generator().manual_seed(0)
-    wide = torch.randn(4000, generator=g) * torch.exp2(torch.randint(-30, 20, (4000,), generator=g).float())
-    return torch.cat([finite, mids, mids.nextafter(torch.tensor(float("inf"))),
-                      mids.nextafter(torch.tensor(float("-inf"))), wide,
-                      torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e30, -1e30, 1e-30])])
-
-
 @interpreted
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_write_gives_torchs_codes_bit_for_bit(cache_dtype, dtype):
-    x = _hard_values(cache_dtype).to(dtype)
+    x = hard_values(cache_dtype, 4000).to(dtype)
     heads, dim = 8, 64
     per_token = heads * dim
     n = -(-x.numel() // per_token) * per_token
@@ -92,15 +78,8 @@ def test_the_write_skips_padding_slots():
 def test_every_finite_code_is_widened_exactly(cache_dtype, dtype, kernel):
     """One key per sequence: the softmax weight is exactly 1, so the output is the value row the
     kernel widened. Every finite code appears once in some value row (all are exact in bf16)."""
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[torch.isfinite(codes.view(cache_dtype).float())]
-    dim = 64
-    rows = -(-codes.numel() // dim)
-    padded = torch.cat([codes, torch.zeros(rows * dim - codes.numel(), dtype=torch.uint8)])
-    v_cache = padded.view(rows, 1, 1, dim).view(cache_dtype).contiguous()
-    k_cache = torch.zeros(rows, 1, 1, dim, dtype=cache_dtype)
-    meta = AttentionMetadata.build([1] * rows, [1] * rows, [[i] for i in range(rows)], 1)
-    query = torch.randn(rows, 1, dim).to(dtype)
+    k_cache, v_cache, meta = every_code_case(cache_dtype)
+    query = torch.randn(k_cache.shape[0], 1, k_cache.shape[3]).to(dtype)
     if kernel == "decode":
         got = paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 1, 0.125)
     else:
@@ -108,12 +87,6 @@ def test_every_finite_code_is_widened_exactly(cache_dtype, dtype, kernel):
                                 meta.block_tables, 0.125)
     assert got.dtype == dtype
     assert torch.equal(got.float().view(-1), v_cache.float().view(-1))
-
-
-def fp8_batch(query_lens, seq_lens, cache_dtype, dtype, scale=3.0, **shape):
-    query, k, v, meta = paged_batch(query_lens, seq_lens, dtype=torch.float32, **shape)
-    return (query.to(dtype), to_cache_codes(k * scale, cache_dtype),
-            to_cache_codes(v * scale, cache_dtype), meta)
 
 
 @interpreted
@@ -188,7 +161,7 @@ def test_caches_of_another_dtype_are_refused():
 def test_the_compiled_kernels_write_and_read_the_codes(cache_dtype):
     """On a GPU: the compiled write gives torch's codes bit for bit, and decode, unified and
     flash-route attention over them match the reference run on the CPU over the same codes."""
-    x = _hard_values(cache_dtype).to(torch.bfloat16)
+    x = hard_values(cache_dtype, 4000).to(torch.bfloat16)
     n = -(-x.numel() // 512) * 512
     rows = torch.cat([x, torch.zeros(n - x.numel(), dtype=x.dtype)]).view(-1, 8, 64).cuda()
     k_cache = torch.zeros(rows.shape[0], 1, 8, 64, dtype=cache_dtype, device="cuda")
