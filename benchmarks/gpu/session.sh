@@ -48,8 +48,8 @@ if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
         tests/models/test_bf16_devices.py -k "gpu or cuda" > "$OUT/tests_bf16.txt" 2>&1
     echo "bf16 attention tests rc=$?"; grep -E "bf16 on|passed|failed|Error" "$OUT/tests_bf16.txt" | tail -8
     # --kv-cache-dtype fp8 on the compiled kernels: the write's codes, decode / unified / flash reads
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -rA tests/kernels/test_kv_cache_fp8_triton.py \
-        > "$OUT/tests_fp8_kv.txt" 2>&1
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/kernels/test_kv_cache_fp8_triton.py \
+        tests/engine/test_kernel_warmup.py > "$OUT/tests_fp8_kv.txt" 2>&1
     echo "fp8 KV tests rc=$?"; grep -E "passed|failed|Error" "$OUT/tests_fp8_kv.txt" | tail -8
 fi
 if [ "$STEP" = all ] || [ "$STEP" = bench ]; then

@@ -117,9 +117,11 @@ def _compiled(kernel) -> int:
                     reason="needs CUDA and TRITON_INTERPRET=0: Triton compiles for a GPU only there "
                            "(the interpreter compiles nothing)")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_after_start_up_serving_compiles_nothing(enforce_eager):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_after_start_up_serving_compiles_nothing(enforce_eager, kv_cache_dtype):
     """The built-in model on the GPU (Triton): decodes at short and long context and batch
-    sizes 1..5 and prefills add no compiled attention variant after start-up."""
+    sizes 1..5 and prefills add no compiled attention variant after start-up (an 8-bit cache's
+    variants included)."""
     from kvmesh.common.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -129,7 +131,7 @@ def test_after_start_up_serving_compiles_nothing(enforce_eager):
                prefill_attention._unified_attention_kernel)
     eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
                                  max_num_seqs=8, enforce_eager=enforce_eager,
-                                 cudagraph_capture_sizes=(1, 2, 4, 8)))
+                                 cudagraph_capture_sizes=(1, 2, 4, 8), kv_cache_dtype=kv_cache_dtype))
     assert eng.runner.decode_planner is not None
     before = [_compiled(k) for k in kernels]
     for n, words in ((1, 2), (3, 400), (5, 30)):
