@@ -358,11 +358,10 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue  # NOTE: some tied checkpoints store a copy; embed_tokens' is the one used
-        if name not in expected and is_kv_scale(name):
-            record_kv_scale(model, name, tensor, source)
-            continue
         if name not in expected:
-            if not name.endswith("rotary_emb.inv_freq"):
+            if is_kv_scale(name):
+                record_kv_scale(model, name, tensor, source)
+            elif not name.endswith("rotary_emb.inv_freq"):
                 log.warning("ignoring unexpected tensor %s in %s", name, source)
             continue
         want = tuple(expected[name].shape)

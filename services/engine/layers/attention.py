@@ -96,9 +96,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        scaled = self.k_scale != 1.0 or self.v_scale != 1.0
-        if scaled:
-            k, v = k / self.k_scale, v / self.v_scale
+        if self.k_scale != 1.0:
+            k = k / self.k_scale
+        if self.v_scale != 1.0:
+            v = v / self.v_scale
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         # NOTE: the layer's window travels in the metadata; with_window memoises one view per
         # window on the step's metadata, so every layer of a window shares one object (and the
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         # and the softmax's weights sum to 1, so the output is v_scale times theirs.
         o = self.ops.paged_attention(q, k_cache, v_cache, meta.with_window(s.sliding_window),
                                      s.scale * self.k_scale, s.softcap)  # [T, heads, d]
-        if scaled and self.v_scale != 1.0:
+        if self.v_scale != 1.0:
             o = o * self.v_scale
         o = o.reshape(t, nq)
         out = linear(o, self.o_proj.weight, self.o_proj.bias)
