@@ -15,11 +15,19 @@ import torch
 FORMATS: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
+
+# The 256-element formats' fp16 super-block scales: (byte offset, bytes) of d (and dmin after it)
+# in a block; everything else in such a block is codes and small scales, any bit pattern valid.
+SUPER_SCALES: dict[int, tuple[int, int]] = {10: (80, 4), 11: (108, 2), 12: (0, 4), 13: (0, 4), 14: (208, 2)}
 
 
 def format_name(qtype: int) -> str:

@@ -237,7 +237,8 @@ needs_quant_kernels = pytest.mark.skipif(not kernels_available(),
                                          reason=f"quantized kernels unavailable: {quant_build.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q4_K, GT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GT.Q8_0, GT.Q4_1, GT.Q5_0, GT.Q3_K, GT.Q4_K, GT.Q6_K],
+                         ids=lambda t: t.name)
 def test_a_block_shard_decodes_to_the_float_shard(qtype):
     """Rows (column-parallel, the padded vocabulary) and whole blocks of columns (row-parallel)
     of a QuantizedWeight decode to exactly the same slice of the dequantized matrix."""

@@ -1,11 +1,11 @@
 // GGUF block layouts, unpacked one weight row at a time: the one place that knows where each bit
-// of a Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K block lives.
+// of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K block lives.
 //
 // Every format is read as 32-element sub-blocks, each split in two halves of 16 elements, with
 //   value[i] = a[h] * q[i] + c[h]        (h = i / 16; q unsigned, except Q8_0: signed int8, c = 0)
 // so the float path rebuilds a weight as a * q + c and the int8 path computes
 //   sum_i value[i] * x[i] ~ dx * (a[h] * sum_i q[i] * xq[i] + c[h] * sum_i xq[i])  per half.
-// (Q6_K's scales cover 16 elements, hence the halves; the other formats have a[0] == a[1].)
+// (Q2_K / Q3_K / Q6_K scales cover 16 elements, hence the halves; the others have a[0] == a[1].)
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -15,10 +15,18 @@
 #include <cstring>
 #include <type_traits>
 
+#include "simd.h"
+
 namespace kvmesh_quant {
 
 // The ggml type numbers (gguf.GGMLQuantizationType).
-enum Format : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Format : int {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+};
+
+// Elements per block: the K formats hold 256, the others 32.
+template <int F>
+constexpr int kQK = F == Q2_K || F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
 
 // fn(std::integral_constant<int, F>{}) for the runtime format `fmt`: the one switch every path
 // instantiates its per-format template through; an unknown type is a clear error.
@@ -27,7 +35,11 @@ void dispatch(int64_t fmt, Fn&& fn) {
   switch (fmt) {
     case Q4_0: fn(std::integral_constant<int, Q4_0>{}); break;
     case Q4_1: fn(std::integral_constant<int, Q4_1>{}); break;
+    case Q5_0: fn(std::integral_constant<int, Q5_0>{}); break;
+    case Q5_1: fn(std::integral_constant<int, Q5_1>{}); break;
     case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
+    case Q2_K: fn(std::integral_constant<int, Q2_K>{}); break;
+    case Q3_K: fn(std::integral_constant<int, Q3_K>{}); break;
     case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
     case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
     case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
@@ -47,12 +59,16 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // elements per block and bytes per block of each format
-inline int block_elems(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? 256 : 32; }
+inline int block_elems(int fmt) { return fmt >= Q2_K && fmt <= Q6_K ? 256 : 32; }
 inline int block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -71,6 +87,21 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
+// Q3_K: the 6-bit scale of 16-element group j (0..15) from the 12 packed bytes (low 4 bits in
+// bytes 0-7, two high bits in bytes 8-11), as a signed value (stored + 32).
+inline int scale_k3(int j, const uint8_t* s) {
+  const int low = j < 8 ? s[j] & 0x0F : s[j - 8] >> 4;
+  const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Q5_0 / Q5_1: the fifth bit of element i (0..31) is bit i of the little-endian 32-bit qh.
+inline uint32_t load_qh(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  return qh;
+}
+
 // Unpack block `blk` of format F: q[0 .. block_elems) and one Sub per 32 elements.
 template <int F>
 inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
@@ -87,6 +118,49 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
       q[i + 16] = qs[i] >> 4;
     }
     sub[0] = {{d, d}, {c, c}};
+  } else if constexpr (F == Q5_0 || F == Q5_1) {
+    const float d = half_to_float(blk);
+    const float c = F == Q5_0 ? -16.f * d : half_to_float(blk + 2);
+    const uint32_t qh = load_qh(blk + (F == Q5_0 ? 2 : 4));
+    const uint8_t* qs = blk + (F == Q5_0 ? 6 : 8);
+#if defined(__AVX2__)
+    // NOTE: the loop below does not vectorize (a shift by each element's index)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                                             _mm256_set1_epi8(0x0F));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(nibbles, fifth_bits(qh)));
+#else
+    for (int i = 0; i < 16; ++i) {                     // low nibbles: 0..15, high: 16..31
+      q[i] = static_cast<uint8_t>((qs[i] & 0x0F) | (((qh >> i) & 1) << 4));
+      q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+#endif
+    sub[0] = {{d, d}, {c, c}};
+  } else if constexpr (F == Q2_K || F == Q3_K) {
+    // Sub-block s = 4 h + j (h: which 128 elements, j: which 2-bit plane) takes its codes from
+    // bits 2j of qs[32 h .. 32 h + 32); Q3_K adds bit s of hmask[e] as the code's third bit.
+    const uint8_t* qs = blk + (F == Q2_K ? 16 : 32);
+    for (int s = 0; s < 8; ++s) {
+      const int h = s / 4, shift = 2 * (s % 4);
+      for (int e = 0; e < 32; ++e) {
+        uint8_t v = (qs[h * 32 + e] >> shift) & 3;
+        if constexpr (F == Q3_K) v |= ((blk[e] >> s) & 1) << 2;
+        q[s * 32 + e] = v;
+      }
+    }
+    if constexpr (F == Q2_K) {                         // value = d (sc & 15) q - dmin (sc >> 4)
+      const float d = half_to_float(blk + 80), dmin = half_to_float(blk + 82);
+      for (int s = 0; s < 8; ++s) {
+        const uint8_t s0 = blk[2 * s], s1 = blk[2 * s + 1];
+        sub[s] = {{d * (s0 & 0x0F), d * (s1 & 0x0F)}, {-(dmin * (s0 >> 4)), -(dmin * (s1 >> 4))}};
+      }
+    } else {                                           // value = d scale (q - 4)
+      const float d = half_to_float(blk + 108);
+      for (int s = 0; s < 8; ++s) {
+        const float a0 = d * scale_k3(2 * s, blk + 96), a1 = d * scale_k3(2 * s + 1, blk + 96);
+        sub[s] = {{a0, a1}, {-4.f * a0, -4.f * a1}};
+      }
+    }
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     const uint8_t* scales = blk + 4;
@@ -111,11 +185,23 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half_to_float(blk + 208);
     for (int h = 0; h < 2; ++h) {                      // two halves of 128 elements
+#if defined(__AVX2__)
+      // NOTE: the loop below does not vectorize (its index arithmetic): 32 elements a step here
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
+      for (int g = 0; g < 4; ++g) {                    // elements 32 g .. 32 g + 32 of the half
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (g % 2) * 32));
+        const __m256i v = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (g / 2)), _mm256_set1_epi8(0x0F)),
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), _mm256_set1_epi8(0x03)), 4));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + h * 128 + g * 32), v);
+      }
+#else
       for (int e = 0; e < 128; ++e) {
         const int lo = (ql[h * 64 + (e % 64)] >> (4 * (e / 64))) & 0x0F;
         const int hi = (qh[h * 32 + (e % 32)] >> (2 * (e / 32))) & 0x03;
         q[h * 128 + e] = static_cast<uint8_t>(lo | (hi << 4));
       }
+#endif
     }
     for (int s = 0; s < 8; ++s) {
       const float a0 = d * scales[2 * s], a1 = d * scales[2 * s + 1];
@@ -127,7 +213,7 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
 // One weight row of K elements: q[K] and K / 32 Subs.
 template <int F>
 inline void unpack_row(const uint8_t* row, int64_t K, uint8_t* q, Sub* sub) {
-  constexpr int QK = F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
+  constexpr int QK = kQK<F>;
   const int bytes = block_bytes(F);
   for (int64_t b = 0; b < K / QK; ++b) unpack_block<F>(row + b * bytes, q + b * QK, sub + b * (QK / 32));
 }

@@ -111,8 +111,6 @@ template <int F>
 void gemm_float(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
                 int64_t row_bytes) {
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<uint8_t> q(K);
-    std::vector<Sub> sub(K / 32);
     std::vector<float> wf(NB * K);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * NB, nb = std::min(NB, N - n0);
@@ -132,10 +130,9 @@ void gemm_float(const float* x, const uint8_t* w, float* y, int64_t M, int64_t N
           }
         continue;
       }
-      for (int64_t j = 0; j < nb; ++j) {
-        unpack_row<F>(w + (n0 + j) * row_bytes, K, q.data(), sub.data());
-        dequantize_unpacked<F>(q.data(), sub.data(), K, wf.data() + j * K);
-      }
+      // NOTE: the tiles' vectorized rebuild (tiled.cpp), not unpack_row + dequantize_unpacked:
+      // for Q4_K at one activation row that took 3.4x as long a call (benchmarks/quant_gemm.py)
+      dequantize_rows_f32(F, w + n0 * row_bytes, row_bytes, nb, K, wf.data());
       int64_t m = 0;
       for (; m + MT <= M; m += MT) {
         const float* x0 = x + m * K;

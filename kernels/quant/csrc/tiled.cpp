@@ -144,6 +144,39 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
     const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
     emit32_4bit<T>(q, d, c, out);
+  } else if constexpr (F == Q5_0 || F == Q5_1) {
+    const float d = h2f(blk);
+    const float c = F == Q5_0 ? -16.f * d : h2f(blk + 2);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q5_0 ? 6 : 8)));
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4),
+                                      fifth_bits(load_qh(blk + (F == Q5_0 ? 2 : 4))));
+    emit32<T, false>(q, d, c, d, c, out);
+  } else if constexpr (F == Q2_K || F == Q3_K) {
+    // blocks.h's layout: sub-block s = 4 h + j takes bits 2j of qs[32 h ..] (Q3_K: and bit s of
+    // hmask as the third); its halves have their own scales
+    const __m256i low2 = _mm256_set1_epi8(0x03);
+    const uint8_t* qs = blk + (F == Q2_K ? 16 : 32);
+    [[maybe_unused]] const __m256i hmask = load32(blk);
+    const float d = h2f(blk + (F == Q2_K ? 80 : 108));
+    [[maybe_unused]] const float dmin = F == Q2_K ? h2f(blk + 82) : 0.f;
+    for (int s = 0; s < 8; ++s) {
+      __m256i q = _mm256_and_si256(_mm256_srli_epi16(load32(qs + (s / 4) * 32), 2 * (s % 4)), low2);
+      float a[2], c[2];
+      if constexpr (F == Q2_K) {
+        for (int i = 0; i < 2; ++i) {
+          a[i] = d * (blk[2 * s + i] & 0x0F);
+          c[i] = -(dmin * (blk[2 * s + i] >> 4));
+        }
+      } else {
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, s),
+                                                                   _mm256_set1_epi8(0x01)), 2));
+        for (int i = 0; i < 2; ++i) {
+          a[i] = d * scale_k3(2 * s + i, blk + 96);
+          c[i] = -4.f * a[i];
+        }
+      }
+      emit32<T, false>(q, a[0], c[0], a[1], c[1], out + s * 32);
+    }
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = h2f(blk), dmin = h2f(blk + 2);
     const uint8_t* qs = blk + (F == Q4_K ? 16 : 48);
@@ -185,7 +218,7 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
 // of blocks.h's dequantize_unpacked). k0 and kc are multiples of the block size.
 template <int F, typename T>
 void dequantize_slab(const uint8_t* row, int64_t k0, int64_t kc, T* out) {
-  constexpr int QK = F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
+  constexpr int QK = kQK<F>;
   const int bytes = block_bytes(F);
   const uint8_t* p = row + (k0 / QK) * bytes;
 #if KQ_AVX2
@@ -330,7 +363,7 @@ void micro_rc(int r, int c, const T* x, int64_t ldx, const T* t, int64_t kc, flo
 
 template <int F, typename T>
 void gemm_tiled(const T* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t row_bytes) {
-  constexpr int64_t QK = F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
+  constexpr int64_t QK = kQK<F>;
   // NOTE: the K slab: the whole K when NT rows of it fit kTileBytes, else the fewest equal slabs
   // (whole blocks) that do; each slab after the first adds its partial sums into y.
   const int64_t fit = std::max<int64_t>(QK, kTileBytes / (NT * int64_t(sizeof(T))) / QK * QK);
@@ -431,6 +464,14 @@ void dequantize_rows_bf16(int64_t fmt, const uint8_t* w, int64_t row_bytes, int6
   (void)fmt, (void)w, (void)row_bytes, (void)rows, (void)K, (void)out;
   TORCH_CHECK(false, "dequantize_rows_bf16: this build has no bf16 tiles");
 #endif
+}
+
+void dequantize_rows_f32(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K,
+                         float* out) {
+  dispatch(fmt, [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    for (int64_t r = 0; r < rows; ++r) dequantize_slab<F, float>(w + r * row_bytes, 0, K, out + r * K);
+  });
 }
 
 std::string tiled_isa() {

@@ -23,6 +23,12 @@ void dequantize_into(const at::Tensor& w, int64_t n0, const at::Tensor& out, int
 void dequantize_rows_bf16(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K,
                           uint16_t* out);
 
+// `rows` whole weight rows from `w` (row_bytes apart) dequantized into out ([rows, K] float32,
+// row-major) by the tiles' arithmetic, serially: the per-row float path's weights for the formats
+// it has no in-register kernel for (gemm.cpp).
+void dequantize_rows_f32(int64_t fmt, const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K,
+                         float* out);
+
 // The tile kernels this build has: "avx512_bf16", "avx512", "avx2" or "portable".
 std::string tiled_isa();
 
