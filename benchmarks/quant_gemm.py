@@ -50,7 +50,7 @@ if __package__ in (None, ""):
 from benchmarks.offline_throughput import describe_machine  # noqa: E402
 from kvmesh.kernels.linear import linear  # noqa: E402
 from kvmesh.kernels.quant import QuantizedWeight, dequantize, quant_linear  # noqa: E402
-from kvmesh.kernels.quant.weight import SUPER_SCALES  # noqa: E402
+from kvmesh.kernels.quant.weight import FP16_SCALES  # noqa: E402
 from kvmesh.kernels.quant.ops import (AMX_MIN_ROWS, AMX_SLAB_MIN_ROWS, INT8_TILED_MIN_ROWS,  # noqa: E402
                                       SLAB_MIN_ROWS, TILED_MIN_ROWS,
                                       amx_ready, gemm_path, tiled_isa)  # noqa: E402
@@ -75,11 +75,11 @@ def random_weight(fmt: str, n: int, k: int, seed: int) -> QuantizedWeight:
 
     qtype = GGMLQuantizationType[fmt]
     rng = np.random.default_rng(seed)
-    if int(qtype) not in SUPER_SCALES:
+    if int(qtype) not in FP16_SCALES:
         raw = quantize((rng.standard_normal((n, k)) * 0.02).astype(np.float32), qtype)
     else:
         qk, size = GGML_QUANT_SIZES[qtype]
-        at, width = SUPER_SCALES[int(qtype)]
+        at, width = FP16_SCALES[int(qtype)]
         raw = rng.integers(0, 256, (n, k // qk, size), dtype=np.uint8)
         scales = np.float16(rng.uniform(1e-4, 1e-3, (n, k // qk, width // 2))).view(np.uint8)
         raw[..., at:at + width] = scales.reshape(n, k // qk, width)
@@ -146,7 +146,7 @@ def bench_shape(fmt: str, name: str, rows: list[int], reps: int, working_set_mb:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--formats", default="Q4_1,Q8_0,Q4_K", help="GGUF formats (Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K)")
+    p.add_argument("--formats", default="Q4_1,Q8_0,Q4_K", help="GGUF formats (Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_NL IQ4_XS)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--rows", default="1,4,8,16,32,64,256", help="activation rows per call (M)")
     p.add_argument("--reps", type=int, default=5)

@@ -23,11 +23,15 @@ FORMATS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
 }
 
-# The 256-element formats' fp16 super-block scales: (byte offset, bytes) of d (and dmin after it)
-# in a block; everything else in such a block is codes and small scales, any bit pattern valid.
-SUPER_SCALES: dict[int, tuple[int, int]] = {10: (80, 4), 11: (108, 2), 12: (0, 4), 13: (0, 4), 14: (208, 2)}
+# Where a block of the K and IQ4 formats keeps its fp16 scale d (and dmin after it): (byte offset,
+# bytes). Every other byte of such a block is codes and small scales, valid in any bit pattern
+# (tests and benchmarks make random blocks so).
+FP16_SCALES: dict[int, tuple[int, int]] = {10: (80, 4), 11: (108, 2), 12: (0, 4), 13: (0, 4), 14: (208, 2),
+                                           20: (0, 2), 23: (0, 2)}
 
 
 def format_name(qtype: int) -> str:

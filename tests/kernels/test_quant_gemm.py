@@ -22,24 +22,26 @@ from kvmesh.kernels.quant import (QuantizedWeight, concat, dequantize, embedding
 from kvmesh.kernels import cpu_kernels
 from kvmesh.kernels.quant import build
 from kvmesh.kernels.quant.ops import int8_isa
-from kvmesh.kernels.quant.weight import SUPER_SCALES
+from kvmesh.kernels.quant.weight import FP16_SCALES
 
 pytestmark = pytest.mark.skipif(not kernels_available(),
                                 reason=f"quantized kernels unavailable: {build.unavailable_reason()}")
 
-FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-K_FORMATS = tuple(T(t) for t in SUPER_SCALES)            # 256 elements a block
+FORMATS = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL,
+           T.IQ4_XS]
+RANDOM_BLOCKS = tuple(T(t) for t in FP16_SCALES)        # the formats gguf has no quantizer for
+K_FORMATS = tuple(t for t in RANDOM_BLOCKS if GGML_QUANT_SIZES[t][0] == 256)
 U = 2.0 ** -24    # float32 unit roundoff
 
 
 def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """[n, row_bytes] blocks: gguf's own quantizer where it has one, else random bytes with small
-    positive fp16 scales (gguf has no K-quant quantizer; every bit pattern is a valid block)."""
-    if qtype not in K_FORMATS:
+    positive fp16 scales (gguf has no K-quant or IQ4 quantizer; every bit pattern is a valid block)."""
+    if qtype not in RANDOM_BLOCKS:
         return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     qk, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // qk, size), dtype=np.uint8)
-    at, width = SUPER_SCALES[qtype]
+    at, width = FP16_SCALES[qtype]
     scales = np.float16(rng.uniform(1e-3, 1e-2, (n, k // qk, width // 2))).view(np.uint8)
     raw[..., at:at + width] = scales.reshape(n, k // qk, width)
     return raw.reshape(n, -1)
@@ -175,8 +177,8 @@ def test_concat_stacks_rows_and_refuses_mixed_formats():
 
 
 def test_weight_validates_its_bytes():
-    with pytest.raises(ValueError, match="unsupported GGUF quantization type IQ4_NL"):
-        QuantizedWeight(torch.zeros(1, 18, dtype=torch.uint8), int(T.IQ4_NL), (1, 32))
+    with pytest.raises(ValueError, match="unsupported GGUF quantization type IQ2_XS"):
+        QuantizedWeight(torch.zeros(1, 74, dtype=torch.uint8), int(T.IQ2_XS), (1, 256))
     with pytest.raises(ValueError, match="K=100 is not a multiple of the block size 32"):
         QuantizedWeight(torch.zeros(1, 18, dtype=torch.uint8), int(T.Q4_0), (1, 100))
     with pytest.raises(ValueError, match=r"needs uint8 bytes of shape \(2, 36\)"):

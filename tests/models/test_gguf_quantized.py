@@ -1,7 +1,8 @@
 """GGUF files served as blocks (kernels/quant) against the same files served dequantized.
 
 Tiny random models are written here with the gguf package (GGUFWriter; gguf.quants.quantize for
-Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, random valid blocks for the K formats, which gguf cannot quantize); the
+Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1, random valid blocks for the K and IQ formats, which gguf cannot
+quantize); the
 built-in SmolLM2 Q4_1 file is compared over a few hundred prompt tokens.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ VOCAB = 512
 
 def _blocks(qtype: T, arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     from tests.kernels.test_quant_gemm import random_blocks  # noqa: PLC0415
-    if qtype == T.IQ4_NL:    # a format the kernels do not read: random blocks, small fp16 d first
-        raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // 32, 18), dtype=np.uint8)
+    if qtype == T.IQ2_XS:    # a format the kernels do not read: random blocks, small fp16 d first
+        raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // 256, 74), dtype=np.uint8)
         raw[..., 0:2] = np.float16(rng.uniform(1e-3, 1e-2, raw.shape[:2] + (1,))).view(np.uint8)
         return raw.reshape(arr.shape[0], -1)
     return random_blocks(qtype, arr.shape[0], arr.shape[1], rng)
@@ -85,7 +86,7 @@ CASES = [  # (format, hidden, tied, attn_v format)
     (T.Q8_0, 64, False, None), (T.Q4_0, 64, True, None), (T.Q4_1, 64, False, None),
     (T.Q5_0, 64, True, T.Q8_0), (T.Q5_1, 64, False, None), (T.Q2_K, 256, True, T.Q4_K),
     (T.Q3_K, 256, False, T.Q5_K), (T.Q4_K, 256, True, T.Q6_K), (T.Q5_K, 256, False, None),
-    (T.Q6_K, 256, True, None),
+    (T.Q6_K, 256, True, None), (T.IQ4_NL, 64, False, None), (T.IQ4_XS, 256, True, T.Q6_K),
 ]
 
 
@@ -119,11 +120,11 @@ def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_t
 
 
 def test_unsupported_format_is_served_dequantized_with_a_log_line(tmp_path, caplog):
-    path = tmp_path / "tiny-iq4_nl.gguf"
-    write_tiny_gguf(path, T.Q4_0, hidden=64, tied=True, v_type=T.IQ4_NL)
+    path = tmp_path / "tiny-iq2_xs.gguf"
+    write_tiny_gguf(path, T.Q4_K, hidden=256, tied=True, v_type=T.IQ2_XS)
     with caplog.at_level(logging.WARNING):
         loaded = load_model(str(path), device="cpu", load_tokenizer=False, quantization="auto")
-    assert ("tensors in format IQ4_NL (first: blk.0.attn_v.weight) are served dequantized"
+    assert ("tensors in format IQ2_XS (first: blk.0.attn_v.weight) are served dequantized"
             in caplog.text)
     attn = loaded.model.model.layers[0].self_attn
     assert type(attn.v_proj) is nn.Linear and isinstance(attn.q_proj, QuantizedLinear)

@@ -1,8 +1,10 @@
 // GGUF block layouts, unpacked one weight row at a time: the one place that knows where each bit
-// of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K block lives.
+// of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS block
+// lives.
 //
 // Every format is read as 32-element sub-blocks, each split in two halves of 16 elements, with
-//   value[i] = a[h] * q[i] + c[h]        (h = i / 16; q unsigned, except Q8_0: signed int8, c = 0)
+//   value[i] = a[h] * q[i] + c[h]        (h = i / 16; q unsigned, except the kSigned formats:
+//                                          int8, c = 0: Q8_0's bytes, IQ4's codes through its table)
 // so the float path rebuilds a weight as a * q + c and the int8 path computes
 //   sum_i value[i] * x[i] ~ dx * (a[h] * sum_i q[i] * xq[i] + c[h] * sum_i xq[i])  per half.
 // (Q2_K / Q3_K / Q6_K scales cover 16 elements, hence the halves; the others have a[0] == a[1].)
@@ -21,12 +23,20 @@ namespace kvmesh_quant {
 
 // The ggml type numbers (gguf.GGMLQuantizationType).
 enum Format : int {
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23
 };
 
-// Elements per block: the K formats hold 256, the others 32.
+// Elements per block: the K formats and IQ4_XS hold 256, the others 32.
 template <int F>
-constexpr int kQK = F == Q2_K || F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K ? 256 : 32;
+constexpr int kQK = F == Q2_K || F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS ? 256 : 32;
+
+// Formats whose codes are signed bytes with no constant term (value = a * q).
+template <int F>
+constexpr bool kSigned = F == Q8_0 || F == IQ4_NL || F == IQ4_XS;
+
+// IQ4_NL / IQ4_XS: the 16 values a 4-bit code stands for (a non-uniform grid, times the scale).
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // fn(std::integral_constant<int, F>{}) for the runtime format `fmt`: the one switch every path
 // instantiates its per-format template through; an unknown type is a clear error.
@@ -40,6 +50,8 @@ void dispatch(int64_t fmt, Fn&& fn) {
     case Q8_0: fn(std::integral_constant<int, Q8_0>{}); break;
     case Q2_K: fn(std::integral_constant<int, Q2_K>{}); break;
     case Q3_K: fn(std::integral_constant<int, Q3_K>{}); break;
+    case IQ4_NL: fn(std::integral_constant<int, IQ4_NL>{}); break;
+    case IQ4_XS: fn(std::integral_constant<int, IQ4_XS>{}); break;
     case Q4_K: fn(std::integral_constant<int, Q4_K>{}); break;
     case Q5_K: fn(std::integral_constant<int, Q5_K>{}); break;
     case Q6_K: fn(std::integral_constant<int, Q6_K>{}); break;
@@ -59,7 +71,7 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // elements per block and bytes per block of each format
-inline int block_elems(int fmt) { return fmt >= Q2_K && fmt <= Q6_K ? 256 : 32; }
+inline int block_elems(int fmt) { return (fmt >= Q2_K && fmt <= Q6_K) || fmt == IQ4_XS ? 256 : 32; }
 inline int block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return 18;
@@ -69,6 +81,8 @@ inline int block_bytes(int fmt) {
     case Q8_0: return 34;
     case Q2_K: return 84;
     case Q3_K: return 110;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -92,6 +106,14 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
 inline int scale_k3(int j, const uint8_t* s) {
   const int low = j < 8 ? s[j] & 0x0F : s[j - 8] >> 4;
   const int high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// IQ4_XS: the scale of 32-element group g (0..7): 4 low bits in bytes 4-7, 2 high bits in the
+// 16-bit word at byte 2, stored + 32.
+inline int iq4xs_scale(int g, const uint8_t* blk) {
+  const int low = (blk[4 + g / 2] >> (4 * (g % 2))) & 0x0F;
+  const int high = (blk[2 + g / 4] >> (2 * (g % 4))) & 3;
   return (low | (high << 4)) - 32;
 }
 
@@ -161,6 +183,33 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
         sub[s] = {{a0, a1}, {-4.f * a0, -4.f * a1}};
       }
     }
+  } else if constexpr (F == IQ4_NL || F == IQ4_XS) {
+    // 32-element groups of 16 bytes (low nibbles: elements 0..15, high: 16..31), each code an
+    // index into kIQ4Values; IQ4_XS: 8 groups, each with a 6-bit scale (stored + 32)
+    const float d = half_to_float(blk);
+    constexpr int G = F == IQ4_NL ? 1 : 8;
+    const uint8_t* qs = blk + (F == IQ4_NL ? 2 : 8);
+#if defined(__AVX2__)
+    // NOTE: a table lookup per byte in the loop below; vpshufb looks up 32 at once
+    const __m128i grid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+    const __m256i table = _mm256_set_m128i(grid, grid);
+#endif
+    for (int g = 0; g < G; ++g) {
+#if defined(__AVX2__)
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + g * 16));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                                             _mm256_set1_epi8(0x0F));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32), _mm256_shuffle_epi8(table, codes));
+#else
+      for (int i = 0; i < 16; ++i) {
+        q[g * 32 + i] = static_cast<uint8_t>(kIQ4Values[qs[g * 16 + i] & 0x0F]);
+        q[g * 32 + i + 16] = static_cast<uint8_t>(kIQ4Values[qs[g * 16 + i] >> 4]);
+      }
+#endif
+      float a = d;
+      if constexpr (F == IQ4_XS) a = d * iq4xs_scale(g, blk);
+      sub[g] = {{a, a}, {0.f, 0.f}};
+    }
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
     const uint8_t* scales = blk + 4;
@@ -225,7 +274,7 @@ inline void dequantize_unpacked(const uint8_t* q, const Sub* sub, int64_t K, flo
     for (int h = 0; h < 2; ++h) {
       const float a = sub[b].a[h], c = sub[b].c[h];
       const int64_t base = b * 32 + h * 16;
-      if constexpr (F == Q8_0) {
+      if constexpr (kSigned<F>) {
         for (int i = 0; i < 16; ++i) w[base + i] = a * static_cast<float>(static_cast<int8_t>(q[base + i]));
       } else {
         for (int i = 0; i < 16; ++i) w[base + i] = a * static_cast<float>(q[base + i]) + c;

@@ -34,7 +34,7 @@ constexpr int MT = 4;       // activation rows per inner tile
 
 #if defined(__AVX2__)
 // 8 int32 lanes: lane l = sum of products of bytes 4l..4l+3 (lanes 0-3: elements 0-15).
-// SIGNED: w holds int8 (Q8_0), moved to the unsigned operand by the sign trick.
+// SIGNED: w holds int8 (blocks.h's kSigned formats), moved to the unsigned operand by the sign trick.
 template <bool SIGNED>
 inline __m256i dot32(__m256i w, __m256i x) {
   if constexpr (SIGNED) {
@@ -209,7 +209,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, fl
 template <int F, int R>
 inline void dot_rows(const uint8_t* q, const Sub* sub, const float* a8, const QRow* xr, int64_t K,
                      float* out) {
-  constexpr bool SIGNED = F == Q8_0;
+  constexpr bool SIGNED = kSigned<F>;
   const int64_t nblk = K / 32;
   float cacc[R] = {};
 #if defined(__AVX2__)

@@ -177,6 +177,19 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
       }
       emit32<T, false>(q, a[0], c[0], a[1], c[1], out + s * 32);
     }
+  } else if constexpr (F == IQ4_NL || F == IQ4_XS) {
+    // each code's value looked up by vpshufb in kIQ4Values (the same 16 bytes in both lanes)
+    const __m128i grid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+    const __m256i table = _mm256_set_m128i(grid, grid);
+    const float d = h2f(blk);
+    constexpr int G = F == IQ4_NL ? 1 : 8;
+    for (int g = 0; g < G; ++g) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == IQ4_NL ? 2 : 8) + g * 16));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+      float a = d;
+      if constexpr (F == IQ4_XS) a = d * iq4xs_scale(g, blk);
+      emit32<T, true>(_mm256_shuffle_epi8(table, codes), a, 0.f, a, 0.f, out + g * 32);
+    }
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = h2f(blk), dmin = h2f(blk + 2);
     const uint8_t* qs = blk + (F == Q4_K ? 16 : 48);
