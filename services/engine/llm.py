@@ -23,6 +23,28 @@ def _is_token_ids(x: Any) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
+def _prompt_input(prompt: Any) -> Any:
+    """A prompt as the engine takes it: text or token ids. vLLM's prompt dicts are accepted as
+    vLLM takes them: TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids}
+    (exactly one of the two; ValueError naming any other key)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+    other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if other:
+        raise ValueError(f"unsupported prompt key(s) {other}: a prompt dict takes 'prompt' (text) or "
+                         "'prompt_token_ids' (token ids)")
+    if len(given) != 1:
+        raise ValueError("a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids' "
+                         f"(token ids), got {given or 'neither'}")
+    value = prompt[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' must be a string, got {type(value).__name__}")
+    if given[0] == "prompt_token_ids" and isinstance(value, str):
+        raise ValueError("'prompt_token_ids' must be a list of token ids, got a string")
+    return value
+
+
 class LLM:
     """Offline batched generation on the paged-KV engine (vLLM's engine-argument names)."""
 
@@ -58,18 +80,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+        """Generate for each prompt (a string, a list of token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}); outputs in prompt order.
         `lora_request`: the adapter of every prompt, or one per prompt (None: the base model;
         the engine needs enable_lora=True)."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_input(p) for p in prompts]
         if not prompts:
             raise ValueError("prompts must not be empty")
         params = self._params_list(sampling_params, len(prompts))
@@ -119,9 +142,9 @@ class LLM:
         hidden states after the final norm, last-token or mean pooled, L2-normalised."""
         if isinstance(pooling, str):
             pooling = PoolingParams(pooling)
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_prompt_input(p) for p in prompts]
         if not prompts:
             raise ValueError("prompts must not be empty")
         params = SamplingParams(max_tokens=1, temperature=0.0)

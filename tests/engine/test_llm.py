@@ -61,3 +61,29 @@ def test_greedy_logprobs_have_k_entries_and_the_sampled_token_is_the_max(llm, k)
         assert step[token].logprob == max(lp.logprob for lp in step.values())
         assert sorted(lp.rank for lp in step.values()) == list(range(1, max(k, 1) + 1))
     assert out.cumulative_logprob < 0
+
+
+def test_vllm_prompt_dicts_equal_text_and_token_id_prompts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, as the plain prompts."""
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    plain = [o.outputs[0].token_ids for o in llm.generate([text, ids], GREEDY)]
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY)
+    assert [o.outputs[0].token_ids for o in dicts] == plain
+    assert dicts[0].prompt == text and dicts[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].outputs[0].token_ids == plain[1]
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt": "a", "prompt_token_ids": [1]}, r"exactly one of .* got \['prompt', 'prompt_token_ids'\]"),
+    ({}, "exactly one of .* got neither"),
+    ({"prompt": "a", "multi_modal_data": {}}, r"unsupported prompt key\(s\) \['multi_modal_data'\]"),
+    ({"prompt": [1, 2]}, "'prompt' must be a string, got list"),
+    ({"prompt_token_ids": "12"}, "'prompt_token_ids' must be a list of token ids, got a string"),
+    ({"prompt_token_ids": [1, 10 ** 9]}, r"prompt token id 1000000000 is outside the vocabulary"),
+])
+def test_a_bad_prompt_dict_is_refused_and_nothing_runs(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine", prompt], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
