@@ -98,9 +98,10 @@ def resolve_model(spec: str, cache: Path, tokenizer: Path | None = None) -> str 
     if base in RANDOM_MODELS and suffix in QUANTIZED and _FAMILY.get(base, "Llama") == "Llama":
         return str(ensure_quantized_random_model(spec, cache, tokenizer=tokenizer))
     path = Path(spec).expanduser()
-    if not path.is_dir():
+    if not (path.is_dir() or (path.suffix == ".gguf" and path.is_file())):
         raise SystemExit(f"--model must be builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} (a Llama one "
-                         f"may end in -{', -'.join(QUANTIZED)}) or an HF model directory; {spec!r} is none of them")
+                         f"may end in -{', -'.join(QUANTIZED)}), an HF model directory or a GGUF file; "
+                         f"{spec!r} is none of them")
     return str(path)
 
 

@@ -331,7 +331,7 @@ def run_llama_cpp(model_path: str | None, reqs: list[BenchRequest], args) -> tup
 
     gguf = builtin_model_path() if model_path is None else Path(model_path)
     if gguf.suffix != ".gguf" or not gguf.is_file():
-        raise SystemExit(f"offline_throughput.py: error: --systems llama.cpp needs the built-in GGUF model, got {gguf}")
+        raise SystemExit(f"offline_throughput.py: error: --systems llama.cpp needs a GGUF model, got {gguf}")
     threads = args.threads or torch.get_num_threads()
     binary = Path(args.llama_server).expanduser() if args.llama_server else None
     res = llama_cpp_peer.run(gguf, [(r.prompt_ids, r.output_len) for r in reqs],
@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--model", default="builtin", help=f"builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)} or an "
-                   "HF model directory (see benchmarks/models.py)")
+    p.add_argument("--model", default="builtin", help=f"builtin, builtin-w8a8, {', '.join(RANDOM_MODELS)}, an "
+                   "HF model directory or a GGUF file (see benchmarks/models.py)")
     p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
                    help="a tokenizer directory (tokenizer.json): a random model's, where the "
                    "built-in GGUF is not at hand (benchmarks/models.py)")
