@@ -85,8 +85,24 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         tensors[f"model.layers.{j}.self_attn.k_scale"] = torch.tensor([peaks[f"{j}.k"] / 448.0])
         tensors[f"model.layers.{j}.self_attn.v_scale"] = torch.tensor([peaks[f"{j}.v"] / 448.0])
     save_file(tensors, str(scaled / "model.safetensors"))
+    # the same scales in the fp8 method's / older llm-compressor's layout, with the query and
+    # softmax scales such checkpoints also carry
+    older = root / "w8a8-kv-output-scale"
+    older.mkdir()
+    for f in scaled.iterdir():
+        if f.name != "model.safetensors":
+            (older / f.name).write_bytes(f.read_bytes())
+    renamed = {}
+    for name, t in tensors.items():
+        for kv in "kv":
+            name = name.replace(f".self_attn.{kv}_scale", f".self_attn.{kv}_proj.output_scale")
+        renamed[name] = t
+    for j in range(LAYERS):
+        renamed[f"model.layers.{j}.self_attn.q_proj.output_scale"] = torch.tensor([0.25])
+        renamed[f"model.layers.{j}.self_attn.prob_output_scale"] = torch.tensor([1 / 448])
+    save_file(renamed, str(older / "model.safetensors"))
     assert min(peaks.values()) > 448 * 2             # far past e4m3's range unscaled
-    return {"plain": plain, "scaled": scaled}
+    return {"plain": plain, "scaled": scaled, "output_scale": older}
 
 
 PROMPTS = [[3 + (i * 37 + j * 11) % 250 for i in range(n)] for j, n in enumerate((70, 55, 90))]
@@ -130,6 +146,18 @@ def test_scaled_codes_keep_what_unscaled_codes_saturate(checkpoints):
     # saturated at 448 where they reach thousands; 1.42 at GROW 400)
     assert err_scaled < 0.3
     assert err_unscaled > 5 * err_scaled
+
+
+def test_the_older_output_scale_layout_gives_the_same_model(checkpoints):
+    """`k_proj.output_scale` / `v_proj.output_scale` (vLLM's fp8 method, older llm-compressor)
+    set the same scales as `self_attn.k_scale` / `v_scale`; query and softmax scales are unused."""
+    want, _ = _prompt_logprobs(checkpoints["scaled"], "fp8")
+    got, e = _prompt_logprobs(checkpoints["output_scale"], "fp8")
+    assert torch.equal(got, want)
+    tensors = load_file(str(checkpoints["scaled"] / "model.safetensors"))
+    attn = [m for m in e.loaded.model.modules() if isinstance(m, Attention)]
+    assert [m.k_scale for m in attn] == [float(tensors[f"model.layers.{j}.self_attn.k_scale"])
+                                         for j in range(LAYERS)]
 
 
 def test_each_tensor_parallel_rank_scales_its_codes(checkpoints):
@@ -204,3 +232,28 @@ def test_scales_are_recorded_checked_and_applied_per_layer():
             kv_scales.record(model, name, value, "ckpt")
     assert kv_scales.is_kv_scale("model.layers.3.self_attn.v_scale")
     assert not kv_scales.is_kv_scale("model.layers.3.self_attn.k_proj.weight_scale")
+
+
+@pytest.mark.parametrize("names,want", [
+    (("layers.0.self_attn.k_scale", "layers.0.self_attn.v_scale"), (2.0, 0.5)),
+    (("layers.0.self_attn.k_proj.output_scale", "layers.0.self_attn.v_proj.output_scale"), (2.0, 0.5)),
+    (("layers.0.self_attn.k_proj.k_scale", "layers.0.self_attn.v_proj.v_scale"), (2.0, 0.5)),    # ModelOpt
+    (("layers.0.self_attn.qkv_proj.k_scale", "layers.0.self_attn.qkv_proj.v_scale"), (2.0, 0.5)),
+    (("layers.0.self_attn.attn.k_scale", "layers.0.self_attn.attn.v_scale"), (2.0, 0.5)),
+    (("layers.0.self_attn.kv_scale",), (2.0, 2.0)),               # deprecated: one scale for both
+], ids=["compressed-tensors", "output_scale", "modelopt", "qkv_proj", "vllm", "kv_scale"])
+def test_every_layout_vllm_reads_sets_the_layer_scales(names, want):
+    model = _layers(1)
+    for name, value in zip(names, (2.0, 0.5)):
+        assert kv_scales.is_kv_scale(name)
+        kv_scales.record(model, name, torch.tensor(value), "ckpt")
+    for name in ("layers.0.self_attn.q_scale", "layers.0.self_attn.prob_scale",
+                 "layers.0.self_attn.q_proj.output_scale", "layers.0.self_attn.prob_output_scale"):
+        assert kv_scales.is_kv_scale(name)
+        kv_scales.record(model, name, torch.tensor(9.0), "ckpt")       # recognised, not used
+    assert kv_scales.apply(model, torch.float8_e4m3fn) == 1
+    assert (model.layers[0].self_attn.k_scale, model.layers[0].self_attn.v_scale) == want
+    for name in ("layers.0.self_attn.o_proj.output_scale", "layers.0.self_attn.k_proj.weight_scale",
+                 "layers.0.self_attn.k_proj.input_scale"):
+        assert not kv_scales.is_kv_scale(name)
+

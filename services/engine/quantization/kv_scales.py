@@ -1,6 +1,11 @@
 """A checkpoint's calibrated KV-cache scales: compressed-tensors' `kv_cache_scheme` (8-bit floats,
-one static scale per tensor), stored as `<layer>.self_attn.k_scale` and `.v_scale`, as vLLM
-reads them.
+one static scale per tensor), stored as `<layer>.self_attn.k_scale` and `.v_scale`, and the
+other layouts vLLM reads them in (`_layout`): `<attn>.{k,v}_proj.output_scale` (the fp8 method,
+older llm-compressor), `<attn>.{k,v}_proj.{k,v}_scale` (ModelOpt), `<attn>.qkv_proj.{k,v}_scale`
+(fused projections), `<attn>.attn.{k,v}_scale` (vLLM's own names) and the deprecated
+`<attn>.kv_scale` (one scale for both). Query and softmax scales (`q_scale`, `prob_scale`,
+`q_proj.output_scale`, `prob_output_scale`) are for 8-bit attention arithmetic, which kvmesh
+does not do: they are recognised and not used.
 
 With an 8-bit cache (`--kv-cache-dtype fp8` / `fp8_e5m2`) a layer stores k / k_scale and
 v / v_scale as codes, so K/V far past the codes' range (448 for e4m3) keep their precision
@@ -28,17 +33,44 @@ log = logging.getLogger("kvmesh.engine.kv_scales")
 
 LEAVES = ("k_scale", "v_scale")
 _KEPT = "checkpoint_"            # the attribute a recorded scale waits in: checkpoint_k_scale
+_UNUSED = ("q_scale", "prob_scale", "prob_output_scale")
+_WRAPPERS = ("k_proj", "v_proj", "qkv_proj", "attn")    # modules a layout names the scale under
+_TOLD_UNUSED: set[str] = set()                          # checkpoints whose unused scales were logged
+
+
+def _layout(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(the attention module's name, the scales the tensor sets) for a KV-cache scale in any of
+    the layouts above; ("", ()) for a query / softmax scale; None for any other name."""
+    parts = name.split(".")
+    leaf, owner = parts[-1], parts[:-1]
+    if leaf in _UNUSED or (leaf == "output_scale" and owner[-1:] == ["q_proj"]):
+        return "", ()
+    if leaf in LEAVES:
+        if owner[-1:] and owner[-1] in _WRAPPERS:
+            owner = owner[:-1]
+        return ".".join(owner), (leaf,)
+    if leaf == "kv_scale":
+        return ".".join(owner), LEAVES
+    if leaf == "output_scale" and owner[-1:] and owner[-1] in ("k_proj", "v_proj"):
+        return ".".join(owner[:-1]), (owner[-1][0] + "_scale",)
+    return None
 
 
 def is_kv_scale(name: str) -> bool:
-    return name.rpartition(".")[2] in LEAVES
+    return _layout(name) is not None
 
 
 def record(model: nn.Module, name: str, tensor: torch.Tensor, source: object) -> None:
-    """Keep `<attention module>.k_scale` / `.v_scale` on that module; ValueError for a scale that
-    is not one positive finite number, or that names no attention layer."""
+    """Keep the scale(s) `name` sets on its attention module; ValueError for a scale that is not
+    one positive finite number, or that names no attention layer."""
     from kvmesh.engine.layers.attention import Attention  # noqa: PLC0415
-    module_name, _, leaf = name.rpartition(".")
+    module_name, leaves = _layout(name) or ("", ())
+    if not leaves:
+        if str(source) not in _TOLD_UNUSED:
+            _TOLD_UNUSED.add(str(source))
+            log.info("%s has query / softmax scales (%s, ...) for 8-bit attention arithmetic: not "
+                     "used", source, name)
+        return
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
@@ -51,7 +83,8 @@ def record(model: nn.Module, name: str, tensor: torch.Tensor, source: object) ->
     value = float(tensor.float().reshape(()))
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"KV-cache scale {name} in {source} must be positive and finite, got {value}")
-    setattr(module, _KEPT + leaf, value)
+    for leaf in leaves:
+        setattr(module, _KEPT + leaf, value)
 
 
 def apply(model: nn.Module, cache_dtype: torch.dtype) -> int:
