@@ -15,7 +15,9 @@ from kvmesh.engine.models.registry import MODELS
 
 # HF `architectures[0]` -> our model class (see models/registry.py).
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope")
+# NOTE: "rope_freqs" is not an HF type: a GGUF file's per-frequency divisors (llama.cpp's
+# rope_freqs tensor, Llama 3.1+), set by the GGUF reader (models/gguf.py)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "longrope", "rope_freqs")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -258,10 +260,13 @@ def _rope(cfg: dict[str, Any], arch: str, head_dim: int) -> tuple[float, dict[st
         merged["original_max_position_embeddings"] = int(original or cfg.get("max_position_embeddings", 2048))
     required = {"linear": ("factor",), "dynamic": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "longrope": ("short_factor", "long_factor")}
+                "longrope": ("short_factor", "long_factor"), "rope_freqs": ("freq_factors",)}
     for key in required[rope_type]:
         if key not in merged:
             raise ValueError(f"rope scaling {rope_type!r} needs {key!r} in rope_scaling / rope_parameters")
+    if rope_type == "rope_freqs" and len(merged["freq_factors"]) != head_dim // 2:
+        raise ValueError(f"rope scaling 'rope_freqs': {len(merged['freq_factors'])} factors, head_dim "
+                         f"{head_dim} needs {head_dim // 2}")
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
             if len(merged[key]) != head_dim // 2:

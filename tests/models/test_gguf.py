@@ -1,6 +1,7 @@
 """GGUF reading: our lean parser vs gguf.GGUFReader, tiny GGUFs written like llama.cpp, the tokenizer cache."""
 from __future__ import annotations
 
+import math
 import shutil
 import time
 
@@ -8,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from kvmesh.engine.loader import load_model
 from kvmesh.common.gguf_reader import GGUFReader
@@ -17,7 +19,8 @@ from kvmesh.prompt.sources import cache_key, gguf_tokenizer_dir
 
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
 _TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 
 
@@ -51,8 +54,29 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader) -> None:
-    """Write `hf_model` the way llama.cpp's converter does (2-D weights F16, Q/K permuted for llama)."""
+def _rope_freqs(cfg) -> np.ndarray:
+    """llama.cpp's converter (conversion/llama.py) on a llama3 rope_scaling: each frequency's divisor."""
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, rope_scaling: str | None = None) -> None:
+    """Write `hf_model` the way llama.cpp's converter does (2-D weights F16, Q/K permuted for llama,
+    a llama3 rope_scaling as the rope_freqs tensor)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -71,6 +95,11 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader) ->
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(tokenizer_source.get("tokenizer.chat_template"))
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        w.add_rope_scaling_factor(2.0)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _rope_freqs(cfg))
     for name, p in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -101,6 +130,12 @@ def _tiny_hf(arch: str):
                   rope_theta=20000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
         cfg, cls = LlamaConfig(tie_word_embeddings=False, **common), LlamaForCausalLM
+    elif arch == "llama3":      # Llama 3.1's RoPE scaling, its original context inside the prompts
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=32)
+        cfg, cls = LlamaConfig(tie_word_embeddings=True, rope_scaling=scaling, **common), LlamaForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = Qwen3Config(tie_word_embeddings=True, head_dim=16, **common), Qwen3ForCausalLM
     else:
         cfg, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -114,20 +149,23 @@ def _tiny_hf(arch: str):
     return cfg, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_path, smollm_tokenizer_dir,
                                         paged_generate, hf_greedy_logits, assert_close_to_scale):
     cfg, hf_model = _tiny_hf(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, arch, hf_model, cfg, GGUFReader(builtin_path))
+    _write_gguf(path, "llama" if arch == "llama3" else arch, hf_model, cfg, GGUFReader(builtin_path))
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(cache))
-    if arch == "qwen2":  # NOTE: only one cold tokenizer conversion (~5 s) per run; this one is pre-seeded
+    if arch != "llama":  # NOTE: only one cold tokenizer conversion (~5 s) per run; these are pre-seeded
         shutil.copytree(smollm_tokenizer_dir, cache / cache_key(path))
     loaded = load_model(str(path), dtype="float32", device="cpu")
     assert loaded.name == f"tiny-{arch}"
-    assert loaded.config.tie_word_embeddings == (arch == "qwen2")
+    assert loaded.config.tie_word_embeddings == (arch != "llama")
     assert loaded.config.attention_bias == (arch == "qwen2")
+    if arch == "llama3":    # the divisors were read, and the prompts below pass the original context
+        assert loaded.config.rope_scaling["rope_type"] == "rope_freqs"
+        assert max(loaded.config.rope_scaling["freq_factors"]) == 8.0
     prompts = [[1, 9690, 198, 2683, 359], list(range(300, 330))]
     ours = paged_generate(loaded.model, prompts, 8, block_size=4, prefill_chunk=8, seed=1)
     for prompt, got in zip(prompts, ours):
@@ -142,6 +180,14 @@ def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_pat
         start = time.perf_counter()
         gguf_tokenizer_dir(path, cache)
         assert time.perf_counter() - start < 1.0  # warm: no conversion
+
+
+def test_rope_freqs_beside_a_rope_scaling_type_is_refused(tmp_path, builtin_path):
+    cfg, hf_model = _tiny_hf("llama3")
+    path = tmp_path / "both.gguf"
+    _write_gguf(path, "llama", hf_model, cfg, GGUFReader(builtin_path), rope_scaling="linear")
+    with pytest.raises(ValueError, match="has both RoPE scaling 'linear' and a rope_freqs tensor"):
+        load_model(str(path), dtype="float32", device="cpu", load_tokenizer=False)
 
 
 def test_cache_key_depends_on_name_size_and_head(tmp_path):

@@ -235,6 +235,11 @@ def test_model_config_parsing():
     with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
         ModelConfig.from_hf_config({**base, "model_type": "llama",
                                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    # a GGUF file's per-frequency divisors (models/gguf.py): one per rotated pair
+    head_dim = base["hidden_size"] // base["num_attention_heads"]
+    with pytest.raises(ValueError, match=rf"'rope_freqs': 3 factors, head_dim {head_dim} needs {head_dim // 2}"):
+        ModelConfig.from_hf_config({**base, "model_type": "llama",
+                                    "rope_scaling": {"rope_type": "rope_freqs", "freq_factors": [1.0] * 3}})
 
 
 def test_a_onednn_isa_cap_below_avx512_bf16_makes_bf16_not_native(monkeypatch):

@@ -47,7 +47,8 @@ def build_cos_sin_cache(head_dim: int, theta: float, scaling: dict[str, Any] | N
                         max_positions: int, device: torch.device | str | None = None) -> torch.Tensor:
     """[positions, head_dim] float32: cos(pos * inv_freq) in the first half, sin in the second.
 
-    inv_freq follows HF's formulas for rope_type default / linear / llama3 / dynamic / longrope.
+    inv_freq follows HF's formulas for rope_type default / linear / llama3 / dynamic / longrope,
+    and llama.cpp's for a GGUF file's per-frequency divisors (rope_freqs).
     """
     dim, s = head_dim, scaling or {}
     rope_type = s.get("rope_type", "default")
@@ -59,6 +60,10 @@ def build_cos_sin_cache(head_dim: int, theta: float, scaling: dict[str, Any] | N
         freqs = pos[:, None] * (default_inv_freq(theta, dim) / s["factor"])[None, :]
     elif rope_type == "llama3":
         freqs = pos[:, None] * _llama3_inv_freq(theta, dim, s)[None, :]
+    elif rope_type == "rope_freqs":
+        # a GGUF file's per-frequency divisors (llama.cpp's rope_freqs: theta_i / factor_i)
+        factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+        freqs = pos[:, None] * (default_inv_freq(theta, dim) / factors)[None, :]
     elif rope_type == "dynamic":
         # NOTE: HF's dynamic NTK rescales theta for the whole sequence once it outgrows the
         # original context, which a KV cache cannot follow (old keys keep their rotation). We

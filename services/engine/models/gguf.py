@@ -22,7 +22,8 @@ from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, format_name, i
 log = logging.getLogger(__name__)
 
 # GGUF general.architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows)
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+                  "qwen3": ("Qwen3ForCausalLM", False)}
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -38,7 +39,12 @@ _PER_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",      # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
 }
+# llama.cpp's per-frequency RoPE divisors (Llama 3.1+'s llama3 scaling, baked in by its converter):
+# read into the config, not a weight
+_ROPE_FREQS = "rope_freqs.weight"
 _FLOAT_TYPES = (0, 1, 30)       # F32, F16, BF16: loaded as float tensors, never kept as blocks
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -76,9 +82,6 @@ class GGUFFile:
         if rope_dim is not None and int(rope_dim) != head_dim:
             raise ValueError(f"GGUF file {self.path}: partial rotary embeddings (rope dims {rope_dim} "
                              f"< head_dim {head_dim}) are not supported")
-        if "rope_freqs.weight" in self.tensor_names:
-            raise ValueError(f"GGUF file {self.path} carries a rope_freqs tensor (llama3-style RoPE "
-                             "scaling baked in by llama.cpp), which is not supported; load the HF directory")
         vocab = self.field(f"{a}.vocab_size") or self.reader.array_len("tokenizer.ggml.tokens") or 0
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         cfg: dict[str, Any] = {
@@ -104,6 +107,15 @@ class GGUFFile:
             orig = self.field(f"{a}.rope.scaling.original_context_length")
             if orig is not None:
                 cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+        if _ROPE_FREQS in self.tensor_names:
+            # NOTE: llama.cpp divides frequency i by factor i: the divisors of HF's llama3 scaling,
+            # computed by its converter from the checkpoint's rope_scaling (model_config's "rope_freqs")
+            if scaling not in (None, "none"):
+                raise ValueError(f"GGUF file {self.path} has both RoPE scaling {scaling!r} and a rope_freqs "
+                                 "tensor; one of them is supported at a time")
+            t = next(t for t in self.reader.tensors if t.name == _ROPE_FREQS)
+            cfg["rope_scaling"] = {"rope_type": "rope_freqs",
+                                   "freq_factors": [float(v) for v in np.asarray(t.data, dtype=np.float32).ravel()]}
         return cfg
 
     # ---------------------------------------------------------------------------- weights
@@ -120,6 +132,8 @@ class GGUFFile:
         permuted = _ARCHITECTURES[self.arch][1]
         fallback: set[int] = set()
         for t in self.reader.tensors:
+            if t.name == _ROPE_FREQS:
+                continue        # in the config (hf_config)
             name = hf_tensor_name(t.name)
             if name is None:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
