@@ -9,18 +9,21 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from kvmesh.engine.loader import load_model
 from kvmesh.common.gguf_reader import GGUFReader
+from kvmesh.engine.layers.quantized import QuantizedLinear
 from kvmesh.engine.models.gguf import hf_tensor_name, unpermute_rows
+from kvmesh.kernels.quant import kernels_available
 from kvmesh.prompt.sources import cache_key, gguf_tokenizer_dir
 
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+               "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}      # Phi-3's fused projections
 _TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 
 
@@ -44,6 +47,10 @@ def test_name_mapping_and_unpermute():
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("blk.0.ffn_gate_exps.weight") is None
+    assert hf_tensor_name("blk.2.ffn_up.weight") == "model.layers.2.mlp.up_proj.weight"
+    assert hf_tensor_name("blk.2.ffn_up.weight", "phi3") == "model.layers.2.mlp.gate_up_proj.weight"
+    assert hf_tensor_name("blk.2.attn_qkv.weight", "phi3") == "model.layers.2.self_attn.qkv_proj.weight"
+    assert hf_tensor_name("blk.2.attn_qkv.weight") is None
     w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
     assert np.array_equal(unpermute_rows(_permute(w, 2), 2), w)
     assert np.array_equal(unpermute_rows(_permute(w[:, 0], 2), 2), w[:, 0])  # biases too
@@ -74,7 +81,8 @@ def _rope_freqs(cfg) -> np.ndarray:
     return torch.tensor(out, dtype=torch.float32).numpy()
 
 
-def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, rope_scaling: str | None = None) -> None:
+def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, rope_scaling: str | None = None,
+                short_factors: bool = True, block_type: gguf.GGMLQuantizationType | None = None) -> None:
     """Write `hf_model` the way llama.cpp's converter does (2-D weights F16, Q/K permuted for llama,
     a llama3 rope_scaling as the rope_freqs tensor)."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -100,6 +108,15 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
         w.add_rope_scaling_factor(2.0)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _rope_freqs(cfg))
+    if arch == "phi3":      # conversion/phi.py: the window (0: none), the original context, longrope
+        w.add_sliding_window(cfg.sliding_window or 0)
+        orig = cfg.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_parameters["long_factor"], dtype=np.float32))
+        if short_factors:
+            w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_parameters["short_factor"], dtype=np.float32))
     for name, p in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -117,7 +134,10 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
                 arr = _permute(arr, cfg.num_attention_heads)
             elif arch == "llama" and ".k_proj." in name:
                 arr = _permute(arr, cfg.num_key_value_heads)
-        w.add_tensor(gname, arr.astype(np.float16) if arr.ndim == 2 else arr.astype(np.float32))
+        if block_type is not None and arr.ndim == 2 and gname != "token_embd.weight":
+            w.add_tensor(gname, gguf.quants.quantize(arr.astype(np.float32), block_type), raw_dtype=block_type)
+        else:
+            w.add_tensor(gname, arr.astype(np.float16) if arr.ndim == 2 else arr.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -136,6 +156,12 @@ def _tiny_hf(arch: str):
         cfg, cls = LlamaConfig(tie_word_embeddings=True, rope_scaling=scaling, **common), LlamaForCausalLM
     elif arch == "qwen3":
         cfg, cls = Qwen3Config(tie_word_embeddings=True, head_dim=16, **common), Qwen3ForCausalLM
+    elif arch == "phi3":        # a 128k-style model: longrope, a window; prompts under the original context
+        scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                   "long_factor": [2.0 + i for i in range(8)]}
+        cfg = Phi3Config(tie_word_embeddings=True, sliding_window=12, original_max_position_embeddings=64,
+                         rope_scaling=scaling, **common)
+        cls = Phi3ForCausalLM
     else:
         cfg, cls = Qwen2Config(tie_word_embeddings=True, **common), Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -149,7 +175,7 @@ def _tiny_hf(arch: str):
     return cfg, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "phi3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_path, smollm_tokenizer_dir,
                                         paged_generate, hf_greedy_logits, assert_close_to_scale):
     cfg, hf_model = _tiny_hf(arch)
@@ -166,6 +192,9 @@ def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_pat
     if arch == "llama3":    # the divisors were read, and the prompts below pass the original context
         assert loaded.config.rope_scaling["rope_type"] == "rope_freqs"
         assert max(loaded.config.rope_scaling["freq_factors"]) == 8.0
+    if arch == "phi3":      # the window (the second prompt is past it) and the factors were read
+        assert loaded.config.sliding_window == 12
+        assert loaded.config.rope_scaling["short_factor"] == cfg.rope_parameters["short_factor"]
     prompts = [[1, 9690, 198, 2683, 359], list(range(300, 330))]
     ours = paged_generate(loaded.model, prompts, 8, block_size=4, prefill_chunk=8, seed=1)
     for prompt, got in zip(prompts, ours):
@@ -187,6 +216,34 @@ def test_rope_freqs_beside_a_rope_scaling_type_is_refused(tmp_path, builtin_path
     path = tmp_path / "both.gguf"
     _write_gguf(path, "llama", hf_model, cfg, GGUFReader(builtin_path), rope_scaling="linear")
     with pytest.raises(ValueError, match="has both RoPE scaling 'linear' and a rope_freqs tensor"):
+        load_model(str(path), dtype="float32", device="cpu", load_tokenizer=False)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="quantized kernels unavailable")
+def test_phi3_fused_projections_served_as_blocks(tmp_path, builtin_path, paged_generate):
+    """Phi-3's fused qkv and gate|up tensors in Q8_0 blocks: served as blocks, the dequantized
+    model's logits to float32 rounding and its greedy tokens."""
+    cfg, hf_model = _tiny_hf("phi3")
+    path = tmp_path / "phi3-q8_0.gguf"
+    _write_gguf(path, "phi3", hf_model, cfg, GGUFReader(builtin_path), block_type=gguf.GGMLQuantizationType.Q8_0)
+    quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf",
+                       quant_activations="float")
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
+    layer = quant.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 60))]
+    got = paged_generate(quant.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    ref = paged_generate(dense.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    for g, r in zip(got, ref):
+        assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * r["prompt_logits"].abs().max()
+        assert g["tokens"] == r["tokens"]
+
+
+def test_longrope_factors_without_their_pair_are_refused(tmp_path, builtin_path):
+    cfg, hf_model = _tiny_hf("phi3")
+    path = tmp_path / "half.gguf"
+    _write_gguf(path, "phi3", hf_model, cfg, GGUFReader(builtin_path), short_factors=False)
+    with pytest.raises(ValueError, match="has rope_factors_long.weight without its pair"):
         load_model(str(path), dtype="float32", device="cpu", load_tokenizer=False)
 
 

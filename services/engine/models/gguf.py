@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # GGUF general.architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-                  "qwen3": ("Qwen3ForCausalLM", False)}
+                  "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -42,6 +42,10 @@ _PER_LAYER = {
     "attn_q_norm": "self_attn.q_norm",      # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
 }
+# per architecture, the names that differ: Phi-3 keeps HF's fused projections (ffn_up is gate|up)
+_PER_LAYER_ARCH = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Phi-3's longrope factors (the 128k models), read into the config, not weights
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # llama.cpp's per-frequency RoPE divisors (Llama 3.1+'s llama3 scaling, baked in by its converter):
 # read into the config, not a weight
 _ROPE_FREQS = "rope_freqs.weight"
@@ -113,10 +117,34 @@ class GGUFFile:
             if scaling not in (None, "none"):
                 raise ValueError(f"GGUF file {self.path} has both RoPE scaling {scaling!r} and a rope_freqs "
                                  "tensor; one of them is supported at a time")
-            t = next(t for t in self.reader.tensors if t.name == _ROPE_FREQS)
-            cfg["rope_scaling"] = {"rope_type": "rope_freqs",
-                                   "freq_factors": [float(v) for v in np.asarray(t.data, dtype=np.float32).ravel()]}
+            cfg["rope_scaling"] = {"rope_type": "rope_freqs", "freq_factors": self._floats(_ROPE_FREQS)}
+        if a == "phi3":
+            self._phi3(cfg)
         return cfg
+
+    def _floats(self, tensor_name: str) -> list[float]:
+        t = next(t for t in self.reader.tensors if t.name == tensor_name)
+        return [float(v) for v in np.asarray(t.data, dtype=np.float32).ravel()]
+
+    def _phi3(self, cfg: dict[str, Any]) -> None:
+        """Phi-3's sliding window (0: none, Phi-4) and longrope (the 128k models: two factor
+        tensors and the attention factor llama.cpp's converter computed)."""
+        window = int(self.field("phi3.attention.sliding_window") or 0)
+        if window > 0:
+            cfg["sliding_window"] = window
+        orig = self.field("phi3.rope.scaling.original_context_length")
+        if orig is not None:
+            cfg["original_max_position_embeddings"] = int(orig)
+        have = [name for name in _ROPE_FACTORS if name in self.tensor_names]
+        if not have:
+            return
+        if len(have) != len(_ROPE_FACTORS):
+            raise ValueError(f"GGUF file {self.path} has {have[0]} without its pair: longrope needs "
+                             f"{' and '.join(_ROPE_FACTORS)}")
+        cfg["rope_scaling"] = {"rope_type": "longrope", **{key: self._floats(name) for name, key in _ROPE_FACTORS.items()}}
+        attn_factor = self.field("phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
 
     # ---------------------------------------------------------------------------- weights
 
@@ -132,9 +160,9 @@ class GGUFFile:
         permuted = _ARCHITECTURES[self.arch][1]
         fallback: set[int] = set()
         for t in self.reader.tensors:
-            if t.name == _ROPE_FREQS:
+            if t.name == _ROPE_FREQS or t.name in _ROPE_FACTORS:
                 continue        # in the config (hf_config)
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.arch)
             if name is None:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
                 continue
@@ -163,7 +191,7 @@ class GGUFFile:
     def block_tensors(self) -> Iterator[tuple[str, int]]:
         """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
         for t in self.reader.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.arch)
             if name is not None and _block_matrix(t) and is_supported(t.ggml_type):
                 yield name, t.ggml_type
 
@@ -188,14 +216,16 @@ def _block_matrix(t) -> bool:
     return t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (the names of `arch`'s
+    HF model); None if unknown."""
     m = _BLOCK_NAME.match(gguf_name)
     if m:
         layer, kind, suffix = m.groups()
-        if kind not in _PER_LAYER:
+        names = {**_PER_LAYER, **_PER_LAYER_ARCH.get(arch, {})}
+        if kind not in names:
             return None
-        return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
+        return f"model.layers.{layer}.{names[kind]}.{suffix}"
     base, _, suffix = gguf_name.rpartition(".")
     if base in _TOP_LEVEL and suffix in ("weight", "bias"):
         return f"{_TOP_LEVEL[base]}.{suffix}"
