@@ -9,13 +9,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from kvmesh.engine.loader import load_model
 from kvmesh.common.gguf_reader import GGUFReader
 from kvmesh.engine.layers.quantized import QuantizedLinear
-from kvmesh.engine.models.gguf import hf_tensor_name, unpermute_rows
+from kvmesh.engine.models.gguf import expert_names, hf_tensor_name, unpermute_rows
 from kvmesh.kernels.quant import kernels_available
 from kvmesh.prompt.sources import cache_key, gguf_tokenizer_dir
 
@@ -23,7 +24,8 @@ _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
-               "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}      # Phi-3's fused projections
+               "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up",      # Phi-3's fused projections
+               "gate": "ffn_gate_inp"}                                 # a MoE layer's router
 _TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 
 
@@ -51,6 +53,11 @@ def test_name_mapping_and_unpermute():
     assert hf_tensor_name("blk.2.ffn_up.weight", "phi3") == "model.layers.2.mlp.gate_up_proj.weight"
     assert hf_tensor_name("blk.2.attn_qkv.weight", "phi3") == "model.layers.2.self_attn.qkv_proj.weight"
     assert hf_tensor_name("blk.2.attn_qkv.weight") is None
+    assert expert_names("blk.1.ffn_up_exps.weight", "mixtral", 2) == [
+        "model.layers.1.block_sparse_moe.experts.0.w3.weight", "model.layers.1.block_sparse_moe.experts.1.w3.weight"]
+    assert expert_names("blk.1.ffn_down_exps.weight", "qwen3moe", 1) == ["model.layers.1.mlp.experts.0.down_proj.weight"]
+    assert expert_names("blk.1.ffn_down_exps.weight", "llama", 1) is None
+    assert hf_tensor_name("blk.1.ffn_gate_inp.weight", "mixtral") == "model.layers.1.block_sparse_moe.gate.weight"
     w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
     assert np.array_equal(unpermute_rows(_permute(w, 2), 2), w)
     assert np.array_equal(unpermute_rows(_permute(w[:, 0], 2), 2), w[:, 0])  # biases too
@@ -94,7 +101,7 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokenizer_source.get("tokenizer.ggml.tokens"))
@@ -108,6 +115,16 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
         w.add_rope_scaling_factor(2.0)
     if cfg.rope_parameters.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _rope_freqs(cfg))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "phi3":      # conversion/phi.py: the window (0: none), the original context, longrope
         w.add_sliding_window(cfg.sliding_window or 0)
         orig = cfg.original_max_position_embeddings
@@ -117,10 +134,25 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
         w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_parameters["long_factor"], dtype=np.float32))
         if short_factors:
             w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_parameters["short_factor"], dtype=np.float32))
+    def add(gname, arr):
+        if block_type is not None and arr.ndim >= 2 and gname != "token_embd.weight" and "gate_inp" not in gname:
+            w.add_tensor(gname, gguf.quants.quantize(arr.astype(np.float32), block_type), raw_dtype=block_type)
+        else:
+            w.add_tensor(gname, arr.astype(np.float16) if arr.ndim >= 2 else arr.astype(np.float32))
+
     for name, p in hf_model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = p.detach().numpy()
+        if ".experts." in name:     # transformers' stacked experts: [E, 2I, H] gate|up, [E, H, I] down
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                inter = arr.shape[1] // 2
+                add(f"blk.{layer}.ffn_gate_exps.weight", arr[:, :inter])
+                add(f"blk.{layer}.ffn_up_exps.weight", arr[:, inter:])
+            else:
+                add(f"blk.{layer}.ffn_down_exps.weight", arr)
+            continue
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -134,14 +166,14 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
                 arr = _permute(arr, cfg.num_attention_heads)
             elif arch == "llama" and ".k_proj." in name:
                 arr = _permute(arr, cfg.num_key_value_heads)
-        if block_type is not None and arr.ndim == 2 and gname != "token_embd.weight":
-            w.add_tensor(gname, gguf.quants.quantize(arr.astype(np.float32), block_type), raw_dtype=block_type)
-        else:
-            w.add_tensor(gname, arr.astype(np.float16) if arr.ndim == 2 else arr.astype(np.float32))
+        add(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+_GGUF_ARCH = {"llama3": "llama", "mixtral": "llama"}     # the architecture llama.cpp writes
 
 
 def _tiny_hf(arch: str):
@@ -156,6 +188,14 @@ def _tiny_hf(arch: str):
         cfg, cls = LlamaConfig(tie_word_embeddings=True, rope_scaling=scaling, **common), LlamaForCausalLM
     elif arch == "qwen3":
         cfg, cls = Qwen3Config(tie_word_embeddings=True, head_dim=16, **common), Qwen3ForCausalLM
+    elif arch == "mixtral":     # written as llama.cpp writes it: arch "llama" with experts
+        cfg = MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                            **{**common, "intermediate_size": 128})     # whole blocks for two ranks
+        cls = MixtralForCausalLM
+    elif arch == "qwen3moe":    # every layer sparse, as llama.cpp's qwen3moe graph has them
+        cfg = Qwen3MoeConfig(tie_word_embeddings=True, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[], **common)
+        cls = Qwen3MoeForCausalLM
     elif arch == "phi3":        # a 128k-style model: longrope, a window; prompts under the original context
         scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                    "long_factor": [2.0 + i for i in range(8)]}
@@ -171,23 +211,23 @@ def _tiny_hf(arch: str):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             value = 1.0 + 0.1 * noise if "norm" in name else 0.15 * noise
-            p.copy_(value.half().float() if p.ndim == 2 else value)  # what F16 storage keeps
+            p.copy_(value.half().float() if p.ndim >= 2 else value)  # what F16 storage keeps
     return cfg, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "phi3", "mixtral", "qwen3moe"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_path, smollm_tokenizer_dir,
                                         paged_generate, hf_greedy_logits, assert_close_to_scale):
     cfg, hf_model = _tiny_hf(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, "llama" if arch == "llama3" else arch, hf_model, cfg, GGUFReader(builtin_path))
+    _write_gguf(path, _GGUF_ARCH.get(arch, arch), hf_model, cfg, GGUFReader(builtin_path))
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(cache))
     if arch != "llama":  # NOTE: only one cold tokenizer conversion (~5 s) per run; these are pre-seeded
         shutil.copytree(smollm_tokenizer_dir, cache / cache_key(path))
     loaded = load_model(str(path), dtype="float32", device="cpu")
     assert loaded.name == f"tiny-{arch}"
-    assert loaded.config.tie_word_embeddings == (arch != "llama")
+    assert loaded.config.tie_word_embeddings == (arch not in ("llama", "mixtral"))
     assert loaded.config.attention_bias == (arch == "qwen2")
     if arch == "llama3":    # the divisors were read, and the prompts below pass the original context
         assert loaded.config.rope_scaling["rope_type"] == "rope_freqs"
@@ -220,17 +260,26 @@ def test_rope_freqs_beside_a_rope_scaling_type_is_refused(tmp_path, builtin_path
 
 
 @pytest.mark.skipif(not kernels_available(), reason="quantized kernels unavailable")
-def test_phi3_fused_projections_served_as_blocks(tmp_path, builtin_path, paged_generate):
-    """Phi-3's fused qkv and gate|up tensors in Q8_0 blocks: served as blocks, the dequantized
+@pytest.mark.parametrize("arch", ["phi3", "mixtral", "qwen3moe"])
+def test_fused_projections_and_experts_served_as_blocks(arch, tmp_path, builtin_path, paged_generate):
+    """Phi-3's fused qkv and gate|up tensors, and the stacked experts of Mixtral and Qwen3-MoE,
+    in Q8_0 blocks: served as blocks (each expert its own rows of the stack), the dequantized
     model's logits to float32 rounding and its greedy tokens."""
-    cfg, hf_model = _tiny_hf("phi3")
-    path = tmp_path / "phi3-q8_0.gguf"
-    _write_gguf(path, "phi3", hf_model, cfg, GGUFReader(builtin_path), block_type=gguf.GGMLQuantizationType.Q8_0)
+    cfg, hf_model = _tiny_hf(arch)
+    path = tmp_path / f"{arch}-q8_0.gguf"
+    _write_gguf(path, _GGUF_ARCH.get(arch, arch), hf_model, cfg, GGUFReader(builtin_path),
+                block_type=gguf.GGMLQuantizationType.Q8_0)
     quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf",
                        quant_activations="float")
     dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
     layer = quant.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
+    if arch == "phi3":
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear)
+        assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
+    else:
+        moe = layer.block_sparse_moe if arch == "mixtral" else layer.mlp
+        assert len(moe.experts) == 4 and all(isinstance(m, QuantizedLinear) for e in moe.experts for m in e.linears())
+        assert type(moe.gate) is torch.nn.Linear            # the router stays float, as llama.cpp keeps it
     prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 60))]
     got = paged_generate(quant.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
     ref = paged_generate(dense.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)

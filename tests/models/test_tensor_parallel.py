@@ -699,3 +699,28 @@ def test_a_worker_that_dies_while_the_server_idles_kills_the_async_engine(qwen2_
     finally:
         async_engine.shutdown()
     _assert_gone(pids)
+
+
+@needs_quant_kernels
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3moe"])
+def test_gguf_experts_split_over_two_ranks(arch, tmp_path, assert_close_to_scale):
+    """A MoE GGUF's stacked experts in Q8_0 blocks: each rank holds its rows of every expert
+    (gate / up) and its columns (down), and the gathered logits equal one rank's."""
+    from kvmesh.common.gguf_reader import GGUFReader
+    from kvmesh.common.model_files import builtin_model_path
+    from tests.models.test_gguf import _GGUF_ARCH, _tiny_hf, _write_gguf
+    cfg, hf_model = _tiny_hf(arch)
+    path = tmp_path / f"{arch}.gguf"
+    _write_gguf(path, _GGUF_ARCH.get(arch, arch), hf_model, cfg,
+                GGUFReader(builtin_model_path()), block_type=GT.Q8_0)
+    one = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf")
+    want = _chunked_logits(one.model, SWEEP_PROMPTS[0])
+    (r0, got), (r1, rest) = _gguf_ranks(path, 2, "gguf")
+    assert rest is None and r0.quantization == r1.quantization == "gguf"
+    assert_close_to_scale(got, want, rel=1e-5)
+    inter = cfg.intermediate_size if arch == "mixtral" else cfg.moe_intermediate_size
+    for r in (r0, r1):
+        layer = r.model.model.layers[0]
+        gate, up, down = (layer.block_sparse_moe if arch == "mixtral" else layer.mlp).experts[0].linears()
+        assert all(isinstance(m, QuantizedLinear) for m in (gate, up, down))
+        assert gate.weight.shape == (inter // 2, cfg.hidden_size) and down.weight.shape == (cfg.hidden_size, inter // 2)

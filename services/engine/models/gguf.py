@@ -1,9 +1,12 @@
 """GGUF file -> (HF config dict, HF-named weights in the served dtype).
 
 Our lean reader (common/gguf_reader.py) parses, the `gguf` package dequantizes; this module maps
-llama.cpp's names and layout back to HF's: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`), the Q/K row
-permutation llama.cpp applies to llama-architecture checkpoints, and the metadata keys of the
-config. The tokenizer is converted from the same file by `kvmesh.prompt.sources`.
+llama.cpp's names and layout back to HF's: tensor names (`blk.N.attn_q` -> `model.layers.N.self_attn.q_proj`,
+per architecture where they differ: Phi-3's fused projections, the routers), the experts llama.cpp
+stacks into one tensor a projection (split back into HF's per-expert names), the Q/K row
+permutation it applies to llama-architecture checkpoints, and the metadata keys of the config
+(with the RoPE scalings its converter turns into tensors: Llama 3's rope_freqs, Phi-3's longrope
+factors). The tokenizer is converted from the same file by `kvmesh.prompt.sources`.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight, format_name, i
 log = logging.getLogger(__name__)
 
 # GGUF general.architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows)
+# (a llama file with experts is Mixtral: `kind` below)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-                  "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
+                  "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
+                  "qwen3moe": ("Qwen3MoeForCausalLM", False)}
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -43,7 +48,14 @@ _PER_LAYER = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # per architecture, the names that differ: Phi-3 keeps HF's fused projections (ffn_up is gate|up)
-_PER_LAYER_ARCH = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_PER_LAYER_ARCH = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                   "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
+                   "qwen3moe": {"ffn_gate_inp": "mlp.gate"}}
+# the experts, stacked by llama.cpp into one [experts, N, K] tensor a projection: each expert's
+# HF module, and the projection's HF name
+_EXPERTS = {"mixtral": ("block_sparse_moe.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+            "qwen3moe": ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                         "ffn_down_exps": "down_proj"})}
 # Phi-3's longrope factors (the 128k models), read into the config, not weights
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # llama.cpp's per-frequency RoPE divisors (Llama 3.1+'s llama3 scaling, baked in by its converter):
@@ -64,6 +76,8 @@ class GGUFFile:
             raise ValueError(f"unsupported architecture {self.arch!r} in GGUF file {path}; "
                              f"supported: {', '.join(_ARCHITECTURES)}")
         self.tensor_names = {t.name for t in self.reader.tensors}
+        # the name set the tensors follow: the architecture, or "mixtral" for a llama file with experts
+        self.kind = "mixtral" if self.arch == "llama" and self.field("llama.expert_count") else self.arch
 
     def field(self, key: str, default: Any = None) -> Any:
         return self.reader.get(key, default)
@@ -89,9 +103,10 @@ class GGUFFile:
         vocab = self.field(f"{a}.vocab_size") or self.reader.array_len("tokenizer.ggml.tokens") or 0
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         cfg: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[a][0]],
+            "architectures": ["MixtralForCausalLM" if self.kind == "mixtral" else _ARCHITECTURES[a][0]],
             "hidden_size": hidden,
-            "intermediate_size": int(need("feed_forward_length")),
+            "intermediate_size": int(self.field(f"{a}.feed_forward_length")
+                                     or need("expert_feed_forward_length")),
             "num_hidden_layers": int(need("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.field(f"{a}.attention.head_count_kv") or heads),
@@ -120,7 +135,21 @@ class GGUFFile:
             cfg["rope_scaling"] = {"rope_type": "rope_freqs", "freq_factors": self._floats(_ROPE_FREQS)}
         if a == "phi3":
             self._phi3(cfg)
+        if self.kind in _EXPERTS:
+            self._experts_config(cfg, int(need("expert_count")), int(need("expert_used_count")))
         return cfg
+
+    def _experts_config(self, cfg: dict[str, Any], experts: int, used: int) -> None:
+        cfg["num_experts_per_tok"] = used
+        if self.kind == "mixtral":
+            cfg["num_local_experts"] = experts
+            return
+        # NOTE: Qwen3-MoE: every layer sparse in llama.cpp's files; the top-k weights renormalised
+        # (llama.cpp's qwen3moe graph always does; newer files say so in expert_weights_norm)
+        cfg["num_experts"] = experts
+        cfg["moe_intermediate_size"] = int(self.field(f"{self.arch}.expert_feed_forward_length")
+                                           or cfg["intermediate_size"])
+        cfg["norm_topk_prob"] = bool(self.field(f"{self.arch}.expert_weights_norm", True))
 
     def _floats(self, tensor_name: str) -> list[float]:
         t = next(t for t in self.reader.tensors if t.name == tensor_name)
@@ -162,13 +191,19 @@ class GGUFFile:
         for t in self.reader.tensors:
             if t.name == _ROPE_FREQS or t.name in _ROPE_FACTORS:
                 continue        # in the config (hf_config)
-            name = hf_tensor_name(t.name, self.arch)
+            experts = expert_names(t.name, self.kind, t.shape[0]) if len(t.shape) == 3 else None
+            name = experts[0] if experts else hf_tensor_name(t.name, self.kind)
             if name is None:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
                 continue
             if keep_quantized and _block_matrix(t):
                 if is_supported(t.ggml_type):
-                    yield name, self._quantized(t, name, num_heads, num_kv_heads, activations)
+                    if experts:     # each expert's rows of the stacked blocks
+                        for e, expert in enumerate(experts):
+                            data = torch.from_numpy(np.array(t.data[e], copy=True))
+                            yield expert, QuantizedWeight(data, t.ggml_type, t.shape[1:], activations)
+                    else:
+                        yield name, self._quantized(t, name, num_heads, num_kv_heads, activations)
                     continue
                 if t.ggml_type not in fallback:
                     fallback.add(t.ggml_type)
@@ -181,6 +216,9 @@ class GGUFFile:
             except Exception as e:
                 raise ValueError(f"cannot dequantize GGUF tensor {t.name} (ggml type {t.ggml_type}) "
                                  f"in {self.path}: {e}") from None
+            if experts:
+                yield from zip(experts, tensor.unbind(0))
+                continue
             # NOTE: unpermute_rows on a torch tensor copies into a contiguous one, in `dtype`
             if permuted and ".self_attn.q_proj." in name:
                 tensor = unpermute_rows(tensor, num_heads)
@@ -191,9 +229,12 @@ class GGUFFile:
     def block_tensors(self) -> Iterator[tuple[str, int]]:
         """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
         for t in self.reader.tensors:
-            name = hf_tensor_name(t.name, self.arch)
-            if name is not None and _block_matrix(t) and is_supported(t.ggml_type):
-                yield name, t.ggml_type
+            if not (_block_matrix(t) and is_supported(t.ggml_type)):
+                continue
+            experts = expert_names(t.name, self.kind, t.shape[0]) if len(t.shape) == 3 else None
+            for name in experts or [hf_tensor_name(t.name, self.kind)]:
+                if name is not None:
+                    yield name, t.ggml_type
 
     def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
                    activations: str) -> QuantizedWeight:
@@ -212,8 +253,20 @@ class GGUFFile:
 
 
 def _block_matrix(t) -> bool:
-    """Whether a GGUF tensor is a matrix in a block format (a candidate to stay blocks)."""
-    return t.ggml_type not in _FLOAT_TYPES and len(t.shape) == 2
+    """Whether a GGUF tensor is a matrix (or a stack of experts' matrices) in a block format
+    (a candidate to stay blocks)."""
+    return t.ggml_type not in _FLOAT_TYPES and len(t.shape) in (2, 3)
+
+
+def expert_names(gguf_name: str, kind: str, experts: int) -> list[str] | None:
+    """`blk.3.ffn_gate_exps.weight` (stacked experts) -> each expert's HF name (Mixtral:
+    `model.layers.3.block_sparse_moe.experts.E.w1.weight`); None for other tensors."""
+    m = _BLOCK_NAME.match(gguf_name)
+    if not m or kind not in _EXPERTS or m.group(2) not in _EXPERTS[kind][1]:
+        return None
+    module, names = _EXPERTS[kind]
+    layer, proj, suffix = m.group(1), names[m.group(2)], m.group(3)
+    return [f"model.layers.{layer}.{module}.{e}.{proj}.{suffix}" for e in range(experts)]
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
