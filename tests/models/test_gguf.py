@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -26,6 +27,8 @@ _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pr
                "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
                "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up",      # Phi-3's fused projections
                "gate": "ffn_gate_inp"}                                 # a MoE layer's router
+_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 _TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 
 
@@ -99,7 +102,18 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)     # Gemma 3: the global layers'
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch in ("gemma2", "gemma3"):     # conversion/gemma.py
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     w.add_tokenizer_model("gpt2")
@@ -113,10 +127,10 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
         w.add_rope_scaling_factor(2.0)
-    if cfg.rope_parameters.get("rope_type") == "llama3":
+    if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _rope_freqs(cfg))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads and arch not in ("gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
@@ -161,11 +175,14 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
             gname = "output.weight"
         else:
             parts = name.split(".")  # model.layers.N.<self_attn|mlp|norm>.<proj>.<weight|bias>
-            gname = f"blk.{parts[2]}.{_GGUF_NAMES[parts[-2]]}.{parts[-1]}"
+            names = {**_GGUF_NAMES, **_GEMMA_NAMES} if arch in ("gemma2", "gemma3") else _GGUF_NAMES
+            gname = f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
             if arch == "llama" and ".q_proj." in name:
                 arr = _permute(arr, cfg.num_attention_heads)
             elif arch == "llama" and ".k_proj." in name:
                 arr = _permute(arr, cfg.num_key_value_heads)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            arr = arr + 1           # Gemma's (1 + w) norms, stored as llama.cpp's converter does
         add(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -196,6 +213,16 @@ def _tiny_hf(arch: str):
         cfg = Qwen3MoeConfig(tie_word_embeddings=True, head_dim=32, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[], **common)
         cls = Qwen3MoeForCausalLM
+    elif arch == "gemma2":      # the attention scale llama.cpp uses below 27B: head_dim's
+        cfg = Gemma2Config(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=3.0,
+                           final_logit_softcapping=5.0, **{**common, "num_hidden_layers": 4})
+        cls = Gemma2ForCausalLM
+    elif arch == "gemma3":      # 5 sliding layers, then a global one with linear scaling
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        cfg = Gemma3TextConfig(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, rope_parameters=rope,
+                               **{**common, "num_hidden_layers": 6, "rope_theta": 1e6})
+        cls = Gemma3ForCausalLM
     elif arch == "phi3":        # a 128k-style model: longrope, a window; prompts under the original context
         scaling = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                    "long_factor": [2.0 + i for i in range(8)]}
@@ -215,7 +242,8 @@ def _tiny_hf(arch: str):
     return cfg, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "phi3", "mixtral", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "phi3", "mixtral", "qwen3moe", "gemma2",
+                                  "gemma3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, monkeypatch, builtin_path, smollm_tokenizer_dir,
                                         paged_generate, hf_greedy_logits, assert_close_to_scale):
     cfg, hf_model = _tiny_hf(arch)
@@ -286,6 +314,30 @@ def test_fused_projections_and_experts_served_as_blocks(arch, tmp_path, builtin_
     for g, r in zip(got, ref):
         assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * r["prompt_logits"].abs().max()
         assert g["tokens"] == r["tokens"]
+
+
+@pytest.mark.parametrize("arch,layers,want", [("gemma2", 46, 144), ("gemma2", 42, 256), ("gemma3", 62, 168),
+                                               ("gemma3", 34, 256)])
+def test_gemma_attention_scale_as_llama_cpp_sets_it(arch, layers, want, tmp_path):
+    """The metadata has no query_pre_attn_scalar: llama.cpp uses hidden / heads for the 27B models
+    (46 / 62 layers) and head_dim for the others, and so does the reader (HF: 144 for
+    gemma-2-27b, 168 for gemma-3-27b, 256 for the rest)."""
+    from kvmesh.engine.models.gguf import GGUFFile
+    hidden, heads = {46: 4608, 42: 3584, 62: 5376, 34: 2560}[layers], {46: 32, 42: 16, 62: 32, 34: 8}[layers]
+    w = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(4 * hidden)
+    w.add_head_count(heads)
+    w.add_key_length(256)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(256000)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = GGUFFile(tmp_path / "meta.gguf").hf_config()
+    assert cfg["query_pre_attn_scalar"] == want and cfg["head_dim"] == 256
 
 
 def test_longrope_factors_without_their_pair_are_refused(tmp_path, builtin_path):

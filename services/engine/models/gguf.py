@@ -6,7 +6,7 @@ per architecture where they differ: Phi-3's fused projections, the routers), the
 stacks into one tensor a projection (split back into HF's per-expert names), the Q/K row
 permutation it applies to llama-architecture checkpoints, and the metadata keys of the config
 (with the RoPE scalings its converter turns into tensors: Llama 3's rope_freqs, Phi-3's longrope
-factors). The tokenizer is converted from the same file by `kvmesh.prompt.sources`.
+factors), and Gemma's norm weights, which it stores + 1. The tokenizer is converted from the same file by `kvmesh.prompt.sources`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ log = logging.getLogger(__name__)
 # (a llama file with experts is Mixtral: `kind` below)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                   "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
-                  "qwen3moe": ("Qwen3MoeForCausalLM", False)}
+                  "qwen3moe": ("Qwen3MoeForCausalLM", False), "gemma2": ("Gemma2ForCausalLM", False),
+                  "gemma3": ("Gemma3ForCausalLM", False)}
+# Gemma's RMSNorm multiplies by (1 + w); llama.cpp's converter stores w + 1 (its norm multiplies by w)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's Gemma layer counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)
+# (the others': 1 / sqrt(head_dim)); the metadata does not carry query_pre_attn_scalar
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -48,7 +54,10 @@ _PER_LAYER = {
     "attn_k_norm": "self_attn.k_norm",
 }
 # per architecture, the names that differ: Phi-3 keeps HF's fused projections (ffn_up is gate|up)
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _PER_LAYER_ARCH = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                   "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS,
                    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate"},
                    "qwen3moe": {"ffn_gate_inp": "mlp.gate"}}
 # the experts, stacked by llama.cpp into one [experts, N, K] tensor a projection: each expert's
@@ -137,7 +146,24 @@ class GGUFFile:
             self._phi3(cfg)
         if self.kind in _EXPERTS:
             self._experts_config(cfg, int(need("expert_count")), int(need("expert_used_count")))
+        if a in _NORM_PLUS_ONE:
+            self._gemma(cfg, hidden // heads, head_dim)
         return cfg
+
+    def _gemma(self, cfg: dict[str, Any], hidden_per_head: int, head_dim: int) -> None:
+        """Gemma 2 / 3: the window, Gemma 2's soft-capping, and the attention scale as llama.cpp
+        sets it (the defaults of HF's configs cover the rest: GeGLU, Gemma 2's alternating and Gemma
+        3's 5:1 sliding layers, Gemma 3's local RoPE base 10000)."""
+        a = self.arch
+        window = self.field(f"{a}.attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[a]
+        cfg["query_pre_attn_scalar"] = hidden_per_head if big else head_dim
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = self.field(f"{a}.{key}")
+            cfg[key] = None if value is None else float(value)
 
     def _experts_config(self, cfg: dict[str, Any], experts: int, used: int) -> None:
         cfg["num_experts_per_tok"] = used
@@ -219,6 +245,8 @@ class GGUFFile:
             if experts:
                 yield from zip(experts, tensor.unbind(0))
                 continue
+            if self.arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight"):
+                tensor = tensor - 1.0       # llama.cpp stored Gemma's w + 1
             # NOTE: unpermute_rows on a torch tensor copies into a contiguous one, in `dtype`
             if permuted and ".self_attn.q_proj." in name:
                 tensor = unpermute_rows(tensor, num_heads)
