@@ -96,12 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
          help="send a request for a LoRA adapter that no backend lists (in /v1/models) to the "
          "best backend by prefix and load, whose engine loads it from its --lora-resolver-dir; "
          "default: such a request is a 404")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM (then their "
+                   "connections are closed), as `kvmesh serve` gives them")
     p.add_argument("--log-level", default="info")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help=ACCESS_LOG_HELP)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return RouterConfig(
         redis_url=args.redis_url, backends=tuple(args.backends),
         discover=args.discover_headless_service, backend_port=args.backend_port,
@@ -143,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415
 
     from kvmesh.router.app import create_app  # noqa: PLC0415
+    # NOTE: without a graceful-shutdown bound uvicorn waits for every open connection on SIGTERM:
+    # one stream that never ends (a client or an engine that hangs) kept the router up for good
     config = uvicorn.Config(create_app(cfg, tokenizer, model_name), host=args.host,
                             port=args.port, log_level=args.log_level.lower(),
-                            access_log=not args.disable_uvicorn_access_log)
+                            access_log=not args.disable_uvicorn_access_log,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     keep_access_log_clean()
     run_until_signal(config)
     return 0
