@@ -16,7 +16,7 @@ def model_cache(tmp_path_factory, smollm):
 def test_model_specs(model_cache, tmp_path):
     assert resolve_model("builtin", model_cache) is None
     assert resolve_model(str(tmp_path), model_cache) == str(tmp_path)
-    with pytest.raises(SystemExit, match="random-1b, random-tiny, .* or an HF model directory"):
+    with pytest.raises(SystemExit, match="random-1b, random-tiny, .* an HF model directory or a GGUF file"):
         resolve_model("no-such-model", model_cache)
 
 
