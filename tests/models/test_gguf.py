@@ -143,11 +143,12 @@ def _write_gguf(path, arch: str, hf_model, cfg, tokenizer_source: GGUFReader, ro
         w.add_sliding_window(cfg.sliding_window or 0)
         orig = cfg.original_max_position_embeddings
         w.add_rope_scaling_orig_ctx_len(orig)
-        scale = cfg.max_position_embeddings / orig
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
-        w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_parameters["long_factor"], dtype=np.float32))
-        if short_factors:
-            w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_parameters["short_factor"], dtype=np.float32))
+        if cfg.rope_parameters.get("long_factor"):
+            scale = cfg.max_position_embeddings / orig
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+            w.add_tensor("rope_factors_long.weight", np.array(cfg.rope_parameters["long_factor"], dtype=np.float32))
+            if short_factors:
+                w.add_tensor("rope_factors_short.weight", np.array(cfg.rope_parameters["short_factor"], dtype=np.float32))
     def add(gname, arr):
         if block_type is not None and arr.ndim >= 2 and gname != "token_embd.weight" and "gate_inp" not in gname:
             w.add_tensor(gname, gguf.quants.quantize(arr.astype(np.float32), block_type), raw_dtype=block_type)
