@@ -16,6 +16,11 @@ def model_cache(tmp_path_factory, smollm):
 def test_model_specs(model_cache, tmp_path):
     assert resolve_model("builtin", model_cache) is None
     assert resolve_model(str(tmp_path), model_cache) == str(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")          # a GGUF file is handed on as it is
+    assert resolve_model(str(tmp_path / "m.gguf"), model_cache) == str(tmp_path / "m.gguf")
+    with pytest.raises(SystemExit, match="or a GGUF file; .*m.bin"):
+        (tmp_path / "m.bin").write_bytes(b"x")
+        resolve_model(str(tmp_path / "m.bin"), model_cache)
     with pytest.raises(SystemExit, match="random-1b, random-tiny, .* an HF model directory or a GGUF file"):
         resolve_model("no-such-model", model_cache)
 
