@@ -71,7 +71,11 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // elements per block and bytes per block of each format
-inline int block_elems(int fmt) { return (fmt >= Q2_K && fmt <= Q6_K) || fmt == IQ4_XS ? 256 : 32; }
+inline int block_elems(int fmt) {
+  int qk = 0;
+  dispatch(fmt, [&](auto f) { qk = kQK<decltype(f)::value>; });
+  return qk;
+}
 inline int block_bytes(int fmt) {
   switch (fmt) {
     case Q4_0: return 18;
@@ -124,6 +128,38 @@ inline uint32_t load_qh(const uint8_t* p) {
   return qh;
 }
 
+#if defined(__AVX2__)
+// The codes of the formats whose scalar unpacking does not vectorize, 32 at a time (unpack_block
+// stores them; tiled.cpp's dequantizer rebuilds weights from them).
+
+// 16 bytes of 4-bit codes as 32 bytes: the low nibbles (elements 0..15), then the high ones.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// Q5_0 / Q5_1: the block's 32 five-bit codes.
+template <int F>
+inline __m256i codes_q5(const uint8_t* blk) {
+  return _mm256_or_si256(nibbles32(blk + (F == Q5_0 ? 6 : 8)), fifth_bits(load_qh(blk + (F == Q5_0 ? 2 : 4))));
+}
+
+// Q6_K: the 32 six-bit codes of sub-block 4 h + g (low 4 bits from ql, high 2 from qh).
+inline __m256i codes_q6k(const uint8_t* blk, int h, int g) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + h * 64 + (g % 2) * 32));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + h * 32));
+  return _mm256_or_si256(
+      _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (g / 2)), _mm256_set1_epi8(0x0F)),
+      _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), _mm256_set1_epi8(0x03)), 4));
+}
+
+// IQ4_NL / IQ4_XS: 16 bytes of codes as their 32 values in kIQ4Values (signed bytes), by vpshufb.
+inline __m256i values_iq4(const uint8_t* qs) {
+  const __m128i grid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(grid, grid), nibbles32(qs));
+}
+#endif
+
 // Unpack block `blk` of format F: q[0 .. block_elems) and one Sub per 32 elements.
 template <int F>
 inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
@@ -143,15 +179,12 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
   } else if constexpr (F == Q5_0 || F == Q5_1) {
     const float d = half_to_float(blk);
     const float c = F == Q5_0 ? -16.f * d : half_to_float(blk + 2);
-    const uint32_t qh = load_qh(blk + (F == Q5_0 ? 2 : 4));
-    const uint8_t* qs = blk + (F == Q5_0 ? 6 : 8);
 #if defined(__AVX2__)
     // NOTE: the loop below does not vectorize (a shift by each element's index)
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
-                                             _mm256_set1_epi8(0x0F));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(nibbles, fifth_bits(qh)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), codes_q5<F>(blk));
 #else
+    const uint32_t qh = load_qh(blk + (F == Q5_0 ? 2 : 4));
+    const uint8_t* qs = blk + (F == Q5_0 ? 6 : 8);
     for (int i = 0; i < 16; ++i) {                     // low nibbles: 0..15, high: 16..31
       q[i] = static_cast<uint8_t>((qs[i] & 0x0F) | (((qh >> i) & 1) << 4));
       q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
@@ -189,17 +222,10 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
     const float d = half_to_float(blk);
     constexpr int G = F == IQ4_NL ? 1 : 8;
     const uint8_t* qs = blk + (F == IQ4_NL ? 2 : 8);
-#if defined(__AVX2__)
-    // NOTE: a table lookup per byte in the loop below; vpshufb looks up 32 at once
-    const __m128i grid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
-    const __m256i table = _mm256_set_m128i(grid, grid);
-#endif
     for (int g = 0; g < G; ++g) {
 #if defined(__AVX2__)
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + g * 16));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
-                                             _mm256_set1_epi8(0x0F));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32), _mm256_shuffle_epi8(table, codes));
+      // NOTE: a table lookup per byte in the loop below; vpshufb looks up 32 at once
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32), values_iq4(qs + g * 16));
 #else
       for (int i = 0; i < 16; ++i) {
         q[g * 32 + i] = static_cast<uint8_t>(kIQ4Values[qs[g * 16 + i] & 0x0F]);
@@ -229,22 +255,16 @@ inline void unpack_block(const uint8_t* blk, uint8_t* q, Sub* sub) {
       }
     }
   } else if constexpr (F == Q6_K) {
-    const uint8_t* ql = blk;
-    const uint8_t* qh = blk + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half_to_float(blk + 208);
     for (int h = 0; h < 2; ++h) {                      // two halves of 128 elements
 #if defined(__AVX2__)
       // NOTE: the loop below does not vectorize (its index arithmetic): 32 elements a step here
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + h * 32));
-      for (int g = 0; g < 4; ++g) {                    // elements 32 g .. 32 g + 32 of the half
-        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + h * 64 + (g % 2) * 32));
-        const __m256i v = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (g / 2)), _mm256_set1_epi8(0x0F)),
-            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * g), _mm256_set1_epi8(0x03)), 4));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + h * 128 + g * 32), v);
-      }
+      for (int g = 0; g < 4; ++g)                      // elements 32 g .. 32 g + 32 of the half
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + h * 128 + g * 32), codes_q6k(blk, h, g));
 #else
+      const uint8_t* ql = blk;
+      const uint8_t* qh = blk + 128;
       for (int e = 0; e < 128; ++e) {
         const int lo = (ql[h * 64 + (e % 64)] >> (4 * (e / 64))) & 0x0F;
         const int hi = (qh[h * 32 + (e % 32)] >> (2 * (e / 32))) & 0x03;

@@ -141,16 +141,11 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
   } else if constexpr (F == Q4_0 || F == Q4_1) {
     const float d = h2f(blk);
     const float c = F == Q4_0 ? -8.f * d : h2f(blk + 2);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q4_0 ? 2 : 4)));
-    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    emit32_4bit<T>(q, d, c, out);
+    emit32_4bit<T>(nibbles32(blk + (F == Q4_0 ? 2 : 4)), d, c, out);
   } else if constexpr (F == Q5_0 || F == Q5_1) {
     const float d = h2f(blk);
     const float c = F == Q5_0 ? -16.f * d : h2f(blk + 2);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == Q5_0 ? 6 : 8)));
-    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4),
-                                      fifth_bits(load_qh(blk + (F == Q5_0 ? 2 : 4))));
-    emit32<T, false>(q, d, c, d, c, out);
+    emit32<T, false>(codes_q5<F>(blk), d, c, d, c, out);
   } else if constexpr (F == Q2_K || F == Q3_K) {
     // blocks.h's layout: sub-block s = 4 h + j takes bits 2j of qs[32 h ..] (Q3_K: and bit s of
     // hmask as the third); its halves have their own scales
@@ -178,17 +173,12 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
       emit32<T, false>(q, a[0], c[0], a[1], c[1], out + s * 32);
     }
   } else if constexpr (F == IQ4_NL || F == IQ4_XS) {
-    // each code's value looked up by vpshufb in kIQ4Values (the same 16 bytes in both lanes)
-    const __m128i grid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
-    const __m256i table = _mm256_set_m128i(grid, grid);
     const float d = h2f(blk);
     constexpr int G = F == IQ4_NL ? 1 : 8;
     for (int g = 0; g < G; ++g) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (F == IQ4_NL ? 2 : 8) + g * 16));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
       float a = d;
       if constexpr (F == IQ4_XS) a = d * iq4xs_scale(g, blk);
-      emit32<T, true>(_mm256_shuffle_epi8(table, codes), a, 0.f, a, 0.f, out + g * 32);
+      emit32<T, true>(values_iq4(blk + (F == IQ4_NL ? 2 : 8) + g * 16), a, 0.f, a, 0.f, out + g * 32);
     }
   } else if constexpr (F == Q4_K || F == Q5_K) {
     const float d = h2f(blk), dmin = h2f(blk + 2);
@@ -213,14 +203,10 @@ inline void dequantize_block(const uint8_t* blk, T* out) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = h2f(blk + 208);
     for (int h = 0; h < 2; ++h) {                       // two halves of 128 elements
-      const __m256i qh = load32(blk + 128 + h * 32);
       for (int g = 0; g < 4; ++g) {                     // 32 elements each, scales 16 apiece
-        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load32(blk + h * 64 + (g % 2) * 32), 4 * (g / 2)), low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(0x03));
-        const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
         const int s = h * 4 + g;                        // sub-block: scales 2s, 2s + 1
         const float a0 = d * scales[2 * s], a1 = d * scales[2 * s + 1];
-        emit32<T, false>(q, a0, -32.f * a0, a1, -32.f * a1, out + s * 32);
+        emit32<T, false>(codes_q6k(blk, h, g), a0, -32.f * a0, a1, -32.f * a1, out + s * 32);
       }
     }
   }
