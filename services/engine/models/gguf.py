@@ -35,6 +35,8 @@ _NORM_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's Gemma layer counts of the 27B models, whose attention scale is 1 / sqrt(hidden / heads)
 # (the others': 1 / sqrt(head_dim)); the metadata does not carry query_pre_attn_scalar
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# the architectures whose files carry a sliding window (`<arch>.attention.sliding_window`)
+_WINDOWED = ("phi3", "gemma2", "gemma3")
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -142,6 +144,10 @@ class GGUFFile:
                 raise ValueError(f"GGUF file {self.path} has both RoPE scaling {scaling!r} and a rope_freqs "
                                  "tensor; one of them is supported at a time")
             cfg["rope_scaling"] = {"rope_type": "rope_freqs", "freq_factors": self._floats(_ROPE_FREQS)}
+        if a in _WINDOWED:
+            window = int(self.field(f"{a}.attention.sliding_window") or 0)
+            if window > 0:          # Phi-4's files say 0: no window
+                cfg["sliding_window"] = window
         if a == "phi3":
             self._phi3(cfg)
         if self.kind in _EXPERTS:
@@ -151,13 +157,10 @@ class GGUFFile:
         return cfg
 
     def _gemma(self, cfg: dict[str, Any], hidden_per_head: int, head_dim: int) -> None:
-        """Gemma 2 / 3: the window, Gemma 2's soft-capping, and the attention scale as llama.cpp
-        sets it (the defaults of HF's configs cover the rest: GeGLU, Gemma 2's alternating and Gemma
-        3's 5:1 sliding layers, Gemma 3's local RoPE base 10000)."""
+        """Gemma 2 / 3: Gemma 2's soft-capping and the attention scale as llama.cpp sets it (the
+        defaults of HF's configs cover the rest: GeGLU, Gemma 2's alternating and Gemma 3's 5:1
+        sliding layers, Gemma 3's local RoPE base 10000)."""
         a = self.arch
-        window = self.field(f"{a}.attention.sliding_window")
-        if window:
-            cfg["sliding_window"] = int(window)
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[a]
         cfg["query_pre_attn_scalar"] = hidden_per_head if big else head_dim
@@ -182,11 +185,8 @@ class GGUFFile:
         return [float(v) for v in np.asarray(t.data, dtype=np.float32).ravel()]
 
     def _phi3(self, cfg: dict[str, Any]) -> None:
-        """Phi-3's sliding window (0: none, Phi-4) and longrope (the 128k models: two factor
-        tensors and the attention factor llama.cpp's converter computed)."""
-        window = int(self.field("phi3.attention.sliding_window") or 0)
-        if window > 0:
-            cfg["sliding_window"] = window
+        """Phi-3's longrope (the 128k models: two factor tensors and the attention factor llama.cpp's
+        converter computed)."""
         orig = self.field("phi3.rope.scaling.original_context_length")
         if orig is not None:
             cfg["original_max_position_embeddings"] = int(orig)
@@ -217,11 +217,11 @@ class GGUFFile:
         for t in self.reader.tensors:
             if t.name == _ROPE_FREQS or t.name in _ROPE_FACTORS:
                 continue        # in the config (hf_config)
-            experts = expert_names(t.name, self.kind, t.shape[0]) if len(t.shape) == 3 else None
-            name = experts[0] if experts else hf_tensor_name(t.name, self.kind)
-            if name is None:
+            names = self._hf_names(t)
+            if not names:
                 log.warning("ignoring unknown GGUF tensor %s in %s", t.name, self.path)
                 continue
+            name, experts = names[0], (names if len(t.shape) == 3 else None)
             if keep_quantized and _block_matrix(t):
                 if is_supported(t.ggml_type):
                     if experts:     # each expert's rows of the stacked blocks
@@ -257,12 +257,17 @@ class GGUFFile:
     def block_tensors(self) -> Iterator[tuple[str, int]]:
         """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
         for t in self.reader.tensors:
-            if not (_block_matrix(t) and is_supported(t.ggml_type)):
-                continue
-            experts = expert_names(t.name, self.kind, t.shape[0]) if len(t.shape) == 3 else None
-            for name in experts or [hf_tensor_name(t.name, self.kind)]:
-                if name is not None:
+            if _block_matrix(t) and is_supported(t.ggml_type):
+                for name in self._hf_names(t):
                     yield name, t.ggml_type
+
+    def _hf_names(self, t) -> list[str]:
+        """The HF name(s) tensor `t` loads as: one, each expert's of a stacked expert tensor, or
+        none for a name the reader does not know."""
+        if len(t.shape) == 3:
+            return expert_names(t.name, self.kind, t.shape[0]) or []
+        name = hf_tensor_name(t.name, self.kind)
+        return [] if name is None else [name]
 
     def _quantized(self, t, name: str, num_heads: int, num_kv_heads: int,
                    activations: str) -> QuantizedWeight:
