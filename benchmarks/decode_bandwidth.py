@@ -4,6 +4,8 @@
     python benchmarks/decode_bandwidth.py                  # built-in model, float32 on this CPU
     python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64 \
         --async-scheduling                                 # the same, step n + 1 scheduled while n runs
+    python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64 \
+        --context 4096 --kv-cache-dtype fp8                # 8-bit K/V: half the context bytes a step
 
 B requests with C-token prompts are prefilled; then S engine steps, each one decode token for all
 B sequences, are timed (CUDA synchronised). Per step the engine must read every weight once (a
@@ -53,18 +55,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct parameter storages (a tied matrix counts once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        key = p.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += p.untyped_storage().nbytes()
-    return total
-
-
 def prefill_steps_bound(batch: int, context: int, budget: int) -> int:
     """Engine steps that prefill `batch` prompts of `context` tokens at most, under a per-step
     token budget: each step every running sequence decodes one token first and the prompts get
@@ -88,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="the prefill's per-step token budget (default: the largest of 2048, "
                    "--context and 2 x --batch)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="the engine's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2); the K/V bytes "
+                        "a step reads are counted at the cache's element size")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: each timed step schedules the next "
                    "while the device runs it (run once with and once without to compare)")
@@ -123,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = EngineConfig(num_kv_blocks=blocks, block_size=block, max_num_seqs=args.batch,
                        max_num_batched_tokens=budget, max_model_len=total_len + block,
                        swap_space=0.0, dtype=args.dtype, device=args.device,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(cfg, loaded=loaded)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
@@ -154,18 +147,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"only {len(sched.running)} of the {args.batch} sequences decoded to the end of "
                  "the timed steps")
 
-    itemsize = torch.empty((), dtype=loaded.dtype).element_size()
+    itemsize = 1 if args.kv_cache_dtype != "auto" else torch.empty((), dtype=loaded.dtype).element_size()
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
     # the mean context over the timed steps: each step adds one token per sequence
     kv_bytes = sum(c + (args.steps + 1) / 2 for c in contexts) * kv_per_token
-    w_bytes = weight_bytes(loaded.model)
+    w_bytes = loaded.weight_bytes   # as held: quantized blocks too, a tied head once
     bw = copy_bandwidth(device, (args.copy_mib or (1024 if device.type == "cuda" else 256)) << 20)
     moved = (w_bytes + kv_bytes) / step_s
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {describe_machine()}; load average {os.getloadavg()[0]:.2f}")
     print(f"# model {args.model} ({loaded.path.name}), {args.dtype} on {dev_name}: "
           f"{w_bytes / 1e9:.3f} GB of weights; batch {args.batch}, prompt {args.context}, "
-          f"{args.steps} timed steps; async scheduling {'on' if args.async_scheduling else 'off'}")
+          f"{args.steps} timed steps; KV cache {args.kv_cache_dtype}; async scheduling {'on' if args.async_scheduling else 'off'}")
     print("| batch | context | step ms | tokens/s | weights GB/step | K/V GB/step | GB/s moved "
           "| copy GB/s | utilisation |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

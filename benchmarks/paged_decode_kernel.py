@@ -4,12 +4,16 @@
     python benchmarks/paged_decode_kernel.py --batches 16 64 --contexts 2048 8192 --block-size 32
     python benchmarks/paged_decode_kernel.py --batches 1 4 16 --contexts 128 512 1024 --max-model-len 8192
         # small batches at short context, the split count fixed as a CUDA graph fixes it
+    python benchmarks/paged_decode_kernel.py --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2
+        # the same kernel over --kv-cache-dtype fp8 caches: a row per cache dtype
 
 For each (batch, context) it prints one row:
   * the split count (the engine's rule, kernels/decode_plan.py; splits of at least
     --min-split-tokens, so a short context uses one: one launch, output written directly);
   * the decode kernel's time and achieved bandwidth (K/V bytes read + q/out) as a fraction of the
-    measured device-to-device copy bandwidth (read + write bytes of a large `copy_`);
+    measured device-to-device copy bandwidth (read + write bytes of a large `copy_`), once per
+    cache dtype of --kv-cache-dtypes (`auto`: the query's dtype; fp8_*: 8-bit codes, half the
+    bytes, widened in registers), and the time against the first cache dtype's;
   * the time of torch's scaled_dot_product_attention on the same K/V laid out contiguously,
     [batch, kv_heads, context, head_dim], with the GQA group folded into the query length
     (q [batch, kv_heads, group, head_dim]), which is exact for decode and lets SDPA pick its
@@ -38,6 +42,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                   help="the caches' element types, as --kv-cache-dtype names them (auto, fp8, "
+                        "fp8_e4m3, fp8_e5m2): each configuration runs once per value")
     p.add_argument("--num-splits", type=int, default=None,
                    help="default: the engine's rule (kernels/decode_plan.py) at the context, or at "
                         "--max-model-len (a CUDA graph's fixed count)")
@@ -69,15 +76,15 @@ def _fits(nbytes: int) -> bool:
     return nbytes < 0.9 * free
 
 
-def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype):
+def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype, cache_dtype: torch.dtype):
     from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace
     from kvmesh.kernels.paged_attention import default_num_splits, paged_decode_attention
 
     kvh, d, bs = args.num_kv_heads, args.head_dim, args.block_size
     blocks_per_seq = -(-ctx // bs)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.empty(num_blocks, bs, kvh, d, dtype=dtype, device="cuda").normal_()
-    v_cache = torch.empty_like(k_cache).normal_()
+    k_cache = torch.empty(num_blocks, bs, kvh, d, dtype=dtype, device="cuda").normal_().to(cache_dtype)
+    v_cache = torch.empty(num_blocks, bs, kvh, d, dtype=dtype, device="cuda").normal_().to(cache_dtype)
     # NOTE: a random permutation: no two neighbouring blocks of a sequence are adjacent in memory
     tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -96,9 +103,9 @@ def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype):
                                       num_warps=args.num_warps, num_stages=args.num_stages)
 
     out = run()
-    # spot check of sequence 0 against SDPA on its gathered context
-    k0 = k_cache[tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1)[None]   # [1, kvh, ctx, d]
-    v0 = v_cache[tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+    # spot check of sequence 0 against SDPA on its gathered context (codes widened to the query's dtype)
+    k0 = k_cache[tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(dtype)  # [1, kvh, ctx, d]
+    v0 = v_cache[tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1)[None].to(dtype)
     q0 = query[0].view(1, kvh, -1, d)
     ref0 = F.scaled_dot_product_attention(q0, k0, v0, scale=scale).reshape(-1, d)
     err = (out[0].float() - ref0.float()).abs().max().item()
@@ -137,14 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         print("--num-heads must be a multiple of --num-kv-heads", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
+    from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype
+    try:
+        cache_dtypes = [resolve_kv_cache_dtype(n, dtype, "triton") for n in args.kv_cache_dtypes]
+    except ValueError as e:
+        print(f"--kv-cache-dtypes: {e}", file=sys.stderr)
+        return 2
     copy_bw = _copy_bandwidth(do_bench, args.copy_gib)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# {args.dtype}, heads {args.num_heads}/{args.num_kv_heads} (GQA "
           f"{args.num_heads // args.num_kv_heads}:1), head_dim {args.head_dim}, "
           f"block_size {args.block_size}, block_n {args.block_n}, warps {args.num_warps}")
     print(f"# device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
-    head = (f"{'batch':>5} {'ctx':>6} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'% copy':>7} "
-            f"{'sdpa us':>9} {'x sdpa':>7} {'max err':>8}  targets")
+    head = (f"{'batch':>5} {'ctx':>6} {'cache':>8} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'% copy':>7} "
+            f"{'sdpa us':>9} {'x sdpa':>7} {'x first':>7} {'max err':>8}  targets")
     print(head)
     print("-" * len(head))
     for batch in args.batches:
@@ -154,17 +167,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{batch:>5} {ctx:>6}  skipped: {kv_bytes / 2**30:.1f} GiB of K/V "
                       f"does not fit in free memory")
                 continue
-            ms, nbytes, splits, err = _bench_paged(args, do_bench, batch, ctx, dtype)
             sdpa_ms = _bench_sdpa(args, do_bench, batch, ctx, dtype)
-            bw = nbytes / (ms * 1e-3)
-            frac, ratio = bw / copy_bw, ms / sdpa_ms
-            notes = []
-            if ctx >= 2048 and batch >= 16:
-                notes.append("bw ok" if frac >= 0.70 else "BW BELOW 70%")
-            notes.append("sdpa ok" if ratio <= 1.25 else "SLOWER THAN 1.25x SDPA")
-            print(f"{batch:>5} {ctx:>6} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e9:>7.0f} "
-                  f"{100 * frac:>6.1f}% {sdpa_ms * 1e3:>9.1f} {ratio:>7.2f} {err:>8.1e}  "
-                  f"{', '.join(notes)}")
+            first_ms = None
+            for name, cache_dtype in zip(args.kv_cache_dtypes, cache_dtypes):
+                ms, nbytes, splits, err = _bench_paged(args, do_bench, batch, ctx, dtype, cache_dtype)
+                first_ms = first_ms or ms
+                bw = nbytes / (ms * 1e-3)
+                frac, ratio = bw / copy_bw, ms / sdpa_ms
+                notes = []
+                if ctx >= 2048 and batch >= 16:
+                    notes.append("bw ok" if frac >= 0.70 else "BW BELOW 70%")
+                notes.append("sdpa ok" if ratio <= 1.25 else "SLOWER THAN 1.25x SDPA")
+                print(f"{batch:>5} {ctx:>6} {name:>8} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e9:>7.0f} "
+                      f"{100 * frac:>6.1f}% {sdpa_ms * 1e3:>9.1f} {ratio:>7.2f} {ms / first_ms:>7.2f} "
+                      f"{err:>8.1e}  {', '.join(notes)}", flush=True)
     return 0
 
 

@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu/session.sh prepare        # here: the wheels it lacks into .gpu/wheels (~16 MB),
 #                                            # the built-in tokenizer's files into .gpu/tokenizer
-#   benchmarks/gpu/session.sh run [tests|bench|engine|all]   # there, from the checkout's root,
+#   benchmarks/gpu/session.sh run [tests|bench|engine|kv8|all]   # there, from the checkout's root,
 #                                            # with .gpu carried; results under $OUT
 #
 # `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
@@ -13,7 +13,9 @@
 # checkpoints on CUDA (a server included), a bf16 model against its float32 self through every
 # attention route, benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the engine on random-1b
 # quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint dequantized to bf16,
-# decode-heavy (benchmarks/offline_throughput.py --quantization auto,none).
+# decode-heavy (benchmarks/offline_throughput.py --quantization auto,none). `kv8` (not in `all`):
+# the 8-bit KV cache, its compiled-kernel tests, the decode kernel over bf16 / e4m3 / e5m2 caches,
+# one engine decode step at a long context and decode-heavy, each with --kv-cache-dtype auto / fp8.
 set -u
 ROOT=$(pwd)
 case "${1:-}" in
@@ -25,7 +27,7 @@ prepare)
         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
         -d .gpu/wheels -r benchmarks/gpu/carry-requirements.txt ;;
 run) ;;
-*) echo "usage: $0 prepare | run [tests|bench|engine|all]" >&2; exit 2 ;;
+*) echo "usage: $0 prepare | run [tests|bench|engine|kv8|all]" >&2; exit 2 ;;
 esac
 STEP=${2:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -65,4 +67,22 @@ if [ "$STEP" = all ] || [ "$STEP" = engine ]; then
             --workload decode-heavy --max-num-seqs "${ENGINE_SEQS:-64}" > "$OUT/engine_$q.txt" 2>&1
         echo "engine $q rc=$?"; grep -E "^# (kvmesh|model|workload)|^\| kvmesh|x output|Error" "$OUT/engine_$q.txt" | tail -12
     done
+fi
+if [ "$STEP" = kv8 ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rA tests/kernels/test_kv_cache_fp8_triton.py \
+        tests/engine/test_kernel_warmup.py -k "compiled or after_start_up" > "$OUT/kv8_tests.txt" 2>&1
+    echo "fp8 KV tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/kv8_tests.txt" | tail -12
+    timeout 90 python3 benchmarks/paged_decode_kernel.py --batches 16 64 --contexts 2048 8192 32768 \
+        --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2 > "$OUT/kv8_kernel.txt" 2>&1
+    echo "decode kernel rc=$?"; cat "$OUT/kv8_kernel.txt"
+    for kv in auto fp8; do
+        timeout 120 python3 benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b \
+            --tokenizer .gpu/tokenizer --model-cache /tmp/kvmodels --batch 64 --context "${KV8_CONTEXT:-4096}" \
+            --kv-cache-dtype $kv > "$OUT/kv8_step_$kv.txt" 2>&1
+        echo "decode step kv=$kv rc=$?"; grep -E "^#|^\|" "$OUT/kv8_step_$kv.txt" | tail -4
+    done
+    timeout 150 python3 benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --model random-1b \
+        --tokenizer .gpu/tokenizer --model-cache /tmp/kvmodels --systems kvmesh --kv-cache-dtype auto,fp8 \
+        --workload decode-heavy --max-num-seqs 64 > "$OUT/kv8_engine.txt" 2>&1
+    echo "engine rc=$?"; grep -E "^# (kvmesh|model|workload)|^\| kvmesh|x output|identical|Error" "$OUT/kv8_engine.txt" | tail -12
 fi

@@ -41,7 +41,7 @@ def test_random_model_is_built_once_and_loads_with_the_preset_shape(model_cache,
     assert cfg.tie_word_embeddings
     # the tied embedding / lm_head counts once: 49152 x 64 + 2 layers + the final norm, float32
     per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
-    assert decode_bandwidth.weight_bytes(loaded.model) == 4 * (49152 * 64 + 2 * per_layer + 64)
+    assert loaded.weight_bytes == 4 * (49152 * 64 + 2 * per_layer + 64)
     assert loaded.tokenizer.encode("hello world") == smollm.tokenizer.encode("hello world")
 
 
@@ -120,6 +120,16 @@ def test_decode_bandwidth_prints_one_row(model_cache, capsys):
     # weights per step: the model's distinct bytes; K/V: 3 sequences x ~22 tokens x 2 layers x
     # K and V x 2 heads x 16 dims x 4 bytes
     assert float(row[4]) == pytest.approx(0.013, abs=0.001)
+
+
+def test_decode_bandwidth_with_an_8_bit_cache_counts_a_byte_a_value(model_cache, capsys):
+    decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache), "--batch", "3",
+                           "--context", "2000", "--steps", "2", "--copy-mib", "16", "--kv-cache-dtype", "fp8"])
+    out = capsys.readouterr().out
+    assert "KV cache fp8" in out
+    row = out.strip().splitlines()[-1].strip("| ").split(" | ")
+    # K/V: 3 sequences x ~2003.5 tokens x 2 layers x K and V x 2 heads x 16 dims x 1 byte
+    assert float(row[5]) == pytest.approx(3 * 2003.5 * 2 * 2 * 2 * 16 / 1e9, abs=0.0005)
 
 
 def test_decode_bandwidth_and_scheduler_step_run_with_async_scheduling(model_cache, capsys):
