@@ -13,7 +13,8 @@ For each (batch, context) it prints one row:
   * the decode kernel's time and achieved bandwidth (K/V bytes read + q/out) as a fraction of the
     measured device-to-device copy bandwidth (read + write bytes of a large `copy_`), once per
     cache dtype of --kv-cache-dtypes (`auto`: the query's dtype; fp8_*: 8-bit codes, half the
-    bytes, widened in registers), and the time against the first cache dtype's;
+    bytes, widened in registers; with --fp8-bit-path also as bytes widened by bit operations,
+    the sm_80 / interpreter path, `fp8_codes.kv_read`), and the time against the first row's;
   * the time of torch's scaled_dot_product_attention on the same K/V laid out contiguously,
     [batch, kv_heads, context, head_dim], with the GQA group folded into the query length
     (q [batch, kv_heads, group, head_dim]), which is exact for decode and lets SDPA pick its
@@ -45,6 +46,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                    help="the caches' element types, as --kv-cache-dtype names them (auto, fp8, "
                         "fp8_e4m3, fp8_e5m2): each configuration runs once per value")
+    p.add_argument("--fp8-bit-path", action="store_true",
+                   help="each 8-bit cache also read as bytes widened by bit operations (as on sm_80), "
+                        "beside the device's own conversion (sm_89+)")
     p.add_argument("--num-splits", type=int, default=None,
                    help="default: the engine's rule (kernels/decode_plan.py) at the context, or at "
                         "--max-model-len (a CUDA graph's fixed count)")
@@ -76,7 +80,8 @@ def _fits(nbytes: int) -> bool:
     return nbytes < 0.9 * free
 
 
-def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype, cache_dtype: torch.dtype):
+def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 arch: int | None):
     from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace
     from kvmesh.kernels.paged_attention import default_num_splits, paged_decode_attention
 
@@ -100,7 +105,7 @@ def _bench_paged(args, do_bench, batch: int, ctx: int, dtype: torch.dtype, cache
         return paged_decode_attention(query, k_cache, v_cache, tables, seq_lens, ctx, scale,
                                       num_splits=splits, min_split_tokens=min_tokens,
                                       workspace=workspace, block_n=args.block_n,
-                                      num_warps=args.num_warps, num_stages=args.num_stages)
+                                      num_warps=args.num_warps, num_stages=args.num_stages, arch=arch)
 
     out = run()
     # spot check of sequence 0 against SDPA on its gathered context (codes widened to the query's dtype)
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.num_heads // args.num_kv_heads}:1), head_dim {args.head_dim}, "
           f"block_size {args.block_size}, block_n {args.block_n}, warps {args.num_warps}")
     print(f"# device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
-    head = (f"{'batch':>5} {'ctx':>6} {'cache':>8} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'% copy':>7} "
+    head = (f"{'batch':>5} {'ctx':>6} {'cache':>9} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'% copy':>7} "
             f"{'sdpa us':>9} {'x sdpa':>7} {'x first':>7} {'max err':>8}  targets")
     print(head)
     print("-" * len(head))
@@ -169,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sdpa_ms = _bench_sdpa(args, do_bench, batch, ctx, dtype)
             first_ms = None
-            for name, cache_dtype in zip(args.kv_cache_dtypes, cache_dtypes):
-                ms, nbytes, splits, err = _bench_paged(args, do_bench, batch, ctx, dtype, cache_dtype)
+            rows = [(n, c, None) for n, c in zip(args.kv_cache_dtypes, cache_dtypes)]
+            if args.fp8_bit_path:
+                rows = [r for n, c, a in rows
+                        for r in ([(n, c, a), (n.removeprefix("fp8_") + "/bits", c, 80)] if c.itemsize == 1
+                                  else [(n, c, a)])]
+            for name, cache_dtype, arch in rows:
+                ms, nbytes, splits, err = _bench_paged(args, do_bench, batch, ctx, dtype, cache_dtype, arch)
                 first_ms = first_ms or ms
                 bw = nbytes / (ms * 1e-3)
                 frac, ratio = bw / copy_bw, ms / sdpa_ms
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ctx >= 2048 and batch >= 16:
                     notes.append("bw ok" if frac >= 0.70 else "BW BELOW 70%")
                 notes.append("sdpa ok" if ratio <= 1.25 else "SLOWER THAN 1.25x SDPA")
-                print(f"{batch:>5} {ctx:>6} {name:>8} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e9:>7.0f} "
+                print(f"{batch:>5} {ctx:>6} {name:>9} {splits:>6} {ms * 1e3:>9.1f} {bw / 1e9:>7.0f} "
                       f"{100 * frac:>6.1f}% {sdpa_ms * 1e3:>9.1f} {ratio:>7.2f} {ms / first_ms:>7.2f} "
                       f"{err:>8.1e}  {', '.join(notes)}", flush=True)
     return 0

@@ -13,9 +13,15 @@ type in Triton) and sm_90, and runs in the interpreter:
     normal): the codes torch's conversion gives for the clamped value (`to_cache_codes`).
 
 `KV_CODE` (a constexpr) names the cache's element type: 0 the model's dtype (nothing to do),
-1 float8_e4m3fn, 2 float8_e5m2 (`kv_code`).
+1 float8_e4m3fn, 2 float8_e5m2 (`kv_code`) as bytes; 3 / 4 the same caches handed to a reading
+kernel as their fp8 type, widened by the GPU's own conversion (`kv_read`: compiled for sm_89 and
+later, which convert a pair of codes in one instruction). The bit operations are ~10 integer
+instructions a value: on an H100 they made a decode over fp8 codes take 0.95-1.0x the time of
+one over bf16 at half the bytes (docs/BENCHMARKS.md, "The 8-bit KV cache on an H100").
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -34,6 +40,22 @@ def kv_code(cache_dtype: torch.dtype) -> int:
 def cache_bytes(cache: torch.Tensor) -> torch.Tensor:
     """What a kernel is handed for a cache: an 8-bit float cache as its bytes, others as they are."""
     return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+_NATIVE = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+# NOTE: sm_89 (Ada) and sm_90 have the e4m3 / e5m2 conversions; Triton refuses fp8e4nv before
+NATIVE_MIN_ARCH = 89
+
+
+def kv_read(cache: torch.Tensor, arch: int) -> tuple[torch.Tensor, int]:
+    """(the tensor a reading kernel is handed, its KV_CODE) for a cache read on sm_<arch>: an
+    8-bit cache as its own fp8 type (codes 3 / 4) where the compiled kernel converts natively,
+    else as bytes widened by bit operations (1 / 2; the interpreter, sm_80); others as they are."""
+    if not is_fp8(cache.dtype):
+        return cache, 0
+    if arch >= NATIVE_MIN_ARCH and os.environ.get("TRITON_INTERPRET") != "1":
+        return cache, _NATIVE[cache.dtype]
+    return cache.view(torch.uint8), _CODES[cache.dtype]
 
 
 @triton.jit

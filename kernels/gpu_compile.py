@@ -119,10 +119,14 @@ def _launch_attention(s: EngineShape, dtype, cache_dtype=None) -> None:
     kw = dict(sliding_window=s.sliding_window, softcap=s.softcap)
     # large batches or short contexts: one split; batch 1 at long context: many + the reduce;
     # with the engine's minimum split length (DecodePlanner), as every engine decode runs
-    for splits in (1, 16):
-        paged_attention.paged_decode_attention(q, _cache(s, cache_dtype), _cache(s, cache_dtype), tables, seq_lens,
-                                               512, s.head_dim ** -0.5, num_splits=splits,
-                                               min_split_tokens=DEFAULT_MIN_SPLIT_TOKENS, **kw)
+    # (per architecture: an 8-bit cache is read as bytes on sm_80, as fp8 on sm_90; a float
+    # cache's variants are the same on both and recorded once)
+    for arch in TARGETS:
+        with _for_target(arch):
+            for splits in (1, 16):
+                paged_attention.paged_decode_attention(q, _cache(s, cache_dtype), _cache(s, cache_dtype), tables,
+                                                       seq_lens, 512, s.head_dim ** -0.5, num_splits=splits,
+                                                       min_split_tokens=DEFAULT_MIN_SPLIT_TOKENS, arch=arch, **kw)
     q, _, _ = _qkv(s, 64, dtype)
     for arch in TARGETS:     # the launcher's tiles per architecture (a meta tensor has none)
         with _for_target(arch):
@@ -130,8 +134,9 @@ def _launch_attention(s: EngineShape, dtype, cache_dtype=None) -> None:
                                                 tables, s.head_dim ** -0.5, arch=arch, **kw)
 
 
-# --kv-cache-dtype fp8 / fp8_e5m2 under bf16 models (the codes are read as bytes: one kernel for
-# sm_80 and sm_90; under fp16 only the widened tiles' final conversion differs)
+# --kv-cache-dtype fp8 / fp8_e5m2 under bf16 models (written as bytes; read as bytes on sm_80, as
+# fp8 converted natively on sm_90: fp8_codes.kv_read; under fp16 only the widened tiles' final
+# conversion differs)
 FP8_CACHES = {torch.bfloat16: (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
@@ -237,7 +242,7 @@ class Variant:
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-          torch.float8_e4m3fn: "fp8e4nv"}
+          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 # NOTE: Triton refuses fp8e4nv (e4m3) before sm_89 (no fp8 conversions nor MMA there); a
 # variant with such an argument is compiled for the targets that have it and marked for the others
 _MIN_CC = {"fp8e4nv": 89}
@@ -371,7 +376,7 @@ def _cuobjdump(cubin: bytes) -> dict[str, int]:
 def compile_variant(v: Variant, cc: int) -> Resources:
     """Compile for sm_<cc> (ptxas included) and read the cubin's resource usage."""
     if cc not in v.targets:
-        return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: sm_{cc} launches other tiles")
+        return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: sm_{cc} launches another variant")
     for _, ty in v.signature:
         if cc < _MIN_CC.get(ty.lstrip("*"), 0):
             return Resources(cc, 0, 0, 0, 0, unsupported=f"n/a: {ty.lstrip('*')} needs sm_{_MIN_CC[ty.lstrip('*')]}+")

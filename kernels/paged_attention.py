@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvmesh.kernels.decode_plan import DEFAULT_MIN_SPLIT_TOKENS, DecodeWorkspace, decode_splits
-from kvmesh.kernels.fp8_codes import cache_bytes, kv_code, widen_codes
+from kvmesh.kernels.fp8_codes import kv_read, widen_codes
 from kvmesh.kernels.kv_cache_dtype import is_fp8
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,8 +35,9 @@ def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, st
     """Positions n0 .. n0+BLOCK_N of one sequence's K and V, read through its block table.
 
     Returns (pos [BLOCK_N], valid [BLOCK_N], k [BLOCK_N, D], v [BLOCK_N, D]); invalid rows are 0.
-    An 8-bit cache (KV_CODE 1 / 2, read as bytes) is widened to the dtype of `q`, the program's
-    query tile, which the tiles meet in tl.dot. Shared by the decode and the unified kernels.
+    An 8-bit cache (KV_CODE 1 / 2 read as bytes, 3 / 4 as fp8, fp8_codes.kv_read) is widened to
+    the dtype of `q`, the program's query tile, which the tiles meet in tl.dot. Shared by the
+    decode and the unified kernels.
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
@@ -48,7 +49,10 @@ def load_kv_tile(table_row, stride_btb, k_base, v_base, stride_kb, stride_ks, st
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vs
                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    if KV_CODE != 0:
+    if KV_CODE >= 3:               # fp8 tiles: the GPU's conversion, exact into bf16 / fp16 / fp32
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    elif KV_CODE != 0:
         k = widen_codes(k, KV_CODE).to(q.dtype)
         v = widen_codes(v, KV_CODE).to(q.dtype)
     elif UPCAST:
@@ -134,7 +138,8 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,       # fp32 tl.dot operands (interpreter); else native 16-bit operands
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
-    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes
+    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes;
+                                # 3 / 4: e4m3fn / e5m2 caches converted natively (fp8_codes.kv_read)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,6 +305,17 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
                          num_sms(device.index or 0), min_split_tokens=min_split_tokens)
 
 
+def device_arch(device: torch.device) -> int:
+    """sm_<major><minor> of a CUDA device as an int (90 for 9.0); 80 off CUDA."""
+    return _cuda_arch(device.index or 0) if device.type == "cuda" else 80
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
 def paged_decode_attention(
     query: torch.Tensor,         # [num_seqs, num_heads, head_dim] (any strides)
     k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -317,6 +333,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    arch: int | None = None,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """One query token per sequence against its paged context (flash-decoding when split).
     The caches hold the query's dtype, or 8-bit float codes (`--kv-cache-dtype fp8`).
@@ -326,7 +343,8 @@ def paged_decode_attention(
     rule of `decode_plan.decode_splits`) is the most splits a sequence uses; each split is at
     least `min_split_tokens` long (default: `block_n`, i.e. every sequence uses all
     `num_splits`), so a sequence shorter than that takes one split and is written directly.
-    `workspace`: preallocated partials (else allocated per call when split).
+    `workspace`: preallocated partials (else allocated per call when split). `arch`: the
+    sm_<arch> an 8-bit cache is read for (default: the query's device; fp8_codes.kv_read).
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
     check_window_softcap(sliding_window, softcap)
@@ -374,15 +392,17 @@ def paged_decode_attention(
         part_strides = part.stride()
         lse_strides = lse.stride()[:2]
     window = int(sliding_window)
+    arch = device_arch(query.device) if arch is None else arch
+    (k_read, kv_code), (v_read, _) = kv_read(k_cache, arch), kv_read(v_cache, arch)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, cache_bytes(k_cache), cache_bytes(v_cache), block_tables, seq_lens, out, part, lse,
+        query, k_read, v_read, block_tables, seq_lens, out, part, lse,
         scale * _LOG2E, window, float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(), *part_strides, *lse_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
         DOT_PRECISION=dot_precision(query.dtype), UPCAST=upcast_operands(query),
-        USE_SOFTCAP=softcap > 0, KV_CODE=kv_code(k_cache.dtype),
+        USE_SOFTCAP=softcap > 0, KV_CODE=kv_code,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -397,4 +417,4 @@ def paged_decode_attention(
 
 
 __all__ = ["paged_decode_attention", "check_attention_args", "check_window_softcap", "default_num_splits",
-           "dot_precision", "num_sms", "upcast_operands"]
+           "device_arch", "dot_precision", "num_sms", "upcast_operands"]

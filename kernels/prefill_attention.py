@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.kernels.fp8_codes import cache_bytes, kv_code
+from kvmesh.kernels.fp8_codes import kv_read
 from kvmesh.kernels.kv_cache_dtype import is_fp8
-from kvmesh.kernels.paged_attention import (check_attention_args, check_window_softcap, dot_precision,
-                                            load_kv_tile, online_softmax_step, tanh,
+from kvmesh.kernels.paged_attention import (check_attention_args, check_window_softcap, device_arch,
+                                            dot_precision, load_kv_tile, online_softmax_step, tanh,
                                             upcast_operands)
 
 _LOG2E = 1.4426950408889634
@@ -77,7 +77,8 @@ def _unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,  # score = cap * tanh(score / cap) (Gemma 2)
     NUM_STAGES: tl.constexpr,   # software-pipelining depth of the K/V loops
     UNMASKED_LOOP: tl.constexpr,  # run the tiles below the diagonal without masks (16-bit)
-    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes
+    KV_CODE: tl.constexpr,      # 0: the caches hold the query's dtype; 1 / 2: e4m3fn / e5m2 bytes;
+                                # 3 / 4: converted natively (fp8_codes.kv_read)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -177,17 +178,6 @@ def default_tiles(dtype: torch.dtype, block_g: int, head_dim: int,
     return max(64, block_g), 32, 8 if wide or fp8_cache else 4, 2
 
 
-def device_arch(device: torch.device) -> int:
-    """sm_<major><minor> of a CUDA device as an int (90 for 9.0); 80 off CUDA."""
-    return _cuda_arch(device.index or 0) if device.type == "cuda" else 80
-
-
-@functools.lru_cache(maxsize=8)
-def _cuda_arch(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return 10 * major + minor
-
-
 def unified_attention(
     query: torch.Tensor,            # [num_tokens, num_heads, head_dim] (any strides)
     k_cache: torch.Tensor,          # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -215,8 +205,8 @@ def unified_attention(
     """
     group, block_size = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens)
     check_window_softcap(sliding_window, softcap)
-    dm, dn, dw, ds = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2],
-                                   device_arch(query.device) if arch is None else arch,
+    arch = device_arch(query.device) if arch is None else arch
+    dm, dn, dw, ds = default_tiles(query.dtype, triton.next_power_of_2(group), query.shape[2], arch,
                                    fp8_cache=is_fp8(k_cache.dtype))
     block_m, block_n = block_m or dm, block_n or dn
     num_warps, num_stages = num_warps or dw, num_stages or ds
@@ -240,8 +230,9 @@ def unified_attention(
         return out
     block_q = block_m // block_g
     grid = (num_tokens // block_q + num_seqs, k_cache.shape[2])
+    (k_read, kv_code), (v_read, _) = kv_read(k_cache, arch), kv_read(v_cache, arch)
     _unified_attention_kernel[grid](
-        query, cache_bytes(k_cache), cache_bytes(v_cache), out, block_tables, seq_lens, query_start_loc,
+        query, k_read, v_read, out, block_tables, seq_lens, query_start_loc,
         num_seqs, scale * _LOG2E, int(sliding_window), float(softcap or 1.0) * _LOG2E,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *block_tables.stride(),
@@ -252,7 +243,7 @@ def unified_attention(
         USE_SOFTCAP=softcap > 0, NUM_STAGES=num_stages,
         # NOTE: fp32 tiles with a second loop body spill on sm_90 (200-344 B at head_dim 128,
         # gpu_compile): fp32 (a correctness dtype on GPUs) keeps the one masked loop
-        UNMASKED_LOOP=query.dtype != torch.float32, KV_CODE=kv_code(k_cache.dtype),
+        UNMASKED_LOOP=query.dtype != torch.float32, KV_CODE=kv_code,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -73,7 +73,7 @@ if [ "$STEP" = kv8 ]; then
         tests/engine/test_kernel_warmup.py -k "compiled or after_start_up" > "$OUT/kv8_tests.txt" 2>&1
     echo "fp8 KV tests rc=$?"; grep -E "PASSED|FAILED|passed|failed|Error" "$OUT/kv8_tests.txt" | tail -12
     timeout 90 python3 benchmarks/paged_decode_kernel.py --batches 16 64 --contexts 2048 8192 32768 \
-        --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2 > "$OUT/kv8_kernel.txt" 2>&1
+        --kv-cache-dtypes auto fp8_e4m3 fp8_e5m2 --fp8-bit-path > "$OUT/kv8_kernel.txt" 2>&1
     echo "decode kernel rc=$?"; cat "$OUT/kv8_kernel.txt"
     for kv in auto fp8; do
         timeout 120 python3 benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b \

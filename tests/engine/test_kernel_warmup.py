@@ -118,10 +118,12 @@ def _compiled(kernel) -> int:
                            "(the interpreter compiles nothing)")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_after_start_up_serving_compiles_nothing(enforce_eager, kv_cache_dtype):
-    """The built-in model on the GPU (Triton): decodes at short and long context and batch
-    sizes 1..5 and prefills add no compiled attention variant after start-up (an 8-bit cache's
-    variants included)."""
+def test_after_start_up_serving_compiles_nothing(enforce_eager, kv_cache_dtype, tmp_path):
+    """A GQA model on the GPU (Triton): decodes at short and long context and batch sizes 1..5
+    and prefills add no compiled attention variant after start-up (an 8-bit cache's variants
+    included). A tiny model with its own word tokenizer, so the GPU machine needs no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from kvmesh.common.config import EngineConfig
     from kvmesh.engine.engine import LLMEngine
     from kvmesh.engine.sampling_params import SamplingParams
@@ -129,14 +131,19 @@ def test_after_start_up_serving_compiles_nothing(enforce_eager, kv_cache_dtype):
 
     kernels = (paged_attention._decode_split_kernel, paged_attention._decode_reduce_kernel,
                prefill_attention._unified_attention_kernel)
-    eng = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
+    from tiny_models import save_tiny_model
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    path = save_tiny_model(LlamaForCausalLM(cfg), tmp_path / "gqa")
+    eng = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=2048,
                                  max_num_seqs=8, enforce_eager=enforce_eager,
                                  cudagraph_capture_sizes=(1, 2, 4, 8), kv_cache_dtype=kv_cache_dtype))
     assert eng.runner.decode_planner is not None
     before = [_compiled(k) for k in kernels]
     for n, words in ((1, 2), (3, 400), (5, 30)):
         for i in range(n):
-            eng.add_request(f"{n}-{i}", "hello " * words + str(i),
+            eng.add_request(f"{n}-{i}", "w7 " * words + f"w{10 + i}",
                             SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()

@@ -50,11 +50,18 @@ def test_every_kernel_compiles_without_spills(compiled):
     assert fp8_mma and all("WEIGHT_ONLY=0" in row and row.split("|")[6].strip() == "n/a: fp8e4nv needs sm_89+"
                            for row in fp8_mma)
     # the unified kernel's tiles are chosen per architecture: sm_90's 128-row 16-bit tiles are
-    # compiled for sm_90 only, sm_80's for sm_80 (the same tiles where both pick them)
+    # compiled for sm_90 only, sm_80's for sm_80 (the same tiles where both pick them); an 8-bit
+    # cache is read as bytes on sm_80 (KV_CODE 1 / 2) and as fp8 on sm_90 (3 / 4, fp8_codes.kv_read)
     per_arch = [row for row in unsupported if row not in fp8_mma]
-    assert per_arch and all("`_unified_attention_kernel`" in row and "launches other tiles" in row
-                            for row in per_arch)
-    assert {row.split("|")[6].strip() for row in per_arch if "BLOCK_M=128" in row} == {"n/a: sm_80 launches other tiles"}
+    assert per_arch and all(("`_unified_attention_kernel`" in row or "`_decode_split_kernel`" in row)
+                            and "launches another variant" in row for row in per_arch)
+    assert {row.split("|")[6].strip() for row in per_arch if "BLOCK_M=128" in row} == {
+        "n/a: sm_80 launches another variant"}
+    code = {row: int(row.split("KV_CODE=")[1].split()[0]) for row in per_arch if "KV_CODE=" in row}
+    assert {c for row, c in code.items() if "n/a: sm_80" in row} >= {3, 4}
+    assert {c for row, c in code.items() if "n/a: sm_90" in row} >= {1, 2}
+    decode = [row for row in per_arch if "`_decode_split_kernel`" in row]
+    assert decode and all(code[row] != 0 for row in decode)   # float caches: one variant for both
     for row in rows:                                # every target reports registers, no stack, no local
         for cell in row.strip("|").split("|")[5:]:
             if cell.strip().startswith("n/a"):

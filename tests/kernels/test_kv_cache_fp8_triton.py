@@ -15,7 +15,7 @@ from fp8_cases import every_code_case, fp8_batch, hard_values  # noqa: E402
 
 from kvmesh.kernels import flash_prefill, reference, triton_ops  # noqa: E402
 from kvmesh.kernels.cache_ops import write_kv_cache  # noqa: E402
-from kvmesh.kernels.fp8_codes import cache_bytes, kv_code  # noqa: E402
+from kvmesh.kernels.fp8_codes import cache_bytes, kv_code, kv_read  # noqa: E402
 from kvmesh.kernels.kv_cache_dtype import to_cache_codes  # noqa: E402
 from kvmesh.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from kvmesh.kernels.prefill_attention import unified_attention  # noqa: E402
@@ -34,6 +34,20 @@ def test_codes_and_byte_views():
     assert cache_bytes(c).dtype == torch.uint8 and cache_bytes(c).data_ptr() == c.data_ptr()
     f = torch.zeros(2, 3)
     assert cache_bytes(f) is f
+
+
+def test_readers_get_fp8_from_sm89_compiled_and_bytes_otherwise(monkeypatch):
+    e4, e5, f = (torch.zeros(2, 3, dtype=d) for d in (*FP8, torch.bfloat16))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for arch, codes in ((80, (1, 2)), (86, (1, 2)), (89, (3, 4)), (90, (3, 4))):
+        got = [kv_read(c, arch) for c in (e4, e5)]
+        assert [code for _, code in got] == list(codes)
+        assert [t.dtype for t, _ in got] == ([torch.uint8] * 2 if codes == (1, 2) else list(FP8))
+        assert all(t.data_ptr() == c.data_ptr() for (t, _), c in zip(got, (e4, e5)))
+        t, code = kv_read(f, arch)
+        assert t is f and code == 0
+    monkeypatch.setenv("TRITON_INTERPRET", "1")      # the interpreter: always the bit operations
+    assert [kv_read(c, 90)[1] for c in (e4, e5)] == [1, 2]
 
 
 @interpreted
