@@ -57,8 +57,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="fix the split count as a CUDA graph of this batch size does (the rule at "
                         "this length), whatever the context: the graph case at short context")
-    p.add_argument("--block-n", type=int, default=64)
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--block-n", type=int, default=None, help="context tokens a tile (default: the "
+                   "kernel's rule for the cache dtype)")
+    p.add_argument("--num-warps", type=int, default=None, help="default: the kernel's rule")
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy-bandwidth probe")
     return p.parse_args(argv)
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# {args.dtype}, heads {args.num_heads}/{args.num_kv_heads} (GQA "
           f"{args.num_heads // args.num_kv_heads}:1), head_dim {args.head_dim}, "
-          f"block_size {args.block_size}, block_n {args.block_n}, warps {args.num_warps}")
+          f"block_size {args.block_size}, block_n {args.block_n or 'default'}, warps {args.num_warps or 'default'}")
     print(f"# device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
     head = (f"{'batch':>5} {'ctx':>6} {'cache':>9} {'splits':>6} {'paged us':>9} {'GB/s':>7} {'% copy':>7} "
             f"{'sdpa us':>9} {'x sdpa':>7} {'x first':>7} {'max err':>8}  targets")

@@ -359,7 +359,14 @@ def paged_decode_attention(
     # NOTE: so do 8-bit K/V tiles at head_dim 256 (their widening's temporaries: 16-56 B of
     # stack on sm_80 / sm_90 at 64 tokens and 4 warps, 8 B at 32)
     wide_codes = is_fp8(k_cache.dtype) and head_dim > 128
-    block_n = block_n or (32 if fp32 or wide_codes else 64)
+    arch = device_arch(query.device) if arch is None else arch
+    (k_read, kv_code), (v_read, _) = kv_read(k_cache, arch), kv_read(v_cache, arch)
+    # NOTE: fp8 tiles converted natively take 128 tokens: a 64-token tile is half the bytes in
+    # flight of a bf16 one, and read at ~1.5 TB/s on an H100 against bf16's ~3 (0.93-0.98x its
+    # time at batch 64); 128 tokens and 4 warps: 0.68-0.75x (8 warps 0.76-0.84x, 256 tokens
+    # slower than bf16; docs/BENCHMARKS.md, "The 8-bit KV cache on an H100")
+    native_fp8 = kv_code >= 3
+    block_n = block_n or (32 if fp32 or wide_codes else 128 if native_fp8 else 64)
     num_warps = num_warps or (8 if fp32 or wide_codes else 4)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -392,8 +399,6 @@ def paged_decode_attention(
         part_strides = part.stride()
         lse_strides = lse.stride()[:2]
     window = int(sliding_window)
-    arch = device_arch(query.device) if arch is None else arch
-    (k_read, kv_code), (v_read, _) = kv_read(k_cache, arch), kv_read(v_cache, arch)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_read, v_read, block_tables, seq_lens, out, part, lse,
         scale * _LOG2E, window, float(softcap or 1.0) * _LOG2E,
