@@ -16,8 +16,9 @@ type in Triton) and sm_90, and runs in the interpreter:
 1 float8_e4m3fn, 2 float8_e5m2 (`kv_code`) as bytes; 3 / 4 the same caches handed to a reading
 kernel as their fp8 type, widened by the GPU's own conversion (`kv_read`: compiled for sm_89 and
 later, which convert a pair of codes in one instruction). The bit operations are ~10 integer
-instructions a value: on an H100 they made a decode over fp8 codes take 0.95-1.0x the time of
-one over bf16 at half the bytes (docs/BENCHMARKS.md, "The 8-bit KV cache on an H100").
+instructions a value: on an H100 a decode over codes widened that way took 0.95-1.0x the time
+of one over bf16 at half the bytes, converted natively (and 128-token tiles) 0.72-0.76x
+(docs/BENCHMARKS.md, "The 8-bit KV cache on an H100").
 """
 from __future__ import annotations
 

@@ -362,8 +362,8 @@ def paged_decode_attention(
     arch = device_arch(query.device) if arch is None else arch
     (k_read, kv_code), (v_read, _) = kv_read(k_cache, arch), kv_read(v_cache, arch)
     # NOTE: fp8 tiles converted natively take 128 tokens: a 64-token tile is half the bytes in
-    # flight of a bf16 one, and read at ~1.5 TB/s on an H100 against bf16's ~3 (0.93-0.98x its
-    # time at batch 64); 128 tokens and 4 warps: 0.68-0.75x (8 warps 0.76-0.84x, 256 tokens
+    # flight of a bf16 one, and read at ~1.5 TB/s on an H100 against bf16's ~3 (0.88-0.98x its
+    # time at batch 64); 128 tokens and 4 warps: 0.65-0.75x (8 warps 0.71-0.83x, 256 tokens
     # slower than bf16; docs/BENCHMARKS.md, "The 8-bit KV cache on an H100")
     native_fp8 = kv_code >= 3
     block_n = block_n or (32 if fp32 or wide_codes else 128 if native_fp8 else 64)
