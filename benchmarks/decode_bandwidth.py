@@ -6,6 +6,8 @@
         --async-scheduling                                 # the same, step n + 1 scheduled while n runs
     python benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b --batch 64 \
         --context 4096 --kv-cache-dtype fp8                # 8-bit K/V: half the context bytes a step
+    python benchmarks/decode_bandwidth.py ... --torch-profile 8   # then 8 more steps under torch's
+                                                       # profiler: its top ops by self device time
 
 B requests with C-token prompts are prefilled; then S engine steps, each one decode token for all
 B sequences, are timed (CUDA synchronised). Per step the engine must read every weight once (a
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="the engine's --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2); the K/V bytes "
                         "a step reads are counted at the cache's element size")
+    p.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                   help="after the timed steps, N more under torch.profiler; print its top ops by self "
+                        "device time (CUDA) or self CPU time")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: each timed step schedules the next "
                    "while the device runs it (run once with and once without to compare)")
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("batch", "context", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
+    if args.torch_profile < 0:
+        p.error("--torch-profile must be at least 0")
     budget = args.max_num_batched_tokens or max(2048, args.context, 2 * args.batch)
     if budget <= args.batch:
         p.error(f"--max-num-batched-tokens ({budget}) must exceed --batch ({args.batch}): every "
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     prefill_steps = prefill_steps_bound(args.batch, args.context, budget)
     # NOTE: the first prompts decode while the last ones prefill; outputs long enough for the
     # whole prefill schedule keep every sequence running through the timed steps.
-    max_tokens = prefill_steps + warm + args.steps + 1
+    max_tokens = prefill_steps + warm + args.steps + args.torch_profile + 1
     total_len = args.context + max_tokens
     blocks = args.batch * -(-total_len // block) + 8
     cfg = EngineConfig(num_kv_blocks=blocks, block_size=block, max_num_seqs=args.batch,
@@ -165,6 +172,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| {args.batch} | {args.context} | {step_s * 1e3:.2f} | {args.batch / step_s:.0f} "
           f"| {w_bytes / 1e9:.3f} | {kv_bytes / 1e9:.3f} | {moved / 1e9:.1f} | {bw / 1e9:.1f} "
           f"| {moved / bw:.1%} |")
+    if args.torch_profile:
+        print(profile_steps(engine, device, args.torch_profile))
+        if len(sched.running) != args.batch:
+            sys.exit(f"only {len(sched.running)} of the {args.batch} sequences decoded to the end of "
+                     "the profiled steps")
+
+
+def profile_steps(engine, device: torch.device, steps: int, rows: int = 20) -> str:
+    """`steps` engine steps under torch.profiler: its table of the top ops, by self device time on
+    CUDA (kernels replayed from CUDA graphs included), by self CPU time otherwise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return f"# torch.profiler, {steps} steps, by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 # quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint dequantized to bf16,
 # decode-heavy (benchmarks/offline_throughput.py --quantization auto,none). `kv8` (not in `all`):
 # the 8-bit KV cache, its compiled-kernel tests, the decode kernel over bf16 / e4m3 / e5m2 caches,
-# one engine decode step at a long context and decode-heavy, each with --kv-cache-dtype auto / fp8.
+# one engine decode step at a long context (its top kernels by device time from torch's profiler)
+# and decode-heavy, each with --kv-cache-dtype auto / fp8.
 set -u
 ROOT=$(pwd)
 case "${1:-}" in
@@ -78,8 +79,9 @@ if [ "$STEP" = kv8 ]; then
     for kv in auto fp8; do
         timeout 120 python3 benchmarks/decode_bandwidth.py --device cuda --dtype bfloat16 --model random-1b \
             --tokenizer .gpu/tokenizer --model-cache /tmp/kvmodels --batch 64 --context "${KV8_CONTEXT:-4096}" \
-            --kv-cache-dtype $kv > "$OUT/kv8_step_$kv.txt" 2>&1
-        echo "decode step kv=$kv rc=$?"; grep -E "^#|^\|" "$OUT/kv8_step_$kv.txt" | tail -4
+            --kv-cache-dtype $kv --torch-profile 8 > "$OUT/kv8_step_$kv.txt" 2>&1
+        echo "decode step kv=$kv rc=$?"; grep -E "^# (model|20)|^\|" "$OUT/kv8_step_$kv.txt" | tail -4
+        sed -n '/^# torch.profiler/,$p' "$OUT/kv8_step_$kv.txt" | cut -c1-160 | head -16
     done
     timeout 150 python3 benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --model random-1b \
         --tokenizer .gpu/tokenizer --model-cache /tmp/kvmodels --systems kvmesh --kv-cache-dtype auto,fp8 \

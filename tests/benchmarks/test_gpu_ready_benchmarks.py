@@ -132,6 +132,13 @@ def test_decode_bandwidth_with_an_8_bit_cache_counts_a_byte_a_value(model_cache,
     assert float(row[5]) == pytest.approx(3 * 2003.5 * 2 * 2 * 2 * 16 / 1e9, abs=0.0005)
 
 
+def test_decode_bandwidth_profiles_more_steps_with_every_sequence_running(model_cache, capsys):
+    decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache), "--batch", "2",
+                           "--context", "16", "--steps", "2", "--copy-mib", "16", "--torch-profile", "3"])
+    out = capsys.readouterr().out
+    assert "# torch.profiler, 3 steps, by self_cpu_time_total" in out and "Self CPU" in out
+
+
 def test_decode_bandwidth_and_scheduler_step_run_with_async_scheduling(model_cache, capsys):
     from benchmarks import scheduler_step
     decode_bandwidth.main(["--model", "random-tiny", "--model-cache", str(model_cache),
