@@ -341,7 +341,7 @@ def moe_by_expert(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 def dequantize_int4(
     qweight: torch.Tensor,      # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble
     scales: torch.Tensor,       # [N, K // group_size] float
-    zeros: torch.Tensor,        # [N, K // group_size] uint8, 0..15
+    zeros: torch.Tensor,        # [N, K // group_size] uint8 0..15, or float32 (GGUF Q4_1's -min / d)
     group_size: int,
 ) -> torch.Tensor:              # [N, K] float32: (q - zero) * scale
     n = qweight.shape[0]

@@ -56,6 +56,9 @@ def _cpu_linear(x: torch.Tensor, w: HFWeight, out_bf16: bool = False) -> torch.T
     """float32 [M, N]; bf16 where `out_bf16`, x is bf16 and the int4 AMX tiles run (the kernel
     rounds its float32 sums as torch's conversion would: no float32 result and no copy)."""
     if isinstance(w, Int4GroupWeight):
+        if w.zeros.dtype != torch.uint8:
+            raise ValueError("int4 weights with float zero points (GGUF Q4_1 converted for a GPU) are "
+                             "served on GPU only; on CPU GGUF blocks are served as they are")
         # NOTE: bf16 activations go in as they are: from 12 rows on, on a CPU with AVX512-BF16,
         # the kernel multiplies bf16 weight tiles by them (vdpbf16ps); float32 otherwise
         xq = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()

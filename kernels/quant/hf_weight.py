@@ -17,12 +17,14 @@ import torch
 
 @dataclass(slots=True)
 class Int4GroupWeight:
-    """4-bit codes with one scale and one zero per `group_size` elements of a row (AWQ, GPTQ):
+    """4-bit codes with one scale and one zero per `group_size` elements of a row (AWQ, GPTQ, and
+    GGUF Q4_0 / Q4_1 on a GPU: gguf_int4.py):
     w[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]."""
 
     qweight: torch.Tensor   # uint8 [N, K // 2]: element k in byte k // 2, low nibble for even k
     scales: torch.Tensor    # [N, K // group_size] float32 on CPU (float16 / bfloat16 as stored on GPU)
-    zeros: torch.Tensor     # uint8 [N, K // group_size], 0..15 (a symmetric checkpoint: all 8)
+    # NOTE: uint8 0..15 (a symmetric checkpoint: all 8); float32 for GGUF Q4_1 (-min / d), GPU only
+    zeros: torch.Tensor     # [N, K // group_size]
     group_size: int         # K elements per scale / zero
     perm: torch.Tensor | None = None   # int64 [K] (GPTQ act-order): the GEMM takes x[:, perm]
 
@@ -44,7 +46,8 @@ class Int4GroupWeight:
         if g <= 0 or g % 32 or k % g:
             raise ValueError(f"int4 weight [{n}, {k}]: group size {g} must be a multiple of 32 dividing K")
         _want(self.qweight, torch.uint8, (n, k // 2), "qweight")
-        _want(self.zeros, torch.uint8, (n, k // g), "zeros")
+        _want(self.zeros, torch.float32 if self.zeros.dtype == torch.float32 else torch.uint8, (n, k // g),
+              "zeros")
         _want(self.scales, None, (n, k // g), "scales")
         if self.perm is not None:
             _want(self.perm, torch.int64, (k,), "perm")

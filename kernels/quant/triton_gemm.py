@@ -87,7 +87,7 @@ def _w4a16_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides)
     q_ptr,          # [N, K // 2] uint8: weight k in byte k // 2, even k low nibble, odd k high
     s_ptr,          # [N, K // group_size] fp16 / bf16 / fp32 scales
-    z_ptr,          # [N, K // group_size] uint8 zero points, 0..15
+    z_ptr,          # [N, K // group_size] zero points: uint8 0..15, or float32 (GGUF Q4_1: -min / d)
     perm_ptr,       # [K] int64: x column of weight column k (GPTQ act-order), or None
     bias_ptr,       # [N] float, or None
     y_ptr,          # [M, N] x's dtype; SPLIT: [splits, M, N] float32 partial sums
@@ -150,7 +150,7 @@ def _w4a16_gemv_kernel(
     x_ptr,          # [M, K] fp16 / bf16 / fp32 (any strides), M <= ROWS
     q_ptr,          # [N, K // 2] uint8 (as _w4a16_kernel)
     s_ptr,          # [N, K // group_size] scales
-    z_ptr,          # [N, K // group_size] uint8 zero points
+    z_ptr,          # [N, K // group_size] zero points: uint8, or float32 (FLOAT_ZERO)
     perm_ptr,       # [K] int64 (GPTQ act-order), or None
     bias_ptr,       # [N] float, or None
     y_ptr,          # [M, N] x's dtype
@@ -160,6 +160,7 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,      # weight rows a program owns
     BLOCK_K: tl.constexpr,      # weight columns a step: a power of two dividing group_size
     UPCAST: tl.constexpr,       # the interpreter: bf16 rounded by hand
+    FLOAT_ZERO: tl.constexpr,   # float zero points: q, then q - zero (an integer one folds into 2^23)
 ):
     """Decode-sized M: no tensor-core tile, whose 16 rows would be mostly padding. A program
     streams BLOCK_N weight rows in contiguous BLOCK_K / 2-byte runs (one group a step: one scale
@@ -187,9 +188,14 @@ def _w4a16_gemv_kernel(
         packed = tl.load(q_ptrs + k0 // 2, mask=n_mask[:, None], other=0).to(tl.int32)
         g = k0 // group_size
         scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        bias23 = (tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.float32) + 8388608.0)[:, None]
-        lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
-        hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
+        zero = tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+        if FLOAT_ZERO:      # 2^23 + zero would round a fractional zero: take q out first
+            lo = (((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - zero
+            hi = (((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - zero
+        else:
+            bias23 = zero + 8388608.0
+            lo = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
+            hi = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - bias23
         # the weights rounded to x's dtype as the fused kernel's operands, float32 for the FMAs
         w_even = _to_operand(lo * scale, x_dtype, UPCAST).to(tl.float32)
         w_odd = _to_operand(hi * scale, x_dtype, UPCAST).to(tl.float32)
@@ -286,7 +292,7 @@ def _scaled_gemm_kernel(
 def _dequant_int4_kernel(
     q_ptr,          # [N, K // 2] uint8 (as _w4a16_kernel)
     s_ptr,          # [N, K // group_size] scales
-    z_ptr,          # [N, K // group_size] uint8 zero points
+    z_ptr,          # [N, K // group_size] zero points, uint8 or float32
     w_ptr,          # [N, K] out: x's dtype, contiguous rows
     N, group_size,
     stride_qn, stride_sn, stride_zn, stride_wn,
@@ -369,8 +375,8 @@ def w4a16_gemm(
     x: torch.Tensor,                  # [M, K] float16 / bfloat16 / float32
     qweight: torch.Tensor,            # [N, K // 2] uint8, two 4-bit weights a byte (even k low)
     scales: torch.Tensor,             # [N, K // group_size] float16 / bfloat16 / float32
-    zeros: torch.Tensor,              # [N, K // group_size] uint8, 0..15
-    group_size: int,                  # a multiple of 32 dividing K (AWQ / GPTQ: 32, 64, 128)
+    zeros: torch.Tensor,              # [N, K // group_size] uint8 0..15, or float32 (GGUF Q4_1)
+    group_size: int,                  # a multiple of 32 dividing K (AWQ / GPTQ: 32, 64, 128; GGUF 32)
     perm: torch.Tensor | None = None,  # [K] int64: GPTQ act-order, x[:, perm] is multiplied
     bias: torch.Tensor | None = None,  # [N]
     *,
@@ -398,7 +404,7 @@ def w4a16_gemm(
         raise ValueError(f"group_size must be a positive multiple of 32 that divides K = {k}, got {group_size}")
     _check_rows(qweight, "qweight", (n, k // 2), (torch.uint8,))
     _check_rows(scales, "scales", (n, k // group_size), _FLOAT_DTYPES)
-    _check_rows(zeros, "zeros", (n, k // group_size), (torch.uint8,))
+    _check_rows(zeros, "zeros", (n, k // group_size), (torch.uint8, torch.float32))
     if perm is not None:
         _check_rows(perm, "perm", (k,), (torch.int64,))
     _check_bias_device(x, n, bias, qweight, scales, zeros, perm)
@@ -469,7 +475,7 @@ def _launch_gemv(x, qweight, scales, zeros, group_size, perm, bias, y, tiles) ->
         x, qweight, scales, zeros, perm, bias, y, m, n, k, group_size,
         *x.stride(), qweight.stride(0), scales.stride(0), zeros.stride(0), y.stride(0),
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=paged_attention.upcast_operands(x),
-        num_warps=warps, num_stages=stages[0] if stages else 3,
+        FLOAT_ZERO=zeros.dtype == torch.float32, num_warps=warps, num_stages=stages[0] if stages else 3,
     )
 
 

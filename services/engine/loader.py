@@ -8,9 +8,12 @@ Quantization (`quantization`, vLLM's name; `--quantization`): "auto" (the defaul
 serves a GGUF file's block-format tensors as they are (QuantizedLinear / QuantizedEmbedding over
 kvmesh.kernels.quant: about a third of bf16's memory for the built-in Q4_1 file) and a Hugging
 Face quantized checkpoint by its own method (engine/quantization/serving.py) where the kernels
-can run, and otherwise dequantizes, saying why in the log; "gguf" (or the checkpoint's method)
-insists, a ValueError where it cannot (GGUF off the CPU, a tensor-parallel split that would cut
-a block or a group, kernels not built); "none"
+can run, and otherwise dequantizes, saying why in the log. On a CUDA GPU a GGUF file's Q4_0 /
+Q4_1 tensors become int4 groups of 32 for the Triton W4A16 GEMM (kernels/quant/gguf_int4.py) and
+its other formats are dequantized (the block kernels are the CPU's). "gguf" (or the checkpoint's
+method) insists, a ValueError where it cannot (GGUF on a device other than CPU / CUDA, or a GPU
+file without Q4_0 / Q4_1 tensors, a tensor-parallel split that would cut a block or a group,
+kernels not built); "none"
 dequantizes every tensor to `dtype` at load. `quant_activations`: "float" (default: float32
 activations, log-probs within ~1e-5 of the dequantized model) or "int8" (per-32-block int8
 activations, faster at one row, ~0.1 mean |log-prob| difference on the built-in model: see
@@ -52,6 +55,7 @@ from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
+from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, to_int4_groups
 from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, to_device
 
 if TYPE_CHECKING:
@@ -230,7 +234,8 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
     hf_quant = _hf_quantization(p) if p.is_dir() else None
-    blocks = None if p.is_dir() else list(gguf.block_tensors())
+    gpu_formats = _gpu_block_formats(dev)
+    blocks = None if p.is_dir() else list(gguf.block_tensors(gpu_formats))
     cut = None
     if rules and blocks:
         from kvmesh.engine.parallel.sharding import block_cut  # noqa: PLC0415
@@ -251,14 +256,20 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     else:
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
                                keep_quantized=quant == "gguf", activations=quant_activations,
-                               dtype=dt)
+                               dtype=dt, block_formats=gpu_formats)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
+        if quant == "gguf" and gpu_formats:
+            weights = ((n, to_int4_groups(t) if isinstance(t, QuantizedWeight) else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
     held = weight_bytes(model)
-    if quant == "gguf":
+    if quant == "gguf" and gpu_formats:
+        log.info("%s: GGUF Q4_0 / Q4_1 blocks served as int4 groups of 32 (the W4A16 GEMM), the "
+                 "rest dequantized to %s: %.1f MB of weights, %.1f MB of them int4", p.name,
+                 _dtype_name(dt), held / 1e6, hf_quantized_bytes(model) / 1e6)
+    elif quant == "gguf":
         log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights, %.1f MB "
                  "of them blocks", p.name, quant_activations, held / 1e6, quantized_bytes(model) / 1e6)
     elif quant is not None:
@@ -269,6 +280,12 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     return LoadedModel(config=config, model=model, tokenizer=tokenizer, name=name, path=p,
                        dtype=dt, device=dev, attention_backend=backend, plan=plan,
                        quantization=quant, weight_bytes=held)
+
+
+def _gpu_block_formats(dev: torch.device) -> tuple[int, ...] | None:
+    """The ggml types whose blocks a GPU serves (as int4 groups for the W4A16 GEMM); None on the
+    CPU, whose block kernels read every supported format."""
+    return GPU_FORMATS if dev.type == "cuda" else None
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -314,13 +331,16 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
     if choice == "auto" and not has_blocks:
         return None
     why = None
-    if device.type != "cpu":
-        why = f"the quantized kernels run on CPU only (device {device})"
+    if device.type not in ("cpu", "cuda"):
+        why = f"no quantized kernels for device {device}"
+    elif device.type == "cuda" and not has_blocks:
+        why = ("on a GPU only Q4_0 / Q4_1 tensors are served quantized (int4 groups) and this file "
+               "has none")
     elif block_cut is not None:
         why = block_cut
     elif dtype == torch.float64:
         why = "the quantized kernels compute in float32, the model is float64"
-    elif not kernels_available():
+    elif device.type == "cpu" and not kernels_available():
         why = f"the quantized kernels are unavailable here: {quant_unavailable_reason()}"
     if why is None:
         return "gguf"
@@ -369,6 +389,10 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor |
             raise ValueError(f"shape mismatch for tensor {name} in {source}: checkpoint has "
                              f"{tuple(tensor.shape)}, the config implies {want}")
         module_name, _, leaf = name.rpartition(".")
+        if isinstance(tensor, HF_WEIGHTS) and not (leaf == "weight" and isinstance(
+                model.get_submodule(module_name), nn.Linear)):
+            # NOTE: int4 groups made from GGUF blocks on a GPU reach embeddings too: those hold floats
+            tensor = tensor.dequantize_original()
         if isinstance(tensor, (QuantizedWeight, *HF_WEIGHTS)):
             if not isinstance(tensor, QuantizedWeight):
                 tensor = to_device(tensor, device)

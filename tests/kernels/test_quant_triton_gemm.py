@@ -96,6 +96,35 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
     assert_within(got, want, (k + 2) * U32 * mag)
 
 
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("case", ["decode-1row-g32", "decode-5rows-g64-perm-bias", "prefill-70rows-g128-perm-bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_with_float_zero_points_matches_the_dequantized_matmul(kx, case, dtype, route):
+    """Float zero points (GGUF Q4_1 on a GPU: -min / d, kernels/quant/gguf_int4.py), fractional
+    and out of 0..15, through every route: the GEMV's 2^23 trick must not round them."""
+    m, n, k, group_size, use_perm, use_bias = W4_CASES[case]
+    g = _gen(len(case) + 1)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    qweight, scales, _ = int4_weight(n, k, group_size, torch.float16, g)
+    zeros = (torch.rand(n, k // group_size, generator=g) * 40 - 20).float()
+    assert (zeros != zeros.round()).all()
+    perm = torch.randperm(k, generator=g) if use_perm else None
+    bias = torch.randn(n, generator=g).to(dtype) if use_bias else None
+    if route.startswith("gemv") and m > triton_gemm.GEMV_ROWS_LIMIT:
+        return
+    with kx.poisoned():
+        got = on_device(triton_gemm.w4a16_gemm, x, qweight, scales, zeros, group_size, perm, bias, **ROUTES[route])
+    want = reference.w4a16_gemm(x, qweight, scales, zeros, group_size, perm, bias)
+    w = reference.dequantize_int4(qweight, scales, zeros, group_size).to(dtype).double()
+    xs = x if perm is None else x[:, perm]
+    mag = xs.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    assert_within(got, want, (k + 2) * U32 * mag)
+    # the zero points rounded to integers give another product (the test can tell them apart)
+    rounded = reference.w4a16_gemm(x, qweight, scales, zeros.round().clamp(0, 15).to(torch.uint8), group_size,
+                                   perm, bias)
+    assert (got.double() - rounded).abs().max() > 10 * ((k + 2) * U32 * mag).max()
+
+
 @pytest.mark.parametrize("route", ["gemv", "kernel", "dequant"])
 def test_w4a16_layout_nibbles_zero_points_and_groups(route):
     """One hand-built row: the low nibble is the even column, a zero point shifts, each group its scale."""
@@ -307,7 +336,7 @@ def _w4_args(**over):
     (dict(group_size=48), "group_size must be a positive multiple of 32 that divides K = 128, got 48"),
     (dict(group_size=96), "group_size must be a positive multiple of 32 that divides K = 128, got 96"),
     (dict(scales=torch.ones(8, 3, dtype=torch.float16)), r"scales must be \[8, 4\], got \[8, 3\]"),
-    (dict(zeros=torch.zeros(8, 4, dtype=torch.int32)), "zeros must be uint8, got int32"),
+    (dict(zeros=torch.zeros(8, 4, dtype=torch.int32)), "zeros must be uint8 or float32, got int32"),
     (dict(perm=torch.arange(128, dtype=torch.int32)), "perm must be int64, got int32"),
     (dict(perm=torch.arange(64)), r"perm must be \[128\], got \[64\]"),
     (dict(bias=torch.zeros(9, dtype=torch.float16)), r"bias must be \[8\], got \[9\]"),

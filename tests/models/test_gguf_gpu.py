@@ -1,0 +1,183 @@
+"""GGUF files on a GPU: Q4_0 / Q4_1 blocks served as int4 groups of 32 through the Triton W4A16
+GEMM (kernels/quant/gguf_int4.py), every other format dequantized at load.
+
+No GPU here: `test_the_gpu_branch_end_to_end_in_the_interpreter` runs the loader's GPU branch on
+CPU tensors, the int4 GEMMs in the Triton interpreter (two internals patched, said there); the
+CUDA test runs where a GPU is (benchmarks/gpu/session.sh).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize
+from torch import nn
+
+from kvmesh.engine import loader
+from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear
+from kvmesh.engine.loader import load_model, resolve_quantization
+from kvmesh.engine.models.gguf import GGUFFile
+from kvmesh.kernels.quant import QuantizedWeight
+from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, to_int4_groups
+from kvmesh.kernels.quant.hf_weight import Int4GroupWeight
+from tests.models.test_gguf_quantized import write_tiny_gguf
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
+                                reason="needs a CUDA GPU and TRITON_INTERPRET=0 (the Triton kernels)")
+
+
+def _q4(qtype: T, n: int = 6, k: int = 128, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """Blocks from gguf's own quantizer (a flat block and a zero block among them) and gguf's
+    dequantization of them."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[1, :32] = 0.7             # max == min: Q4_1 stores d = 0, m = 0.7
+    x[2, 32:64] = 0.0
+    raw = quantize(x, qtype)
+    want = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(n, k)).float()
+    return QuantizedWeight(torch.from_numpy(raw.copy()), int(qtype), (n, k)), want
+
+
+def test_q4_0_blocks_are_int4_groups_with_zero_8_exactly():
+    w, want = _q4(T.Q4_0)
+    g = to_int4_groups(w)
+    g.validate()
+    assert g.group_size == 32 and g.zeros.dtype == torch.uint8 and (g.zeros == 8).all()
+    assert g.scales.dtype == torch.float16 and g.qweight.shape == (6, 64)
+    assert torch.equal(g.dequantize(), want)
+
+
+def test_q4_1_blocks_are_int4_groups_with_float_zero_points():
+    w, want = _q4(T.Q4_1)
+    g = to_int4_groups(w)
+    g.validate()
+    assert g.zeros.dtype == torch.float32
+    got = g.dequantize()
+    # (q - (-m / d)) * d against d * q + m: the zero point's one float32 rounding, times d
+    blocks = w.data.view(6, 4, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().view(6, 4).repeat_interleave(32, 1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float().view(6, 4).repeat_interleave(32, 1)
+    assert ((got - want).abs() <= 2.0 ** -23 * (m.abs() + 16 * d.abs())).all()
+    # the flat block (d = 0) holds m everywhere, exactly: code 1, scale m, zero 0
+    assert float(d[1, 0]) == 0.0 and torch.equal(got[1, :32], want[1, :32]) and (want[1, :32] != 0).all()
+    assert (g.qweight[1, :16] == 0x11).all() and float(g.zeros[1, 0]) == 0.0
+
+
+def test_other_formats_are_not_int4_groups():
+    w, _ = _q4(T.Q8_0)
+    with pytest.raises(ValueError, match="Q8_0 blocks cannot be int4 groups .* Q4_0, Q4_1"):
+        to_int4_groups(w)
+
+
+def test_int4_groups_with_float_zero_points_are_refused_on_the_cpu_kernels():
+    from kvmesh.kernels.quant.hf_ops import hf_linear
+    g = to_int4_groups(_q4(T.Q4_1)[0])
+    with pytest.raises(ValueError, match="float zero points .* served on GPU only"):
+        hf_linear(torch.zeros(2, 128), g)
+
+
+def test_the_reader_keeps_only_the_gpu_formats_as_blocks(tmp_path):
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path, T.Q4_1, hidden=64, tied=False, v_type=T.Q8_0)     # embedding Q8_0
+    f = GGUFFile(path)
+    kept = {n: t for n, t in f.block_tensors(GPU_FORMATS)}
+    assert set(kept.values()) == {int(T.Q4_1)}
+    assert "model.layers.0.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
+    assert "model.layers.0.self_attn.v_proj.weight" not in kept and "model.embed_tokens.weight" not in kept
+    weights = dict(f.weights(4, 2, keep_quantized=True, block_formats=GPU_FORMATS))
+    assert {n for n, t in weights.items() if isinstance(t, QuantizedWeight)} == set(kept)
+    assert weights["model.layers.0.self_attn.v_proj.weight"].dtype == torch.float32
+    # on the CPU every supported format stays blocks
+    assert {t for _, t in f.block_tensors()} == {int(T.Q4_1), int(T.Q8_0)}
+
+
+def test_resolve_quantization_on_a_gpu(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"")
+    cuda = torch.device("cuda")
+    assert resolve_quantization("auto", "float", path, cuda, None, has_blocks=True) == "gguf"
+    assert resolve_quantization("gguf", "float", path, cuda, None, has_blocks=True) == "gguf"
+    # a file with no Q4_0 / Q4_1 tensor: dequantized under auto, refused when insisted on
+    assert resolve_quantization("auto", "float", path, cuda, None, has_blocks=False) is None
+    with pytest.raises(ValueError, match="on a GPU only Q4_0 / Q4_1 tensors are served quantized"):
+        resolve_quantization("gguf", "float", path, cuda, None, has_blocks=False)
+    with pytest.raises(ValueError, match="no quantized kernels for device mps"):
+        resolve_quantization("gguf", "float", path, torch.device("mps"), None, has_blocks=True)
+
+
+def test_int4_groups_for_an_embedding_are_held_as_floats(tmp_path):
+    path = tmp_path / "q4_0.gguf"
+    write_tiny_gguf(path, T.Q4_0, hidden=64, tied=True)
+    model = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none").model
+    emb, want = _q4(T.Q4_0, n=512, k=64, seed=3)
+    weights = [(n, t) for n, t in GGUFFile(path).weights(4, 2) if n != "model.embed_tokens.weight"]
+    loader.assign_weights(model, [*weights, ("model.embed_tokens.weight", to_int4_groups(emb))],
+                          torch.float32, torch.device("cpu"))
+    e = model.model.embed_tokens
+    assert type(e) is nn.Embedding and torch.equal(e.weight, want)
+
+
+def _route_int4_to_the_interpreter(monkeypatch):
+    """NOTE: no GPU here. The loader's GPU branch is taken on the CPU (`_gpu_block_formats`) and
+    the int4 layers' CPU kernel call is replaced by the Triton W4A16 GEMM, which the test
+    session runs in the interpreter (TRITON_INTERPRET=1): the code a GPU runs, on CPU tensors."""
+    from kvmesh.kernels.quant import hf_ops, triton_gemm
+    monkeypatch.setattr(loader, "_gpu_block_formats", lambda dev: GPU_FORMATS)
+    real = hf_ops._cpu_linear
+
+    def linear(x, w, out_bf16=False):
+        if isinstance(w, Int4GroupWeight):
+            return triton_gemm.w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, perm=w.perm)
+        return real(x, w, out_bf16)
+    monkeypatch.setattr(hf_ops, "_cpu_linear", linear)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels in the interpreter")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, tmp_path, monkeypatch, caplog, paged_generate):
+    path = tmp_path / f"{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype, hidden=64, tied=False, v_type=T.Q8_0)
+    dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
+    _route_int4_to_the_interpreter(monkeypatch)
+    with caplog.at_level(logging.INFO):
+        quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf")
+    assert quant.quantization == "gguf"
+    assert "GGUF Q4_0 / Q4_1 blocks served as int4 groups of 32" in caplog.text
+    attn = quant.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, HFQuantizedLinear) and isinstance(quant.model.lm_head, HFQuantizedLinear)
+    assert type(attn.v_proj) is nn.Linear                         # Q8_0: dequantized
+    assert type(quant.model.model.embed_tokens) is nn.Embedding
+    assert quant.weight_bytes < dense.weight_bytes * 0.6
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 60))]
+    got = paged_generate(quant.model, prompts, 4, block_size=4, prefill_chunk=8, seed=1)
+    ref = paged_generate(dense.model, prompts, 4, block_size=4, prefill_chunk=8, seed=1)
+    for g, r in zip(got, ref):
+        scale = r["prompt_logits"].abs().max()
+        assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * scale
+        assert g["tokens"] == r["tokens"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_a_gguf_file_on_cuda_keeps_its_q4_blocks_as_int4(qtype, tmp_path, paged_generate):
+    path = tmp_path / f"{qtype.name}.gguf"
+    write_tiny_gguf(path, qtype, hidden=64, tied=True)
+    quant = load_model(str(path), "float32", device="cuda", load_tokenizer=False)
+    dense = load_model(str(path), "float32", device="cuda", load_tokenizer=False, quantization="none")
+    assert quant.quantization == "gguf" and dense.quantization is None
+    q = quant.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, HFQuantizedLinear) and q.weight.qweight.is_cuda
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 75))]
+    got = paged_generate(quant.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    ref = paged_generate(dense.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
+    for g, r in zip(got, ref):
+        scale = r["prompt_logits"].abs().max()
+        diff = (g["prompt_logits"] - r["prompt_logits"]).abs().max().item()
+        print(f"{qtype.name} on cuda: max |logit difference| {diff:.2e} of scale {scale:.2f}")
+        assert diff <= 1e-4 * scale
+        assert g["tokens"] == r["tokens"]
