@@ -138,10 +138,11 @@ def _route_int4_to_the_interpreter(monkeypatch):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels in the interpreter")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
-def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, tmp_path, monkeypatch, caplog, paged_generate):
+@pytest.mark.parametrize("qtype, v_type", [(T.Q4_0, T.Q8_0), (T.Q4_1, None)], ids=["Q4_0+Q8_0", "Q4_1"])
+def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, v_type, tmp_path, monkeypatch, caplog,
+                                                      paged_generate):
     path = tmp_path / f"{qtype.name}.gguf"
-    write_tiny_gguf(path, qtype, hidden=64, tied=False, v_type=T.Q8_0)
+    write_tiny_gguf(path, qtype, hidden=64, tied=False, v_type=v_type)
     dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
     _route_int4_to_the_interpreter(monkeypatch)
     with caplog.at_level(logging.INFO):
@@ -150,7 +151,7 @@ def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, tmp_path, monkeypat
     assert "GGUF Q4_0 / Q4_1 blocks served as int4 groups of 32" in caplog.text
     attn = quant.model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, HFQuantizedLinear) and isinstance(quant.model.lm_head, HFQuantizedLinear)
-    assert type(attn.v_proj) is nn.Linear                         # Q8_0: dequantized
+    assert (type(attn.v_proj) is nn.Linear) == (v_type is not None)    # Q8_0: dequantized
     assert type(quant.model.model.embed_tokens) is nn.Embedding
     assert quant.weight_bytes < dense.weight_bytes * 0.6
     prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 60))]
@@ -160,6 +161,8 @@ def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, tmp_path, monkeypat
         scale = r["prompt_logits"].abs().max()
         assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * scale
         assert g["tokens"] == r["tokens"]
+    # q / k / v in one int4 GEMM where all three are Q4 (built on the first forward)
+    assert (attn._qkv is not None) == (v_type is None)
 
 
 @needs_cuda
