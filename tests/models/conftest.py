@@ -119,6 +119,24 @@ def assert_close_to_scale(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e
     assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} x scale {scale:.3g}"
 
 
+TINY_PROMPTS = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 75))]
+
+
+def assert_generates_like(model, ref_model, new_tokens: int = 6, prompts: list[list[int]] = TINY_PROMPTS,
+                          rel: float = 1e-4) -> float:
+    """Both models through paged_generate (blocks of 4, chunks of 8): every prompt logit within
+    `rel` of the reference's largest, and the same greedy tokens. Returns the worst |diff| / scale."""
+    got = paged_generate(model, prompts, new_tokens, block_size=4, prefill_chunk=8, seed=1)
+    ref = paged_generate(ref_model, prompts, new_tokens, block_size=4, prefill_chunk=8, seed=1)
+    worst = 0.0
+    for g, r in zip(got, ref):
+        scale = r["prompt_logits"].abs().max()
+        worst = max(worst, float((g["prompt_logits"] - r["prompt_logits"]).abs().max() / scale))
+        assert g["tokens"] == r["tokens"]
+    assert worst <= rel, f"max |logit diff| {worst:.3g} of scale > {rel}"
+    return worst
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """NOTE: on a busy 2-core box, two OpenMP threads spin-wait on each other: the SmolLM2 decode

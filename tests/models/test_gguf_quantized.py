@@ -20,6 +20,7 @@ from kvmesh.engine.layers.quantized import QuantizedEmbedding, QuantizedLinear, 
 from kvmesh.engine.loader import load_model
 from kvmesh.kernels.quant.ops import SLAB_MIN_ROWS
 from kvmesh.kernels.quant import build, kernels_available
+from tests.models.conftest import assert_generates_like
 
 pytestmark = pytest.mark.skipif(not kernels_available(),
                                 reason=f"quantized kernels unavailable: {build.unavailable_reason()}")
@@ -91,8 +92,7 @@ CASES = [  # (format, hidden, tied, attn_v format)
 
 
 @pytest.mark.parametrize("qtype,hidden,tied,v_type", CASES, ids=lambda c: getattr(c, "name", None))
-def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_type, tmp_path,
-                                                         paged_generate):
+def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_type, tmp_path):
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_tiny_gguf(path, qtype, hidden=hidden, tied=tied, v_type=v_type)
     quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf",
@@ -108,13 +108,7 @@ def test_tiny_gguf_served_as_blocks_matches_dequantized(qtype, hidden, tied, v_t
     assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in quant.model.modules())
     dense_bytes = sum(p.numel() * p.element_size() for p in dense.model.parameters())
     assert quantized_bytes(quant.model) < dense_bytes / 3
-    prompts = [[1, 5, 9, 200, 17, 3, 3, 400], list(range(30, 75))]
-    got = paged_generate(quant.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
-    ref = paged_generate(dense.model, prompts, 6, block_size=4, prefill_chunk=8, seed=1)
-    for g, r in zip(got, ref):
-        scale = r["prompt_logits"].abs().max()
-        assert (g["prompt_logits"] - r["prompt_logits"]).abs().max() <= 1e-4 * scale
-        assert g["tokens"] == r["tokens"]
+    assert_generates_like(quant.model, dense.model)
     # the q/k/v GEMM is fused when the formats agree, and runs per projection when not (Q4_K_M)
     assert (attn._qkv is None) == (v_type is not None)
 
