@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"only {len(sched.running)} of the {args.batch} sequences decoded to the end of "
                  "the timed steps")
 
-    itemsize = 1 if args.kv_cache_dtype != "auto" else torch.empty((), dtype=loaded.dtype).element_size()
+    itemsize = engine.cache_dtype.itemsize      # the cache as the engine resolved --kv-cache-dtype
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * itemsize
     # the mean context over the timed steps: each step adds one token per sequence
     kv_bytes = sum(c + (args.steps + 1) / 2 for c in contexts) * kv_per_token

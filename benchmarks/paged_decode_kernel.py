@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--num-heads must be a multiple of --num-kv-heads", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
-    from kvmesh.kernels.kv_cache_dtype import resolve_kv_cache_dtype
+    from kvmesh.kernels.kv_cache_dtype import is_fp8, resolve_kv_cache_dtype
     try:
         cache_dtypes = [resolve_kv_cache_dtype(n, dtype, "triton") for n in args.kv_cache_dtypes]
     except ValueError as e:
@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sdpa_ms = _bench_sdpa(args, do_bench, batch, ctx, dtype)
             first_ms = None
-            rows = [(n, c, None) for n, c in zip(args.kv_cache_dtypes, cache_dtypes)]
-            if args.fp8_bit_path:
-                rows = [r for n, c, a in rows
-                        for r in ([(n, c, a), (n.removeprefix("fp8_") + "/bits", c, 80)] if c.itemsize == 1
-                                  else [(n, c, a)])]
+            rows = []      # (name, cache dtype, arch the kernel reads it for: None, the device's)
+            for name, cache_dtype in zip(args.kv_cache_dtypes, cache_dtypes):
+                rows.append((name, cache_dtype, None))
+                if args.fp8_bit_path and is_fp8(cache_dtype):
+                    rows.append((name.removeprefix("fp8_") + "/bits", cache_dtype, 80))
             for name, cache_dtype, arch in rows:
                 ms, nbytes, splits, err = _bench_paged(args, do_bench, batch, ctx, dtype, cache_dtype, arch)
                 first_ms = first_ms or ms

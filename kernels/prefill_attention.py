@@ -13,7 +13,6 @@ query_start_loc[s] // BLOCK_Q + s (a binary search finds it) and surplus tiles r
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
