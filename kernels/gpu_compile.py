@@ -185,8 +185,8 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
     hidden x hidden projection: a decode batch (16 x 32 tiles; the W4A16 GEMV at 1 row) and a
     prefill batch (64 x 128).
     W4A16 at group size 128 (64 where it does not divide hidden), GPTQ act-order with a bias in
-    bf16 only (the gather is the one difference), GGUF Q4_1's groups of 32 with float zero points
-    in bf16; FP8 per tensor on both paths (per channel
+    bf16 only (the gather is the one difference), GGUF Q4_1's and Q4_K's groups of 32 with float
+    zero points in bf16; FP8 per tensor on both paths (per channel
     differs by one stride), the fp8 MMA path for sm_90 only (sm_80 has no fp8 type)."""
     from kvmesh.kernels.quant import triton_gemm
     n = k = s.hidden
@@ -207,15 +207,16 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
             triton_gemm.w4a16_gemm(x, *int4, route=route)
             if dtype == torch.bfloat16:
                 triton_gemm.w4a16_gemm(x, *int4, _meta(k, dtype=torch.int64), _meta(n, dtype=dtype), route=route)
-        if dtype == torch.bfloat16:
-            # GGUF Q4_1 on a GPU (kernels/quant/gguf_int4.py): groups of 32, fp16 scales, float32
-            # zero points (the GEMV's FLOAT_ZERO path); Q4_0 differs from AWQ by the group size only
-            gguf_q4_1 = (_meta(n, k // 2, dtype=torch.uint8), _meta(n, k // 32, dtype=torch.float16),
-                         _meta(n, k // 32, dtype=torch.float32), 32)
+        # GGUF on a GPU (kernels/quant/gguf_int4.py): groups of 32 with float32 zero points (the
+        # GEMV's FLOAT_ZERO path), fp16 scales (Q4_1) or float32 ones (Q4_K); Q4_0 differs from
+        # AWQ by the group size only
+        for scale_dtype in (torch.float16, torch.float32) if dtype == torch.bfloat16 else ():
+            gguf_q4 = (_meta(n, k // 2, dtype=torch.uint8), _meta(n, k // 32, dtype=scale_dtype),
+                       _meta(n, k // 32, dtype=torch.float32), 32)
             if tokens < triton_gemm.W4A16_DEQUANT_MIN_ROWS:
-                triton_gemm.w4a16_gemm(x, *gguf_q4_1, route="kernel", split_k=4)
-                triton_gemm.w4a16_gemm(_meta(1, k, dtype=dtype), *gguf_q4_1, route="gemv")
-            triton_gemm.w4a16_gemm(x, *gguf_q4_1, route="auto")
+                triton_gemm.w4a16_gemm(x, *gguf_q4, route="kernel", split_k=4)
+                triton_gemm.w4a16_gemm(_meta(1, k, dtype=dtype), *gguf_q4, route="gemv")
+            triton_gemm.w4a16_gemm(x, *gguf_q4, route="auto")
         triton_gemm.w8a8_gemm(x, _meta(n, k, dtype=torch.int8), _meta(n, dtype=torch.float32))
         for arch in (80, 90):
             triton_gemm.fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), _meta(1, dtype=torch.float32),

@@ -10,7 +10,7 @@
 # `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
 # services/, kvmesh.kernels = kernels/, kvmesh.operator = operator/kvmesh_operator) with
 # symlinks, sets TRITON_INTERPRET=0 and runs the quantized GEMM tests, the HF quantized
-# checkpoints and GGUF Q4_0 / Q4_1 files on CUDA (a server included), a bf16 model against its float32 self through every
+# checkpoints and GGUF Q4_0 / Q4_1 / Q4_K files on CUDA (a server included), a bf16 model against its float32 self through every
 # attention route, benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the engine on random-1b
 # quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint dequantized to bf16,
 # decode-heavy (benchmarks/offline_throughput.py --quantization auto,none). `kv8` (not in `all`):

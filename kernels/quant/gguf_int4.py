@@ -1,18 +1,23 @@
-"""GGUF Q4_0 / Q4_1 blocks as int4 groups, for the GPU's W4A16 GEMM (`triton_gemm.w4a16_gemm`).
+"""GGUF Q4_0 / Q4_1 / Q4_K blocks as int4 groups, for the GPU's W4A16 GEMM (`triton_gemm.w4a16_gemm`).
 
-The block kernels that serve GGUF files as they are run on CPUs (csrc/). On a GPU, the two
-formats whose blocks are already an int4 code with a scale (and an offset) a 32-element group
-become the `Int4GroupWeight` that AWQ and GPTQ checkpoints load as, so a GGUF file there keeps
-4-bit weights instead of being dequantized at load:
+The block kernels that serve GGUF files as they are run on CPUs (csrc/). On a GPU, the formats
+whose blocks are an int4 code with a scale (and an offset) per 32 elements become the
+`Int4GroupWeight` that AWQ and GPTQ checkpoints load as, so a GGUF file there keeps 4-bit weights
+instead of being dequantized at load:
 
   * Q4_0 block: fp16 d, 16 bytes of codes; w = d * (q - 8): scales d, zeros 8 (uint8), exact;
   * Q4_1 block: fp16 d, fp16 m, 16 bytes of codes; w = d * q + m: scales d, zeros -m / d as
-    float32 (so (q - zero) * d = d * q + m to float32 rounding, ~2^-24 of |m|); a block with
-    d = 0 holds m in all 32 places: codes 1, scale m, zero 0 (exact).
+    float32 (so (q - zero) * d = d * q + m to float32 rounding, ~2^-24 of |m|);
+  * Q4_K super-block of 256: fp16 d and dmin, 12 bytes of 6-bit scales sc and mins m for its
+    eight 32-element sub-blocks, 128 bytes of codes; w = (d * sc) * q - dmin * m: scales d * sc as
+    float32 (a fp16 times a 6-bit integer: exact), zeros dmin * m / (d * sc) as float32.
 
-ggml packs a block's element j (j < 16) in the low nibble of byte j and element j + 16 in its
-high nibble; the int4 layout has element k in byte k // 2, low nibble for even k: the codes are
-re-packed once at load. Every other GGUF format is dequantized on a GPU (the loader).
+A group whose scale is 0 holds its offset in all 32 places: codes 1, scale the offset, zero 0
+(exact). ggml packs a Q4_0 / Q4_1 block's element j (j < 16) in the low nibble of byte j and
+element j + 16 in its high nibble; a Q4_K super-block's 64-element chunk c keeps sub-block 2c in
+the low nibbles of its 32 bytes and sub-block 2c + 1 in the high ones. The int4 layout has element
+k in byte k // 2, low nibble for even k: the codes are re-packed once at load. Every other GGUF
+format is dequantized on a GPU (the loader).
 """
 from __future__ import annotations
 
@@ -21,32 +26,70 @@ import torch
 from kvmesh.kernels.quant.hf_weight import Int4GroupWeight
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight
 
-Q4_0, Q4_1 = 2, 3
-GPU_FORMATS = (Q4_0, Q4_1)      # ggml types served as int4 groups on a GPU
+Q4_0, Q4_1, Q4_K = 2, 3, 12
+GPU_FORMATS = (Q4_0, Q4_1, Q4_K)    # ggml types served as int4 groups on a GPU
 GROUP = 32
 
 
+def gpu_format_names() -> str:
+    return " / ".join(FORMATS[t][0] for t in GPU_FORMATS)
+
+
 def to_int4_groups(w: QuantizedWeight) -> Int4GroupWeight:
-    """`w`'s Q4_0 / Q4_1 blocks as int4 groups of 32 (on `w`'s device; scales float16)."""
+    """`w`'s Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, on `w`'s device (scales float16 for
+    Q4_0 / Q4_1, float32 for Q4_K)."""
     if w.qtype not in GPU_FORMATS:
         raise ValueError(f"{w.format} blocks cannot be int4 groups (the GPU takes "
-                         f"{', '.join(FORMATS[t][0] for t in GPU_FORMATS)}; the loader dequantizes the rest)")
+                         f"{gpu_format_names()}; the loader dequantizes the rest)")
     n, k = w.shape
-    size = FORMATS[w.qtype][2]
-    blocks = w.data.view(n, k // GROUP, size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, k // GROUP)
-    offset = 2 if w.qtype == Q4_0 else 4
-    qs = blocks[..., offset:offset + GROUP // 2]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                 # [n, groups, 32], element order
-    if w.qtype == Q4_0:
-        scales, zeros = d, torch.full_like(d, 8, dtype=torch.uint8)
+    if w.qtype == Q4_K:
+        codes, scales, offsets = _q4_k(w.data.view(n, k // 256, 144))
     else:
-        m = blocks[..., 2:4].contiguous().view(torch.float16).view(n, k // GROUP)
-        flat = d == 0
-        # NOTE: d = 0 leaves m alone in every place: code 1 times scale m, zero 0
+        blocks = w.data.view(n, k // GROUP, FORMATS[w.qtype][2])
+        scales = _fp16(blocks, 0)
+        start = 2 if w.qtype == Q4_0 else 4
+        qs = blocks[..., start:start + GROUP // 2]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)             # [n, groups, 32], element order
+        offsets = None if w.qtype == Q4_0 else _fp16(blocks, 2)
+    if offsets is None:
+        zeros = torch.full_like(scales, 8, dtype=torch.uint8)
+    else:
+        # NOTE: w = scale * q + offset = (q - zero) * scale with zero = -offset / scale; a group
+        # with scale 0 is its offset everywhere: code 1 times scale offset, zero 0
+        flat = scales == 0
         codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
-        scales = torch.where(flat, m, d)
-        safe = torch.where(flat, torch.ones_like(d), d).float()
-        zeros = torch.where(flat, torch.zeros_like(safe), -m.float() / safe)
+        safe = torch.where(flat, torch.ones_like(scales), scales).float()
+        zeros = torch.where(flat, torch.zeros_like(safe), -offsets.float() / safe)
+        scales = torch.where(flat, offsets.to(scales.dtype), scales)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(n, k // 2)
     return Int4GroupWeight(packed.contiguous(), scales.contiguous(), zeros.contiguous(), GROUP)
+
+
+def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 held at byte `at` of every block: [n, blocks]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [n, groups, 32] in element order, scales d * sc and offsets -dmin * m, float32
+    [n, groups]) of Q4_K super-blocks [n, supers, 144]."""
+    n, supers, _ = blocks.shape
+    d, dmin = _fp16(blocks, 0).float(), _fp16(blocks, 2).float()
+    sc, m = _k4_scales(blocks[..., 4:16])
+    qs = blocks[..., 16:144].reshape(n, supers, 4, 1, 32)
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device).view(1, 1, 1, 2, 1)
+    codes = ((qs >> shifts) & 0x0F).reshape(n, supers * 8, 32)   # chunk c: low nibbles, then high
+    scales = (d[..., None] * sc.float()).reshape(n, supers * 8)
+    offsets = -(dmin[..., None] * m.float()).reshape(n, supers * 8)
+    return codes, scales, offsets
+
+
+def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit (scale, min) pairs of each Q4_K / Q5_K super-block from its 12 bytes:
+    bytes 0-3 hold scales 0-3 (low 6 bits) and 4-7 hold mins 0-3; bytes 8-11 hold the low 4 bits
+    of scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of
+    bytes 0-3 (scales) and 4-7 (mins)."""
+    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+    m = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    return sc, m

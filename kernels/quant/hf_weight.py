@@ -18,12 +18,13 @@ import torch
 @dataclass(slots=True)
 class Int4GroupWeight:
     """4-bit codes with one scale and one zero per `group_size` elements of a row (AWQ, GPTQ, and
-    GGUF Q4_0 / Q4_1 on a GPU: gguf_int4.py):
+    GGUF Q4_0 / Q4_1 / Q4_K on a GPU: gguf_int4.py):
     w[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]."""
 
     qweight: torch.Tensor   # uint8 [N, K // 2]: element k in byte k // 2, low nibble for even k
     scales: torch.Tensor    # [N, K // group_size] float32 on CPU (float16 / bfloat16 as stored on GPU)
-    # NOTE: uint8 0..15 (a symmetric checkpoint: all 8); float32 for GGUF Q4_1 (-min / d), GPU only
+    # NOTE: uint8 0..15 (a symmetric checkpoint: all 8); float32 (-offset / scale) for GGUF
+    # Q4_1 / Q4_K, GPU only
     zeros: torch.Tensor     # [N, K // group_size]
     group_size: int         # K elements per scale / zero
     perm: torch.Tensor | None = None   # int64 [K] (GPTQ act-order): the GEMM takes x[:, perm]

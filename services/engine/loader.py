@@ -9,10 +9,11 @@ serves a GGUF file's block-format tensors as they are (QuantizedLinear / Quantiz
 kvmesh.kernels.quant: about a third of bf16's memory for the built-in Q4_1 file) and a Hugging
 Face quantized checkpoint by its own method (engine/quantization/serving.py) where the kernels
 can run, and otherwise dequantizes, saying why in the log. On a CUDA GPU a GGUF file's Q4_0 /
-Q4_1 tensors become int4 groups of 32 for the Triton W4A16 GEMM (kernels/quant/gguf_int4.py) and
-its other formats are dequantized (the block kernels are the CPU's). "gguf" (or the checkpoint's
+Q4_1 / Q4_K tensors become int4 groups of 32 for the Triton W4A16 GEMM
+(kernels/quant/gguf_int4.py) and its other formats are dequantized (the block kernels are the
+CPU's). "gguf" (or the checkpoint's
 method) insists, a ValueError where it cannot (GGUF on a device other than CPU / CUDA, or a GPU
-file without Q4_0 / Q4_1 tensors, a tensor-parallel split that would cut a block or a group,
+file without Q4_0 / Q4_1 / Q4_K tensors, a tensor-parallel split that would cut a block or a group,
 kernels not built); "none"
 dequantizes every tensor to `dtype` at load. `quant_activations`: "float" (default: float32
 activations, log-probs within ~1e-5 of the dequantized model) or "int8" (per-32-block int8
@@ -55,7 +56,7 @@ from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
-from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, to_int4_groups
+from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, gpu_format_names, to_int4_groups
 from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, to_device
 
 if TYPE_CHECKING:
@@ -266,9 +267,9 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     model.eval().requires_grad_(False)
     held = weight_bytes(model)
     if quant == "gguf" and gpu_formats:
-        log.info("%s: GGUF Q4_0 / Q4_1 blocks served as int4 groups of 32 (the W4A16 GEMM), the "
-                 "rest dequantized to %s: %.1f MB of weights, %.1f MB of them int4", p.name,
-                 _dtype_name(dt), held / 1e6, hf_quantized_bytes(model) / 1e6)
+        log.info("%s: GGUF %s blocks served as int4 groups of 32 (the W4A16 GEMM), the rest "
+                 "dequantized to %s: %.1f MB of weights, %.1f MB of them int4", p.name,
+                 gpu_format_names(), _dtype_name(dt), held / 1e6, hf_quantized_bytes(model) / 1e6)
     elif quant == "gguf":
         log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights, %.1f MB "
                  "of them blocks", p.name, quant_activations, held / 1e6, quantized_bytes(model) / 1e6)
@@ -334,8 +335,8 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
     if device.type not in ("cpu", "cuda"):
         why = f"no quantized kernels for device {device}"
     elif device.type == "cuda" and not has_blocks:
-        why = ("on a GPU only Q4_0 / Q4_1 tensors are served quantized (int4 groups) and this file "
-               "has none")
+        why = (f"on a GPU only {gpu_format_names()} tensors are served quantized (int4 groups) and "
+               "this file has none")
     elif block_cut is not None:
         why = block_cut
     elif dtype == torch.float64:

@@ -99,13 +99,15 @@ def test_w4a16_matches_the_dequantized_matmul_to_float32_rounding(kx, case, dtyp
 @pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("case", ["decode-1row-g32", "decode-5rows-g64-perm-bias", "prefill-70rows-g128-perm-bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w4a16_with_float_zero_points_matches_the_dequantized_matmul(kx, case, dtype, route):
-    """Float zero points (GGUF Q4_1 on a GPU: -min / d, kernels/quant/gguf_int4.py), fractional
-    and out of 0..15, through every route: the GEMV's 2^23 trick must not round them."""
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["Q4_1", "Q4_K"])
+def test_w4a16_with_float_zero_points_matches_the_dequantized_matmul(kx, case, dtype, route, scale_dtype):
+    """Float zero points (GGUF Q4_1 / Q4_K on a GPU, kernels/quant/gguf_int4.py: -min / d with
+    float16 scales, dmin m / (d sc) with float32 ones), fractional and out of 0..15, through every
+    route: the GEMV's 2^23 trick must not round them."""
     m, n, k, group_size, use_perm, use_bias = W4_CASES[case]
     g = _gen(len(case) + 1)
     x = torch.randn(m, k, generator=g).to(dtype)
-    qweight, scales, _ = int4_weight(n, k, group_size, torch.float16, g)
+    qweight, scales, _ = int4_weight(n, k, group_size, scale_dtype, g)
     zeros = (torch.rand(n, k // group_size, generator=g) * 40 - 20).float()
     assert (zeros != zeros.round()).all()
     perm = torch.randperm(k, generator=g) if use_perm else None
