@@ -69,6 +69,48 @@ class Int4GroupWeight:
         return out
 
 
+@dataclass(slots=True)
+class Int8GroupWeight:
+    """8-bit codes with one scale and one zero per `group_size` (16 or 32) elements of a row: the
+    GGUF formats other than Q4_0 / Q4_1 / Q4_K on a GPU (gguf_int8.py), each code in a byte:
+    w[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]."""
+
+    qweight: torch.Tensor   # uint8 [N, K]
+    scales: torch.Tensor    # [N, K // group_size] float16 or float32
+    zeros: torch.Tensor     # [N, K // group_size] uint8, or float32 (a format with an offset)
+    group_size: int         # 16 or 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+    @property
+    def format(self) -> str:
+        return f"int8 g{self.group_size}"
+
+    def validate(self) -> None:
+        n, k = self.shape
+        g = self.group_size
+        if g not in (16, 32) or k % g:
+            raise ValueError(f"int8 group weight [{n}, {k}]: group size {g} must be 16 or 32 dividing K")
+        _want(self.qweight, torch.uint8, (n, k), "qweight")
+        _want(self.zeros, torch.float32 if self.zeros.dtype == torch.float32 else torch.uint8, (n, k // g),
+              "zeros")
+        _want(self.scales, torch.float32 if self.scales.dtype == torch.float32 else torch.float16, (n, k // g),
+              "scales")
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32 (tests and `--quantization none` only)."""
+        z = self.zeros.float().repeat_interleave(self.group_size, dim=1)
+        return (self.qweight.float() - z) * self.scales.float().repeat_interleave(self.group_size, dim=1)
+
+    dequantize_original = dequantize
+
+
 class _PerChannelScaled:
     """A [N, K] `weight` of one byte an element with a float32 `weight_scale`: its shape and
     bytes (the fields are the subclasses')."""
@@ -138,8 +180,8 @@ class Fp8Weight(_PerChannelScaled):
     dequantize_original = dequantize
 
 
-HFWeight = Int4GroupWeight | Int8ChannelWeight | Fp8Weight
-HF_WEIGHTS = (Int4GroupWeight, Int8ChannelWeight, Fp8Weight)
+HFWeight = Int4GroupWeight | Int8GroupWeight | Int8ChannelWeight | Fp8Weight
+HF_WEIGHTS = (Int4GroupWeight, Int8GroupWeight, Int8ChannelWeight, Fp8Weight)
 
 
 def concat(weights: list[HFWeight]) -> HFWeight | None:
@@ -153,6 +195,11 @@ def concat(weights: list[HFWeight]) -> HFWeight | None:
             return None
         return Int4GroupWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
                                torch.cat([w.zeros for w in weights]), first.group_size, first.perm)
+    if isinstance(first, Int8GroupWeight):
+        if any(w.group_size != first.group_size for w in weights):
+            return None
+        return Int8GroupWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
+                               torch.cat([w.zeros for w in weights]), first.group_size)
     if isinstance(first, Int8ChannelWeight):
         return Int8ChannelWeight(torch.cat([w.weight for w in weights]),
                                  torch.cat([w.weight_scale for w in weights]),
@@ -168,6 +215,8 @@ def to_device(w: HFWeight, device: torch.device) -> HFWeight:
     if isinstance(w, Int4GroupWeight):
         perm = None if w.perm is None else w.perm.to(device)
         return Int4GroupWeight(w.qweight.to(device), w.scales.to(device), w.zeros.to(device), w.group_size, perm)
+    if isinstance(w, Int8GroupWeight):
+        return Int8GroupWeight(w.qweight.to(device), w.scales.to(device), w.zeros.to(device), w.group_size)
     if isinstance(w, Int8ChannelWeight):
         return Int8ChannelWeight(w.weight.to(device), w.weight_scale.to(device), w.w_sum.to(device))
     return Fp8Weight(w.weight.to(device), w.weight_scale.to(device), w.activations)
@@ -177,6 +226,8 @@ def rows(w: HFWeight, lo: int, hi: int) -> HFWeight:
     """Rows lo..hi of `w` (views: a fused weight's share of one projection)."""
     if isinstance(w, Int4GroupWeight):
         return Int4GroupWeight(w.qweight[lo:hi], w.scales[lo:hi], w.zeros[lo:hi], w.group_size, w.perm)
+    if isinstance(w, Int8GroupWeight):
+        return Int8GroupWeight(w.qweight[lo:hi], w.scales[lo:hi], w.zeros[lo:hi], w.group_size)
     if isinstance(w, Int8ChannelWeight):
         return Int8ChannelWeight(w.weight[lo:hi], w.weight_scale[lo:hi], w.w_sum[lo:hi])
     return Fp8Weight(w.weight[lo:hi], w.weight_scale[lo:hi] if w.weight_scale.numel() > 1 else w.weight_scale,
