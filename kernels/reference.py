@@ -361,6 +361,24 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return y if bias is None else y + bias.double()
 
 
+def dequantize_w8g(
+    qweight: torch.Tensor,      # [N, K] uint8 codes
+    scales: torch.Tensor,       # [N, K // group_size] float
+    zeros: torch.Tensor,        # [N, K // group_size] uint8, or float32
+    group_size: int,
+) -> torch.Tensor:              # [N, K] float32: (q - zero) * scale
+    group = torch.arange(qweight.shape[1], device=qweight.device) // group_size
+    return (qweight.float() - zeros.float()[:, group]) * scales.float()[:, group]
+
+
+def w8g_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:   # [M, N] float64
+    """x @ W^T + bias, W dequantized in float32 and rounded to x's dtype (the tl.dot operand)."""
+    w = dequantize_w8g(qweight, scales, zeros, group_size).to(x.dtype)
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
 def scaled_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: scale = max|x| / 127 (float32), q = x / scale rounded half to even (0 for a zero row)."""
     xf = x.float()

@@ -8,7 +8,7 @@ On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run (float32
 or bf16 ones for the int4 GEMM's bf16 tiles, AMX bf16 tiles from 2 rows where the CPU has them;
 W8A8 from W8A8_AMX_MIN_ROWS rows on AMX's int8 tiles where the CPU has them, `csrc/hf_amx.cpp`,
 the same bits as the VNNI path); on CUDA the Triton GEMMs
-of `kvmesh.kernels.quant.triton_gemm`, imported only there, so a CPU process never loads Triton.
+of `kvmesh.kernels.quant.triton_gemm` (and `triton_w8g` for GGUF's 8-bit groups), imported only there, so a CPU process never loads Triton.
 FP8 weights run on CUDA only.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import functools
 
 from kvmesh.kernels.quant.hf_build import load, unavailable_reason
-from kvmesh.kernels.quant.hf_weight import Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight
+from kvmesh.kernels.quant.hf_weight import Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight, Int8GroupWeight
 
 
 # NOTE: the fewest rows at which the AMX int8 tiles beat the VNNI kernel on the built-in model's
@@ -71,6 +71,9 @@ def _cpu_linear(x: torch.Tensor, w: HFWeight, out_bf16: bool = False) -> torch.T
         if xf.shape[0] >= W8A8_AMX_MIN_ROWS and xf.shape[1] % 64 == 0 and w8a8_amx_ready():
             return _ext().w8a8_gemm_amx(xf, w.weight, w.weight_scale)
         return _ext().w8a8_gemm(xf, w.weight, w.weight_scale, w.w_sum)
+    if isinstance(w, Int8GroupWeight):
+        raise ValueError("int8 group weights (GGUF blocks converted for a GPU) are served on GPU only; on "
+                         "CPU GGUF blocks are served as they are")
     raise ValueError(f"{w.format} weights are served on GPU only")
 
 
@@ -78,6 +81,9 @@ def _cuda_linear(x: torch.Tensor, w: HFWeight, bias: torch.Tensor | None) -> tor
     from kvmesh.kernels.quant import triton_gemm  # noqa: PLC0415
     if isinstance(w, Int4GroupWeight):
         return triton_gemm.w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, perm=w.perm, bias=bias)
+    if isinstance(w, Int8GroupWeight):
+        from kvmesh.kernels.quant import triton_w8g  # noqa: PLC0415
+        return triton_w8g.w8g_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, bias=bias)
     if isinstance(w, Int8ChannelWeight):
         return triton_gemm.w8a8_gemm(x, w.weight, w.weight_scale, bias=bias)
     assert isinstance(w, Fp8Weight)

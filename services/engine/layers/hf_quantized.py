@@ -1,4 +1,5 @@
-"""Projections whose weight is a Hugging Face quantized checkpoint's (AWQ, GPTQ, W8A8, FP8).
+"""Projections whose weight is a Hugging Face quantized checkpoint's (AWQ, GPTQ, W8A8, FP8), or a
+GGUF file's blocks converted for a GPU (int4 / int8 groups: gguf_int4.py, gguf_int8.py).
 
 The loader swaps an `nn.Linear` for `HFQuantizedLinear` when its checkpoint tensors are quantized.
 The canonical tensors (`kvmesh.kernels.quant.hf_weight`) are registered as buffers (so `.to()`,
@@ -12,11 +13,12 @@ import torch
 from torch import nn
 
 from kvmesh.kernels.quant.hf_ops import hf_linear
-from kvmesh.kernels.quant.hf_weight import Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight
+from kvmesh.kernels.quant.hf_weight import Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight, Int8GroupWeight
 
 # The tensor fields of each weight kind, in constructor order (all registered as buffers).
 _FIELDS: dict[type, tuple[str, ...]] = {
     Int4GroupWeight: ("qweight", "scales", "zeros"),
+    Int8GroupWeight: ("qweight", "scales", "zeros"),
     Int8ChannelWeight: ("weight_q", "weight_scale", "w_sum"),
     Fp8Weight: ("weight_q", "weight_scale"),
 }
@@ -42,6 +44,8 @@ class HFQuantizedLinear(nn.Module):
         tensors = [getattr(self, f) for f in _FIELDS[self.kind]]
         if self.kind is Int4GroupWeight:
             return Int4GroupWeight(*tensors, self.group_size, self.perm)
+        if self.kind is Int8GroupWeight:
+            return Int8GroupWeight(*tensors, self.group_size)
         if self.kind is Fp8Weight:
             return Fp8Weight(*tensors, self.activations)
         return self.kind(*tensors)
@@ -60,7 +64,7 @@ class HFQuantizedLinear(nn.Module):
 
 
 def _tensors(weight: HFWeight) -> list[torch.Tensor]:
-    if isinstance(weight, Int4GroupWeight):
+    if isinstance(weight, (Int4GroupWeight, Int8GroupWeight)):
         return [weight.qweight, weight.scales, weight.zeros]
     if isinstance(weight, Int8ChannelWeight):
         return [weight.weight, weight.weight_scale, weight.w_sum]

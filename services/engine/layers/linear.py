@@ -141,4 +141,5 @@ def _fused_hf(module: nn.Module, linears: tuple[nn.Module, ...],
 
 
 def _first_ptr(w: hf_weight.HFWeight) -> int:
-    return (w.qweight if isinstance(w, hf_weight.Int4GroupWeight) else w.weight).data_ptr()
+    return (w.qweight if isinstance(w, (hf_weight.Int4GroupWeight, hf_weight.Int8GroupWeight))
+            else w.weight).data_ptr()

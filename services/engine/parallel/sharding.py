@@ -37,7 +37,8 @@ from kvmesh.engine.layers.quantized import QuantizedEmbedding
 from kvmesh.engine.parallel.group import TPGroup
 from kvmesh.engine.parallel.plan import TPPlan
 from kvmesh.kernels.quant import QuantizedWeight, embedding_rows
-from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight
+from kvmesh.kernels.quant.hf_weight import (HF_WEIGHTS, Fp8Weight, HFWeight, Int4GroupWeight, Int8ChannelWeight,
+                                            Int8GroupWeight)
 from kvmesh.kernels.quant.weight import FORMATS
 
 
@@ -101,6 +102,8 @@ class ShardRule:
             rows = self._rows
             if isinstance(w, Int4GroupWeight):
                 return Int4GroupWeight(rows(w.qweight), rows(w.scales), rows(w.zeros), w.group_size, w.perm)
+            if isinstance(w, Int8GroupWeight):
+                return Int8GroupWeight(rows(w.qweight), rows(w.scales), rows(w.zeros), w.group_size)
             if isinstance(w, Int8ChannelWeight):
                 return Int8ChannelWeight(rows(w.weight), rows(w.weight_scale), rows(w.w_sum))
             per_row = w.weight_scale.numel() > 1
@@ -114,6 +117,12 @@ class ShardRule:
                 raise ValueError("act-order int4 weights cannot be split along K" if w.perm is not None else
                                  f"columns [{cut[0]}, {cut[1]}) cut the int4 groups of {w.group_size}")
             return Int4GroupWeight(cols(w.qweight, 2), cols(w.scales, w.group_size), cols(w.zeros, w.group_size),
+                                   w.group_size)
+        if isinstance(w, Int8GroupWeight):
+            cut = self.cut(w.group_size)
+            if cut is not None:
+                raise ValueError(f"columns [{cut[0]}, {cut[1]}) cut the int8 groups of {w.group_size}")
+            return Int8GroupWeight(cols(w.qweight), cols(w.scales, w.group_size), cols(w.zeros, w.group_size),
                                    w.group_size)
         if isinstance(w, Int8ChannelWeight):
             weight = cols(w.weight)
