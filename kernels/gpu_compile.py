@@ -225,10 +225,33 @@ def _launch_quant_gemm(s: EngineShape, dtype) -> None:
                              activations="token", arch=90)
 
 
+# GGUF's 8-bit groups on a GPU (kernels/quant/gguf_int8.py): (scales, zeros, group size) of
+# the formats: Q8_0 / Q5_0 / IQ4_NL fp16 u8 32; Q5_1 fp16 fp32 32; Q5_K fp32 fp32 32; IQ4_XS fp32
+# u8 32; Q6_K / Q3_K fp32 u8 16; Q2_K fp32 fp32 16
+W8G_LAYOUTS = ((torch.float16, torch.uint8, 32), (torch.float16, torch.float32, 32),
+               (torch.float32, torch.float32, 32), (torch.float32, torch.uint8, 32),
+               (torch.float32, torch.uint8, 16), (torch.float32, torch.float32, 16))
+
+
+def _launch_w8g_gemm(s: EngineShape, dtype) -> None:
+    """The 8-bit group GEMM (kernels/quant/triton_w8g.py) of a GGUF file on a GPU, in bf16 (the
+    GPU's default dtype) on a hidden x hidden projection: the GEMV at 1 row, the fused kernel at
+    8, the dequantization at 2048, for each layout the formats convert to."""
+    if dtype != torch.bfloat16:
+        return
+    from kvmesh.kernels.quant import triton_w8g
+    n = k = s.hidden
+    for scale_dtype, zero_dtype, group in W8G_LAYOUTS:
+        weight = (_meta(n, k, dtype=torch.uint8), _meta(n, k // group, dtype=scale_dtype),
+                  _meta(n, k // group, dtype=zero_dtype), group)
+        for tokens, route in ((1, "gemv"), (8, "kernel"), (2048, "dequant")):
+            triton_w8g.w8g_gemm(_meta(tokens, k, dtype=dtype), *weight, route=route)
+
+
 # Each entry calls public kernel functions as the engine does for one (shape, dtype).
 LAUNCHES: tuple[Callable[[EngineShape, torch.dtype], None], ...] = (
     _launch_norm_rope_cache, _launch_attention, _launch_fp8_cache, _launch_moe, _launch_lora,
-    _launch_quant_gemm,
+    _launch_quant_gemm, _launch_w8g_gemm,
 )
 
 

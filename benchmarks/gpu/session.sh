@@ -10,7 +10,7 @@
 # `run` installs the wheels into /tmp/kvsite, maps the package as setuptools does (kvmesh =
 # services/, kvmesh.kernels = kernels/, kvmesh.operator = operator/kvmesh_operator) with
 # symlinks, sets TRITON_INTERPRET=0 and runs the quantized GEMM tests, the HF quantized
-# checkpoints and GGUF Q4_0 / Q4_1 / Q4_K files on CUDA (a server included), a bf16 model against its float32 self through every
+# checkpoints and GGUF files (int4 and 8-bit groups) on CUDA (a server included), a bf16 model against its float32 self through every
 # attention route, benchmarks/quant_gemm_gpu.py ($BENCH_ARGS) and the engine on random-1b
 # quantized ($ENGINE_QUANTS: awq w8a8 fp8) beside the same checkpoint dequantized to bf16,
 # decode-heavy (benchmarks/offline_throughput.py --quantization auto,none). `kv8` (not in `all`):
@@ -42,7 +42,7 @@ ln -s "$ROOT/kernels" $PKG/kvmesh/kernels; ln -s "$ROOT/operator/kvmesh_operator
 export PYTHONPATH=$PKG:$ROOT:$SITE TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_triton_gemm.py \
-        > "$OUT/tests_kernels.txt" 2>&1; echo "kernel tests rc=$?"; tail -5 "$OUT/tests_kernels.txt"
+        tests/kernels/test_quant_triton_w8g.py > "$OUT/tests_kernels.txt" 2>&1; echo "kernel tests rc=$?"; tail -5 "$OUT/tests_kernels.txt"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/models/test_hf_quantized.py \
         tests/models/test_gguf_gpu.py -k "cuda or layer_keeps" > "$OUT/tests_models.txt" 2>&1
     echo "model tests rc=$?"

@@ -17,7 +17,7 @@ A group whose scale is 0 holds its offset in all 32 places: codes 1, scale the o
 element j + 16 in its high nibble; a Q4_K super-block's 64-element chunk c keeps sub-block 2c in
 the low nibbles of its 32 bytes and sub-block 2c + 1 in the high ones. The int4 layout has element
 k in byte k // 2, low nibble for even k: the codes are re-packed once at load. Every other GGUF
-format is dequantized on a GPU (the loader).
+format becomes 8-bit groups (gguf_int8.py; gguf_gpu.py picks).
 """
 from __future__ import annotations
 
@@ -27,20 +27,16 @@ from kvmesh.kernels.quant.hf_weight import Int4GroupWeight
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight
 
 Q4_0, Q4_1, Q4_K = 2, 3, 12
-GPU_FORMATS = (Q4_0, Q4_1, Q4_K)    # ggml types served as int4 groups on a GPU
+INT4_FORMATS = (Q4_0, Q4_1, Q4_K)   # ggml types served as int4 groups on a GPU
 GROUP = 32
-
-
-def gpu_format_names() -> str:
-    return " / ".join(FORMATS[t][0] for t in GPU_FORMATS)
 
 
 def to_int4_groups(w: QuantizedWeight) -> Int4GroupWeight:
     """`w`'s Q4_0 / Q4_1 / Q4_K blocks as int4 groups of 32, on `w`'s device (scales float16 for
     Q4_0 / Q4_1, float32 for Q4_K)."""
-    if w.qtype not in GPU_FORMATS:
-        raise ValueError(f"{w.format} blocks cannot be int4 groups (the GPU takes "
-                         f"{gpu_format_names()}; the loader dequantizes the rest)")
+    if w.qtype not in INT4_FORMATS:
+        raise ValueError(f"{w.format} blocks cannot be int4 groups (those are "
+                         f"{' / '.join(FORMATS[t][0] for t in INT4_FORMATS)}: gguf_gpu.to_gpu_weight)")
     n, k = w.shape
     if w.qtype == Q4_K:
         codes, scales, offsets = _q4_k(w.data.view(n, k // 256, 144))
@@ -54,15 +50,23 @@ def to_int4_groups(w: QuantizedWeight) -> Int4GroupWeight:
     if offsets is None:
         zeros = torch.full_like(scales, 8, dtype=torch.uint8)
     else:
-        # NOTE: w = scale * q + offset = (q - zero) * scale with zero = -offset / scale; a group
-        # with scale 0 is its offset everywhere: code 1 times scale offset, zero 0
-        flat = scales == 0
-        codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
-        safe = torch.where(flat, torch.ones_like(scales), scales).float()
-        zeros = torch.where(flat, torch.zeros_like(safe), -offsets.float() / safe)
-        scales = torch.where(flat, offsets.to(scales.dtype), scales)
+        codes, scales, zeros = offset_zero_points(codes, scales, offsets)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(n, k // 2)
     return Int4GroupWeight(packed.contiguous(), scales.contiguous(), zeros.contiguous(), GROUP)
+
+
+def offset_zero_points(codes: torch.Tensor, scales: torch.Tensor,
+                       offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, float32 zeros) of groups w = scale * q + offset: codes [..., groups, size],
+    scales and offsets [..., groups].
+
+    NOTE: w = (q - zero) * scale with zero = -offset / scale; a group with scale 0 is its offset
+    everywhere: code 1 times scale offset, zero 0 (exact)."""
+    flat = scales == 0
+    codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
+    safe = torch.where(flat, torch.ones_like(scales), scales).float()
+    zeros = torch.where(flat, torch.zeros_like(safe), -offsets.float() / safe)
+    return codes, torch.where(flat, offsets.to(scales.dtype), scales), zeros
 
 
 def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:

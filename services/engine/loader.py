@@ -8,14 +8,13 @@ Quantization (`quantization`, vLLM's name; `--quantization`): "auto" (the defaul
 serves a GGUF file's block-format tensors as they are (QuantizedLinear / QuantizedEmbedding over
 kvmesh.kernels.quant: about a third of bf16's memory for the built-in Q4_1 file) and a Hugging
 Face quantized checkpoint by its own method (engine/quantization/serving.py) where the kernels
-can run, and otherwise dequantizes, saying why in the log. On a CUDA GPU a GGUF file's Q4_0 /
-Q4_1 / Q4_K tensors become int4 groups of 32 for the Triton W4A16 GEMM
-(kernels/quant/gguf_int4.py) and its other formats are dequantized (the block kernels are the
-CPU's). "gguf" (or the checkpoint's
-method) insists, a ValueError where it cannot (GGUF on a device other than CPU / CUDA, or a GPU
-file without Q4_0 / Q4_1 / Q4_K tensors, a tensor-parallel split that would cut a block or a group,
-kernels not built); "none"
-dequantizes every tensor to `dtype` at load. `quant_activations`: "float" (default: float32
+can run, and otherwise dequantizes, saying why in the log. On a CUDA GPU a GGUF file's block
+tensors are converted once for the Triton GEMMs (the block kernels are the CPU's): Q4_0 / Q4_1 /
+Q4_K into int4 groups of 32, the other formats into 8-bit groups (kernels/quant/gguf_gpu.py).
+"gguf" (or the checkpoint's method) insists, a ValueError where it cannot (GGUF on a device
+other than CPU / CUDA, a GPU file without block tensors the GPU reads, a tensor-parallel split
+that would cut a block or a group, kernels not built); "none" dequantizes every tensor to
+`dtype` at load. `quant_activations`: "float" (default: float32
 activations, log-probs within ~1e-5 of the dequantized model) or "int8" (per-32-block int8
 activations, faster at one row, ~0.1 mean |log-prob| difference on the built-in model: see
 docs/KERNELS.md).
@@ -56,7 +55,7 @@ from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
-from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, gpu_format_names, to_int4_groups
+from kvmesh.kernels.quant.gguf_gpu import GPU_FORMATS, to_gpu_weight
 from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, to_device
 
 if TYPE_CHECKING:
@@ -261,15 +260,16 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
         if quant == "gguf" and gpu_formats:
-            weights = ((n, to_int4_groups(t) if isinstance(t, QuantizedWeight) else t) for n, t in weights)
+            weights = ((n, to_gpu_weight(t) if isinstance(t, QuantizedWeight) else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
     held = weight_bytes(model)
     if quant == "gguf" and gpu_formats:
-        log.info("%s: GGUF %s blocks served as int4 groups of 32 (the W4A16 GEMM), the rest "
-                 "dequantized to %s: %.1f MB of weights, %.1f MB of them int4", p.name,
-                 gpu_format_names(), _dtype_name(dt), held / 1e6, hf_quantized_bytes(model) / 1e6)
+        log.info("%s: GGUF blocks served as int4 groups (Q4_0 / Q4_1 / Q4_K) and 8-bit groups (the "
+                 "other formats) through the Triton GEMMs, float tensors in %s: %.1f MB of weights, "
+                 "%.1f MB of them quantized", p.name, _dtype_name(dt), held / 1e6,
+                 hf_quantized_bytes(model) / 1e6)
     elif quant == "gguf":
         log.info("%s: GGUF blocks served quantized (%s activations): %.1f MB of weights, %.1f MB "
                  "of them blocks", p.name, quant_activations, held / 1e6, quantized_bytes(model) / 1e6)
@@ -284,8 +284,8 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
 
 
 def _gpu_block_formats(dev: torch.device) -> tuple[int, ...] | None:
-    """The ggml types whose blocks a GPU serves (as int4 groups for the W4A16 GEMM); None on the
-    CPU, whose block kernels read every supported format."""
+    """The ggml types whose blocks a GPU serves (converted for its GEMMs: gguf_gpu.py); None on
+    the CPU, whose block kernels read every supported format."""
     return GPU_FORMATS if dev.type == "cuda" else None
 
 
@@ -335,8 +335,7 @@ def resolve_quantization(quantization: str | None, activations: str, path: Path,
     if device.type not in ("cpu", "cuda"):
         why = f"no quantized kernels for device {device}"
     elif device.type == "cuda" and not has_blocks:
-        why = (f"on a GPU only {gpu_format_names()} tensors are served quantized (int4 groups) and "
-               "this file has none")
+        why = "this file has no tensor in a block format the GPU's kernels read"
     elif block_cut is not None:
         why = block_cut
     elif dtype == torch.float64:

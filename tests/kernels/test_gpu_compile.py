@@ -43,7 +43,8 @@ def test_every_kernel_compiles_without_spills(compiled):
     assert kernels == {"_write_kv_cache_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
                        "_unified_attention_kernel", "_rms_norm_kernel", "_rope_kernel",
                        "_grouped_gemm_kernel", "_sgmv_kernel",
-                       "_w4a16_kernel", "_w4a16_gemv_kernel", "_split_k_reduce_kernel", "_dequant_int4_kernel", "_rows_quant_kernel", "_fp8_quant_kernel", "_scaled_gemm_kernel"}
+                       "_w4a16_kernel", "_w4a16_gemv_kernel", "_split_k_reduce_kernel", "_dequant_int4_kernel", "_rows_quant_kernel", "_fp8_quant_kernel", "_scaled_gemm_kernel",
+                       "_w8g_kernel", "_w8g_gemv_kernel", "_dequant_w8g_kernel"}
     unsupported = [row for row in rows if "n/a" in row]
     # the fp8 MMA variants (fp8e4nv operands) exist for sm_90 only: Triton has no e4m3 before sm_89
     fp8_mma = [row for row in unsupported if "`_scaled_gemm_kernel`" in row]

@@ -1,8 +1,9 @@
 """GGUF files on a GPU: Q4_0 / Q4_1 / Q4_K blocks served as int4 groups of 32 through the Triton
-W4A16 GEMM (kernels/quant/gguf_int4.py), every other format dequantized at load.
+W4A16 GEMM (kernels/quant/gguf_int4.py), the other formats as 8-bit groups through the 8-bit
+group GEMM (gguf_int8.py, triton_w8g.py; their conversions: test_gguf_int8.py).
 
 No GPU here: `test_the_gpu_branch_end_to_end_in_the_interpreter` runs the loader's GPU branch on
-CPU tensors, the int4 GEMMs in the Triton interpreter (two internals patched, said there); the
+CPU tensors, the int4 / 8-bit group GEMMs in the Triton interpreter (two internals patched, said there); the
 CUDA test runs where a GPU is (benchmarks/gpu/session.sh).
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear
 from kvmesh.engine.loader import load_model, resolve_quantization
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.kernels.quant import QuantizedWeight
-from kvmesh.kernels.quant.gguf_int4 import GPU_FORMATS, to_int4_groups
-from kvmesh.kernels.quant.hf_weight import Int4GroupWeight, concat
+from kvmesh.kernels.quant.gguf_gpu import GPU_FORMATS
+from kvmesh.kernels.quant.gguf_int4 import INT4_FORMATS, to_int4_groups
+from kvmesh.kernels.quant.hf_weight import Int4GroupWeight, Int8GroupWeight, concat
+from kvmesh.kernels.quant.weight import FORMATS
 from tests.kernels.test_quant_gemm import random_blocks
 from tests.models.conftest import TINY_PROMPTS, assert_generates_like
 from tests.models.test_gguf_quantized import write_tiny_gguf
@@ -125,7 +128,7 @@ def test_mixed_q4_formats_share_one_gemm_with_float_zero_points():
 
 def test_other_formats_are_not_int4_groups():
     w, _ = _q4(T.Q8_0)
-    with pytest.raises(ValueError, match="Q8_0 blocks cannot be int4 groups .* Q4_0 / Q4_1 / Q4_K"):
+    with pytest.raises(ValueError, match=r"Q8_0 blocks cannot be int4 groups \(those are Q4_0 / Q4_1 / Q4_K"):
         to_int4_groups(w)
 
 
@@ -136,15 +139,27 @@ def test_int4_groups_with_float_zero_points_are_refused_on_the_cpu_kernels():
         hf_linear(torch.zeros(2, 128), g)
 
 
-def test_the_reader_keeps_only_the_gpu_formats_as_blocks(tmp_path):
+def test_int8_groups_are_refused_on_the_cpu_kernels():
+    from kvmesh.kernels.quant.hf_ops import hf_linear
+    g = Int8GroupWeight(torch.zeros(2, 32, dtype=torch.uint8), torch.ones(2, 1, dtype=torch.float16),
+                        torch.zeros(2, 1, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="int8 group weights .* served on GPU only"):
+        hf_linear(torch.zeros(2, 32), g)
+
+
+def test_a_gpu_serves_every_format_the_cpu_kernels_read():
+    assert sorted(GPU_FORMATS) == sorted(FORMATS)
+
+
+def test_the_reader_keeps_only_the_formats_asked_for_as_blocks(tmp_path):
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, T.Q4_1, hidden=64, tied=False, v_type=T.Q8_0)     # embedding Q8_0
     f = GGUFFile(path)
-    kept = {n: t for n, t in f.block_tensors(GPU_FORMATS)}
+    kept = {n: t for n, t in f.block_tensors(INT4_FORMATS)}
     assert set(kept.values()) == {int(T.Q4_1)}
     assert "model.layers.0.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
     assert "model.layers.0.self_attn.v_proj.weight" not in kept and "model.embed_tokens.weight" not in kept
-    weights = dict(f.weights(4, 2, keep_quantized=True, block_formats=GPU_FORMATS))
+    weights = dict(f.weights(4, 2, keep_quantized=True, block_formats=INT4_FORMATS))
     assert {n for n, t in weights.items() if isinstance(t, QuantizedWeight)} == set(kept)
     assert weights["model.layers.0.self_attn.v_proj.weight"].dtype == torch.float32
     # on the CPU every supported format stays blocks
@@ -157,9 +172,9 @@ def test_resolve_quantization_on_a_gpu(tmp_path):
     cuda = torch.device("cuda")
     assert resolve_quantization("auto", "float", path, cuda, None, has_blocks=True) == "gguf"
     assert resolve_quantization("gguf", "float", path, cuda, None, has_blocks=True) == "gguf"
-    # a file with no Q4_0 / Q4_1 tensor: dequantized under auto, refused when insisted on
+    # a file with no block tensor: dequantized under auto, refused when insisted on
     assert resolve_quantization("auto", "float", path, cuda, None, has_blocks=False) is None
-    with pytest.raises(ValueError, match="on a GPU only Q4_0 / Q4_1 / Q4_K tensors are served quantized"):
+    with pytest.raises(ValueError, match="this file has no tensor in a block format the GPU's kernels read"):
         resolve_quantization("gguf", "float", path, cuda, None, has_blocks=False)
     with pytest.raises(ValueError, match="no quantized kernels for device mps"):
         resolve_quantization("gguf", "float", path, torch.device("mps"), None, has_blocks=True)
@@ -177,36 +192,49 @@ def test_int4_groups_for_an_embedding_are_held_as_floats(tmp_path):
     assert type(e) is nn.Embedding and torch.equal(e.weight, want)
 
 
-def _route_int4_to_the_interpreter(monkeypatch):
+def _route_groups_to_the_interpreter(monkeypatch):
     """NOTE: no GPU here. The loader's GPU branch is taken on the CPU (`_gpu_block_formats`) and
-    the int4 layers' CPU kernel call is replaced by the Triton W4A16 GEMM, which the test
-    session runs in the interpreter (TRITON_INTERPRET=1): the code a GPU runs, on CPU tensors."""
-    from kvmesh.kernels.quant import hf_ops, triton_gemm
+    the group layers' CPU kernel call is replaced by the Triton W4A16 / 8-bit group GEMMs, which
+    the test session runs in the interpreter (TRITON_INTERPRET=1): the code a GPU runs, on CPU
+    tensors."""
+    from kvmesh.kernels.quant import hf_ops, triton_gemm, triton_w8g
     monkeypatch.setattr(loader, "_gpu_block_formats", lambda dev: GPU_FORMATS)
     real = hf_ops._cpu_linear
 
     def linear(x, w, out_bf16=False):
         if isinstance(w, Int4GroupWeight):
             return triton_gemm.w4a16_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, perm=w.perm)
+        if isinstance(w, Int8GroupWeight):
+            return triton_w8g.w8g_gemm(x, w.qweight, w.scales, w.zeros, w.group_size)
         return real(x, w, out_bf16)
     monkeypatch.setattr(hf_ops, "_cpu_linear", linear)
 
 
+GPU_CASES = [  # (format, attn_v format, hidden)
+    (T.Q4_0, T.Q8_0, 64), (T.Q4_1, None, 64), (T.Q8_0, None, 64), (T.Q5_1, T.IQ4_NL, 64),
+    (T.Q4_K, T.Q6_K, 256), (T.Q5_K, T.Q3_K, 256),
+]
+
+
+def _kind(qtype: T) -> type:
+    return Int4GroupWeight if qtype in INT4_FORMATS else Int8GroupWeight
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels in the interpreter")
-@pytest.mark.parametrize("qtype, v_type, hidden", [(T.Q4_0, T.Q8_0, 64), (T.Q4_1, None, 64), (T.Q4_K, T.Q6_K, 256)],
-                         ids=["Q4_0+Q8_0", "Q4_1", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("qtype, v_type, hidden", GPU_CASES,
+                         ids=[f"{q.name}+{v.name}" if v else q.name for q, v, _ in GPU_CASES])
 def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, v_type, hidden, tmp_path, monkeypatch, caplog):
     path = tmp_path / f"{qtype.name}.gguf"
     write_tiny_gguf(path, qtype, hidden=hidden, tied=False, v_type=v_type)
     dense = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="none")
-    _route_int4_to_the_interpreter(monkeypatch)
+    _route_groups_to_the_interpreter(monkeypatch)
     with caplog.at_level(logging.INFO):
         quant = load_model(str(path), "float32", device="cpu", load_tokenizer=False, quantization="gguf")
     assert quant.quantization == "gguf"
-    assert "GGUF Q4_0 / Q4_1 / Q4_K blocks served as int4 groups of 32" in caplog.text
+    assert "GGUF blocks served as int4 groups (Q4_0 / Q4_1 / Q4_K) and 8-bit groups" in caplog.text
     attn = quant.model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, HFQuantizedLinear) and isinstance(quant.model.lm_head, HFQuantizedLinear)
-    assert (type(attn.v_proj) is nn.Linear) == (v_type is not None)    # Q8_0 / Q6_K: dequantized
+    assert attn.q_proj.kind is _kind(qtype) and attn.v_proj.kind is _kind(v_type or qtype)
     assert type(quant.model.model.embed_tokens) is nn.Embedding
     assert quant.weight_bytes < dense.weight_bytes * 0.6
     # NOTE: at hidden 256 the interpreter takes ~4 s a one-row GEMM and 2 min for the whole
@@ -214,19 +242,22 @@ def test_the_gpu_branch_end_to_end_in_the_interpreter(qtype, v_type, hidden, tmp
     small = hidden == 64
     assert_generates_like(quant.model, dense.model, new_tokens=4 if small else 1,
                           prompts=TINY_PROMPTS if small else TINY_PROMPTS[:1])
-    # q / k / v in one int4 GEMM where all three are Q4 (built on the first forward)
-    assert (attn._qkv is not None) == (v_type is None)
+    # q / k / v in one GEMM where all three are int4 or all 8-bit groups of one size (built on
+    # the first forward)
+    group = {T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16}
+    one_gemm = v_type is None or (_kind(v_type) is _kind(qtype) and group.get(v_type, 32) == group.get(qtype, 32))
+    assert (attn._qkv is not None) == one_gemm
 
 
 @needs_cuda
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
-def test_a_gguf_file_on_cuda_keeps_its_q4_blocks_as_int4(qtype, tmp_path):
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_gguf_file_on_cuda_keeps_its_blocks_quantized(qtype, tmp_path):
     path = tmp_path / f"{qtype.name}.gguf"
-    write_tiny_gguf(path, qtype, hidden=256 if qtype == T.Q4_K else 64, tied=True)
+    write_tiny_gguf(path, qtype, hidden=256 if FORMATS[qtype][1] == 256 else 64, tied=True)
     quant = load_model(str(path), "float32", device="cuda", load_tokenizer=False)
     dense = load_model(str(path), "float32", device="cuda", load_tokenizer=False, quantization="none")
     assert quant.quantization == "gguf" and dense.quantization is None
     q = quant.model.model.layers[0].self_attn.q_proj
-    assert isinstance(q, HFQuantizedLinear) and q.weight.qweight.is_cuda
+    assert isinstance(q, HFQuantizedLinear) and q.kind is _kind(qtype) and q.weight.qweight.is_cuda
     worst = assert_generates_like(quant.model, dense.model)
     print(f"{qtype.name} on cuda: max |logit difference| {worst:.2e} of the logits' scale")
