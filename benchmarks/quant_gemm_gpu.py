@@ -19,6 +19,10 @@ and each M, on random weights of that shape, it times with triton's do_bench (me
   * fp8-token: the same with x cast per token (compressed-tensors' FP8_DYNAMIC);
   * scaled_mm: torch._scaled_mm on the same fp8 operands (sm_89+ only; x quantized by torch
              outside the timing), the peer for the fp8 path;
+  * w8g, w8g-gemv, w8g-dequant (not in the default --paths): kernels/quant/triton_w8g.py's
+             fused kernel, GEMV and dequantize-then-cuBLAS routes on GGUF's 8-bit groups, in
+             Q8_0's layout (one code a byte, fp16 scale and uint8 zero per 32: 1.09 bytes a
+             weight), the numbers its W8G_GEMV_MAX_ROWS / W8G_DEQUANT_MIN_ROWS wait for;
 `--cudagraph` times each call replayed from a CUDA graph (triton's do_bench_cudagraph), as the
 engine runs its decode steps: at a few rows a kernel's time is then its own, not the launch's.
 `--gemv-sweep` times the GEMV kernel over a grid of (BLOCK_N, BLOCK_K, num_warps) for each
@@ -41,9 +45,11 @@ import time
 # Llama-3-8B: hidden 4096, 32 query / 8 KV heads of 128, MLP 14336; fused as the engine runs them
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CPU_SHAPES = {"tiny": (40, 128)}
-PATHS = ("dense", "w4a16", "w4a16-dequant", "w4a16-gemv", "w8a8", "fp8", "fp8-token", "scaled_mm")
+DEFAULT_PATHS = ("dense", "w4a16", "w4a16-dequant", "w4a16-gemv", "w8a8", "fp8", "fp8-token", "scaled_mm")
+PATHS = DEFAULT_PATHS + ("w8g", "w8g-gemv", "w8g-dequant")
 SWEEP = [(bn, 128, w, st) for bn in (2, 4, 8, 16, 32) for w in (1, 2, 4) for st in (1, 3)]
 GROUP_SIZE = 128
+W8G_GROUP = 32          # GGUF Q8_0 / Q5_0 / IQ4_NL's groups (triton_w8g)
 
 
 def _parse(argv):
@@ -52,7 +58,7 @@ def _parse(argv):
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     p.add_argument("--rows", default=None, help="comma-separated M (default: 1,16,64,256,1024,4096; cpu: 1,20)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}, "
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma-separated, of {', '.join(PATHS)}, "
                    "and w4a16-kN: the fused kernel with K split N ways")
     p.add_argument("--cudagraph", action="store_true", help="time calls replayed from a CUDA graph")
     p.add_argument("--gemv-sweep", action="store_true", help="sweep the GEMV kernel's tiles instead")
@@ -84,12 +90,17 @@ def _weights(torch, n: int, k: int, dtype, device: str, g):
     w8_scale = torch.rand(n, device=device, generator=g) * 1e-4 + 1e-5
     fp8 = (torch.randn(n, k, device=device, generator=g) * 20).to(torch.float8_e4m3fn)
     fp8_scale = torch.rand(n, device=device, generator=g) * 1e-3 + 1e-5
+    w8g = (torch.randint(0, 256, (n, k), dtype=torch.uint8, device=device, generator=g),
+           (torch.rand(n, k // W8G_GROUP, device=device, generator=g) * 1e-4 + 1e-5).half(),
+           torch.full((n, k // W8G_GROUP), 128, dtype=torch.uint8, device=device))
     int4_bytes = qweight.numel() + zeros.numel() + scales.numel() * scales.element_size()
+    w8g_bytes = sum(t.numel() * t.element_size() for t in w8g)
     fp8_bytes = fp8.numel() + 4 * n
     nbytes = {"dense": dense.numel() * dense.element_size(), "w4a16": int4_bytes, "w4a16-dequant": int4_bytes,
               "w4a16-gemv": int4_bytes,
-              "w8a8": w8.numel() + 4 * n, "fp8": fp8_bytes, "fp8-token": fp8_bytes, "scaled_mm": fp8_bytes}
-    return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale)), nbytes
+              "w8a8": w8.numel() + 4 * n, "fp8": fp8_bytes, "fp8-token": fp8_bytes, "scaled_mm": fp8_bytes,
+              "w8g": w8g_bytes, "w8g-gemv": w8g_bytes, "w8g-dequant": w8g_bytes}
+    return dict(dense=dense, int4=(qweight, scales, zeros), w8=(w8, w8_scale), fp8=(fp8, fp8_scale), w8g=w8g), nbytes
 
 
 def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
@@ -98,6 +109,7 @@ def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
 
     from kvmesh.kernels import reference
     from kvmesh.kernels.quant import triton_gemm as tg
+    from kvmesh.kernels.quant import triton_w8g
     calls = {
         "dense": (lambda: F.linear(x, w["dense"]), lambda: x.double() @ w["dense"].double().T),
         "w4a16": (lambda: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel"),  # its split-K choice
@@ -112,6 +124,10 @@ def _calls(torch, w, x, fp8_mma: bool, splits: tuple[int, ...] = ()):
         "fp8-token": (lambda: tg.fp8_gemm(x, *w["fp8"], activations="token"),
                       lambda: reference.fp8_gemm(x, *w["fp8"], activations="token" if fp8_mma else "none")),
     }
+    for path, route in (("w8g", "kernel"), ("w8g-gemv", "gemv"), ("w8g-dequant", "dequant")):
+        if route != "gemv" or x.shape[0] <= tg.GEMV_ROWS_LIMIT:
+            calls[path] = (lambda r=route: triton_w8g.w8g_gemm(x, *w["w8g"], W8G_GROUP, route=r),
+                           lambda: reference.w8g_gemm(x, *w["w8g"], W8G_GROUP))
     for n in splits:
         calls[f"w4a16-k{n}"] = (
             lambda s=n: tg.w4a16_gemm(x, *w["int4"], GROUP_SIZE, route="kernel", split_k=s),

@@ -50,3 +50,13 @@ def test_gemv_sweep_times_every_tile_and_names_the_best(capsys, monkeypatch):
     assert all(float(r[4]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
     assert [line for line in out if line.startswith("# best tiny 40x128, M 3: (")]
     assert [r for r in rows if len(r) > 5 and r[5] == "default"] == [r for r in rows if r[1] == "(8, 128, 2)"]
+
+
+def test_w8g_paths_run_each_route_of_the_8_bit_group_gemm(capsys):
+    """Not in the default paths; the GEMV route only where M fits it (20 > 16 rows: left out)."""
+    assert bench.main(["--device", "cpu", "--rows", "3,20", "--paths", "dense,w8g,w8g-gemv,w8g-dequant"]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tiny")]
+    assert [(r[1], r[2]) for r in rows] == [("3", "dense"), ("3", "w8g"), ("3", "w8g-gemv"), ("3", "w8g-dequant"),
+                                            ("20", "dense"), ("20", "w8g"), ("20", "w8g-dequant")]
+    assert all(float(r[-1]) <= 2.0 ** -8 + 130 * 2.0 ** -24 for r in rows), rows
