@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.kernels.quant.gguf_layout import bit_fields, fp16_at, k4_scales, nibbles, offset_zero_points
 from kvmesh.kernels.quant.hf_weight import Int4GroupWeight
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight
 
@@ -42,11 +43,10 @@ def to_int4_groups(w: QuantizedWeight) -> Int4GroupWeight:
         codes, scales, offsets = _q4_k(w.data.view(n, k // 256, 144))
     else:
         blocks = w.data.view(n, k // GROUP, FORMATS[w.qtype][2])
-        scales = _fp16(blocks, 0)
+        scales = fp16_at(blocks, 0)
         start = 2 if w.qtype == Q4_0 else 4
-        qs = blocks[..., start:start + GROUP // 2]
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)             # [n, groups, 32], element order
-        offsets = None if w.qtype == Q4_0 else _fp16(blocks, 2)
+        codes = nibbles(blocks[..., start:start + GROUP // 2])       # [n, groups, 32], element order
+        offsets = None if w.qtype == Q4_0 else fp16_at(blocks, 2)
     if offsets is None:
         zeros = torch.full_like(scales, 8, dtype=torch.uint8)
     else:
@@ -55,45 +55,14 @@ def to_int4_groups(w: QuantizedWeight) -> Int4GroupWeight:
     return Int4GroupWeight(packed.contiguous(), scales.contiguous(), zeros.contiguous(), GROUP)
 
 
-def offset_zero_points(codes: torch.Tensor, scales: torch.Tensor,
-                       offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, float32 zeros) of groups w = scale * q + offset: codes [..., groups, size],
-    scales and offsets [..., groups].
-
-    NOTE: w = (q - zero) * scale with zero = -offset / scale; a group with scale 0 is its offset
-    everywhere: code 1 times scale offset, zero 0 (exact)."""
-    flat = scales == 0
-    codes = torch.where(flat[..., None], torch.ones_like(codes), codes)
-    safe = torch.where(flat, torch.ones_like(scales), scales).float()
-    zeros = torch.where(flat, torch.zeros_like(safe), -offsets.float() / safe)
-    return codes, torch.where(flat, offsets.to(scales.dtype), scales), zeros
-
-
-def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 held at byte `at` of every block: [n, blocks]."""
-    return blocks[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1)
-
-
 def _q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [n, groups, 32] in element order, scales d * sc and offsets -dmin * m, float32
     [n, groups]) of Q4_K super-blocks [n, supers, 144]."""
     n, supers, _ = blocks.shape
-    d, dmin = _fp16(blocks, 0).float(), _fp16(blocks, 2).float()
-    sc, m = _k4_scales(blocks[..., 4:16])
-    qs = blocks[..., 16:144].reshape(n, supers, 4, 1, 32)
-    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=blocks.device).view(1, 1, 1, 2, 1)
-    codes = ((qs >> shifts) & 0x0F).reshape(n, supers * 8, 32)   # chunk c: low nibbles, then high
+    d, dmin = fp16_at(blocks, 0).float(), fp16_at(blocks, 2).float()
+    sc, m = k4_scales(blocks[..., 4:16])
+    # chunk c of 32 bytes: low nibbles, then high
+    codes = bit_fields(blocks[..., 16:144].reshape(n, supers, 4, 32), 2, 4).reshape(n, supers * 8, 32)
     scales = (d[..., None] * sc.float()).reshape(n, supers * 8)
     offsets = -(dmin[..., None] * m.float()).reshape(n, supers * 8)
     return codes, scales, offsets
-
-
-def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eight 6-bit (scale, min) pairs of each Q4_K / Q5_K super-block from its 12 bytes:
-    bytes 0-3 hold scales 0-3 (low 6 bits) and 4-7 hold mins 0-3; bytes 8-11 hold the low 4 bits
-    of scales 4-7 (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of
-    bytes 0-3 (scales) and 4-7 (mins)."""
-    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
-    m = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
-    return sc, m

@@ -18,14 +18,14 @@ point (gguf-py's `dequantize_blocks` is the reference the tests hold these to):
 
 Scales other than a bare fp16 d are float32, where a fp16 times a small integer is exact; the
 offset formats' zero points are float32 (one rounding of -offset / scale), and a group whose
-scale is 0 becomes codes 1 times its offset (gguf_int4.offset_zero_points). Element order is
+scale is 0 becomes codes 1 times its offset (gguf_layout.offset_zero_points). Element order is
 ggml's: the codes are laid out once at load in the weight's own column order.
 """
 from __future__ import annotations
 
 import torch
 
-from kvmesh.kernels.quant.gguf_int4 import _fp16, _k4_scales, offset_zero_points
+from kvmesh.kernels.quant.gguf_layout import bit_fields, fp16_at, k4_scales, nibbles, offset_zero_points
 from kvmesh.kernels.quant.hf_weight import Int8GroupWeight
 from kvmesh.kernels.quant.weight import FORMATS, QuantizedWeight
 
@@ -48,17 +48,6 @@ def to_int8_groups(w: QuantizedWeight) -> Int8GroupWeight:
                            zeros.reshape(n, k // group).contiguous(), group)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Bytes [..., 16] as 32 codes in ggml's order: the low nibbles, then the high ones."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _bits(packed: torch.Tensor, count: int, width: int = 1) -> torch.Tensor:
-    """[..., count, bytes]: field j (`width` bits at bit j * width) of every byte of `packed` [..., bytes]."""
-    shifts = torch.arange(0, count * width, width, dtype=torch.uint8, device=packed.device)
-    return (packed.unsqueeze(-2) >> shifts.view(count, 1)) & ((1 << width) - 1)
-
-
 def _u8(scales: torch.Tensor, value: int) -> torch.Tensor:
     return torch.full(scales.shape, value, dtype=torch.uint8, device=scales.device)
 
@@ -70,41 +59,41 @@ def _grid(idx: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b):
-    d = _fp16(b, 0)
+    d = fp16_at(b, 0)
     return b[..., 2:34] ^ 0x80, d, _u8(d, 128), 32     # int8 q + 128: the sign bit flipped
 
 
 def _q5_high_bits(b, at):
     """The fifth bit of each of a Q5_0 / Q5_1 block's 32 codes (qh: a little-endian uint32)."""
-    return _bits(b[..., at:at + 4], 8).transpose(-1, -2).reshape(*b.shape[:-1], 32)
+    return bit_fields(b[..., at:at + 4], 8).transpose(-1, -2).reshape(*b.shape[:-1], 32)
 
 
 def _q5_0(b):
-    d = _fp16(b, 0)
-    return _nibbles(b[..., 6:22]) | (_q5_high_bits(b, 2) << 4), d, _u8(d, 16), 32
+    d = fp16_at(b, 0)
+    return nibbles(b[..., 6:22]) | (_q5_high_bits(b, 2) << 4), d, _u8(d, 16), 32
 
 
 def _q5_1(b):
-    codes = _nibbles(b[..., 8:24]) | (_q5_high_bits(b, 4) << 4)
-    return (*offset_zero_points(codes, _fp16(b, 0), _fp16(b, 2)), 32)
+    codes = nibbles(b[..., 8:24]) | (_q5_high_bits(b, 4) << 4)
+    return (*offset_zero_points(codes, fp16_at(b, 0), fp16_at(b, 2)), 32)
 
 
 def _q5_k(b):
     n, supers, _ = b.shape
-    d, dmin = _fp16(b, 0).float(), _fp16(b, 2).float()
-    sc, m = _k4_scales(b[..., 4:16])
-    low = _bits(b[..., 48:176].reshape(n, supers, 4, 32), 2, 4).reshape(n, supers, 8, 32)
-    high = _bits(b[..., 16:48], 8)                                      # [n, supers, 8, 32]
+    d, dmin = fp16_at(b, 0).float(), fp16_at(b, 2).float()
+    sc, m = k4_scales(b[..., 4:16])
+    low = bit_fields(b[..., 48:176].reshape(n, supers, 4, 32), 2, 4).reshape(n, supers, 8, 32)
+    high = bit_fields(b[..., 16:48], 8)                                      # [n, supers, 8, 32]
     scales = d[..., None] * sc.float()
     return (*offset_zero_points(low | (high << 4), scales, -(dmin[..., None] * m.float())), 32)
 
 
 def _q6_k(b):
     n, supers, _ = b.shape
-    low = _bits(b[..., 0:128].reshape(n, supers, 2, 64), 2, 4).reshape(n, supers, 8, 32)
-    high = _bits(b[..., 128:192].reshape(n, supers, 2, 32), 4, 2).reshape(n, supers, 8, 32)
+    low = bit_fields(b[..., 0:128].reshape(n, supers, 2, 64), 2, 4).reshape(n, supers, 8, 32)
+    high = bit_fields(b[..., 128:192].reshape(n, supers, 2, 32), 4, 2).reshape(n, supers, 8, 32)
     codes = (low | (high << 4)).reshape(n, supers, 16, 16)
-    scales = _fp16(b, 208).float()[..., None] * b[..., 192:208].view(torch.int8).float()
+    scales = fp16_at(b, 208).float()[..., None] * b[..., 192:208].view(torch.int8).float()
     return codes, scales, _u8(scales, 32), 16
 
 
@@ -112,11 +101,11 @@ def _k_2bit_codes(qs: torch.Tensor) -> torch.Tensor:
     """Q2_K / Q3_K's 64 code bytes as 256 2-bit codes: each 128 elements a 32-byte run, four
     shifts of it in turn; [n, supers, 16, 16]."""
     n, supers, _ = qs.shape
-    return _bits(qs.reshape(n, supers, 2, 32), 4, 2).reshape(n, supers, 16, 16)
+    return bit_fields(qs.reshape(n, supers, 2, 32), 4, 2).reshape(n, supers, 16, 16)
 
 
 def _q2_k(b):
-    d, dmin = _fp16(b, 80).float(), _fp16(b, 82).float()
+    d, dmin = fp16_at(b, 80).float(), fp16_at(b, 82).float()
     packed = b[..., 0:16]
     scales = d[..., None] * (packed & 0x0F).float()
     return (*offset_zero_points(_k_2bit_codes(b[..., 16:80]), scales, -(dmin[..., None] * (packed >> 4).float())),
@@ -125,28 +114,28 @@ def _q2_k(b):
 
 def _q3_k(b):
     n, supers, _ = b.shape
-    hbit = _bits(b[..., 0:32], 8).reshape(n, supers, 16, 16)            # bit j of hmask byte i: element 32 j + i
+    hbit = bit_fields(b[..., 0:32], 8).reshape(n, supers, 16, 16)            # bit j of hmask byte i: element 32 j + i
     packed = b[..., 96:108]
-    low = _bits(packed[..., 0:8], 2, 4).reshape(n, supers, 16)          # scale k < 8: low nibble of byte k, ...
-    high = _bits(packed[..., 8:12], 4, 2).reshape(n, supers, 16)        # ... its top two bits at 2 (k // 4) of byte 8 + k % 4
+    low = bit_fields(packed[..., 0:8], 2, 4).reshape(n, supers, 16)          # scale k < 8: low nibble of byte k, ...
+    high = bit_fields(packed[..., 8:12], 4, 2).reshape(n, supers, 16)        # ... its top two bits at 2 (k // 4) of byte 8 + k % 4
     sc = (low | (high << 4)).float() - 32
-    scales = _fp16(b, 108).float()[..., None] * sc
+    scales = fp16_at(b, 108).float()[..., None] * sc
     # NOTE: value = d * sc * (low 2 bits - 4 * (1 - hbit)): code low + 4 hbit, zero 4
     return _k_2bit_codes(b[..., 32:96]) | (hbit << 2), scales, _u8(scales, 4), 16
 
 
 def _iq4_nl(b):
-    d = _fp16(b, 0)
-    return _grid(_nibbles(b[..., 2:18])), d, _u8(d, 128), 32
+    d = fp16_at(b, 0)
+    return _grid(nibbles(b[..., 2:18])), d, _u8(d, 128), 32
 
 
 def _iq4_xs(b):
     n, supers, _ = b.shape
-    d = _fp16(b, 0).float()
-    high = _bits(b[..., 2:4], 4, 2).transpose(-1, -2).reshape(n, supers, 8)   # sub-block j: bits 2 j of a LE uint16
-    low = _bits(b[..., 4:8], 2, 4).transpose(-1, -2).reshape(n, supers, 8)
+    d = fp16_at(b, 0).float()
+    high = bit_fields(b[..., 2:4], 4, 2).transpose(-1, -2).reshape(n, supers, 8)   # sub-block j: bits 2 j of a LE uint16
+    low = bit_fields(b[..., 4:8], 2, 4).transpose(-1, -2).reshape(n, supers, 8)
     scales = d[..., None] * ((low | (high << 4)).float() - 32)
-    codes = _grid(_nibbles(b[..., 8:136].reshape(n, supers, 8, 16)))
+    codes = _grid(nibbles(b[..., 8:136].reshape(n, supers, 8, 16)))
     return codes, scales, _u8(scales, 128), 32
 
 
