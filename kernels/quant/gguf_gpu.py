@@ -13,11 +13,9 @@ Formats without a kernel (IQ2, IQ3, ...) are dequantized by the reader, as on a 
 from __future__ import annotations
 
 from kvmesh.kernels.quant.gguf_int4 import INT4_FORMATS, to_int4_groups
-from kvmesh.kernels.quant.gguf_int8 import INT8_FORMATS, to_int8_groups
+from kvmesh.kernels.quant.gguf_int8 import to_int8_groups
 from kvmesh.kernels.quant.hf_weight import Int4GroupWeight, Int8GroupWeight
 from kvmesh.kernels.quant.weight import QuantizedWeight
-
-GPU_FORMATS = INT4_FORMATS + INT8_FORMATS       # ggml types a GPU serves quantized
 
 
 def to_gpu_weight(w: QuantizedWeight) -> Int4GroupWeight | Int8GroupWeight:

@@ -7,8 +7,9 @@
 On CPU the C++ kernels (`csrc/hf_gemm.cpp`, built by `hf_build.py`) run (float32 activations,
 or bf16 ones for the int4 GEMM's bf16 tiles, AMX bf16 tiles from 2 rows where the CPU has them;
 W8A8 from W8A8_AMX_MIN_ROWS rows on AMX's int8 tiles where the CPU has them, `csrc/hf_amx.cpp`,
-the same bits as the VNNI path); on CUDA the Triton GEMMs
-of `kvmesh.kernels.quant.triton_gemm` (and `triton_w8g` for GGUF's 8-bit groups), imported only there, so a CPU process never loads Triton.
+the same bits as the VNNI path); on CUDA the Triton GEMMs of `kvmesh.kernels.quant.triton_gemm`
+(and `triton_w8g` for GGUF's 8-bit groups), imported only there, so a CPU process never loads
+Triton.
 FP8 weights run on CUDA only.
 """
 from __future__ import annotations

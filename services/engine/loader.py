@@ -55,7 +55,7 @@ from kvmesh.kernels.cpu_features import native_bf16_flags, onednn_allows_bf16
 from kvmesh.kernels.ops import get_ops, resolve_backend
 from kvmesh.kernels.quant import ACTIVATIONS, QuantizedWeight, kernels_available
 from kvmesh.kernels.quant.build import unavailable_reason as quant_unavailable_reason
-from kvmesh.kernels.quant.gguf_gpu import GPU_FORMATS, to_gpu_weight
+from kvmesh.kernels.quant.gguf_gpu import to_gpu_weight
 from kvmesh.kernels.quant.hf_weight import HF_WEIGHTS, to_device
 
 if TYPE_CHECKING:
@@ -234,8 +234,8 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
             shard_model(model, plan, tp)
         rules = shard_rules(model, plan)
     hf_quant = _hf_quantization(p) if p.is_dir() else None
-    gpu_formats = _gpu_block_formats(dev)
-    blocks = None if p.is_dir() else list(gguf.block_tensors(gpu_formats))
+    for_gpu = _converts_blocks_for_gpu(dev)
+    blocks = None if p.is_dir() else list(gguf.block_tensors())
     cut = None
     if rules and blocks:
         from kvmesh.engine.parallel.sharding import block_cut  # noqa: PLC0415
@@ -256,16 +256,16 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
     else:
         weights = gguf.weights(config.num_attention_heads, config.num_key_value_heads,
                                keep_quantized=quant == "gguf", activations=quant_activations,
-                               dtype=dt, block_formats=gpu_formats)
+                               dtype=dt)
         if rules:
             weights = ((n, rules[n].take(t) if n in rules else t) for n, t in weights)
-        if quant == "gguf" and gpu_formats:
+        if quant == "gguf" and for_gpu:
             weights = ((n, to_gpu_weight(t) if isinstance(t, QuantizedWeight) else t) for n, t in weights)
     assign_weights(model, weights, dt, dev, source=p)
     model.reset_rope_cache(dev)
     model.eval().requires_grad_(False)
     held = weight_bytes(model)
-    if quant == "gguf" and gpu_formats:
+    if quant == "gguf" and for_gpu:
         log.info("%s: GGUF blocks served as int4 groups (Q4_0 / Q4_1 / Q4_K) and 8-bit groups (the "
                  "other formats) through the Triton GEMMs, float tensors in %s: %.1f MB of weights, "
                  "%.1f MB of them quantized", p.name, _dtype_name(dt), held / 1e6,
@@ -283,10 +283,10 @@ def _load(p: Path, builtin: bool, dtype: str | torch.dtype, dev: torch.device, b
                        quantization=quant, weight_bytes=held)
 
 
-def _gpu_block_formats(dev: torch.device) -> tuple[int, ...] | None:
-    """The ggml types whose blocks a GPU serves (converted for its GEMMs: gguf_gpu.py); None on
-    the CPU, whose block kernels read every supported format."""
-    return GPU_FORMATS if dev.type == "cuda" else None
+def _converts_blocks_for_gpu(dev: torch.device) -> bool:
+    """Whether GGUF blocks are converted for the GPU's Triton GEMMs (gguf_gpu.py: every format
+    the CPU's block kernels read has a GPU layout) rather than served by the CPU's kernels."""
+    return dev.type == "cuda"
 
 
 def weight_bytes(model: nn.Module) -> int:

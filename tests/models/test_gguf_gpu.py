@@ -24,8 +24,8 @@ from kvmesh.engine.layers.hf_quantized import HFQuantizedLinear
 from kvmesh.engine.loader import load_model, resolve_quantization
 from kvmesh.engine.models.gguf import GGUFFile
 from kvmesh.kernels.quant import QuantizedWeight
-from kvmesh.kernels.quant.gguf_gpu import GPU_FORMATS
 from kvmesh.kernels.quant.gguf_int4 import INT4_FORMATS, to_int4_groups
+from kvmesh.kernels.quant.gguf_int8 import INT8_FORMATS
 from kvmesh.kernels.quant.hf_weight import Int4GroupWeight, Int8GroupWeight, concat
 from kvmesh.kernels.quant.weight import FORMATS
 from tests.kernels.test_quant_gemm import random_blocks
@@ -148,22 +148,19 @@ def test_int8_groups_are_refused_on_the_cpu_kernels():
 
 
 def test_a_gpu_serves_every_format_the_cpu_kernels_read():
-    assert sorted(GPU_FORMATS) == sorted(FORMATS)
+    assert sorted(INT4_FORMATS + INT8_FORMATS) == sorted(FORMATS)
 
 
-def test_the_reader_keeps_only_the_formats_asked_for_as_blocks(tmp_path):
+def test_the_reader_keeps_every_supported_format_as_blocks(tmp_path):
+    """What the loader converts on a GPU is what the CPU serves as blocks: every supported format."""
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, T.Q4_1, hidden=64, tied=False, v_type=T.Q8_0)     # embedding Q8_0
     f = GGUFFile(path)
-    kept = {n: t for n, t in f.block_tensors(INT4_FORMATS)}
-    assert set(kept.values()) == {int(T.Q4_1)}
-    assert "model.layers.0.self_attn.q_proj.weight" in kept and "lm_head.weight" in kept
-    assert "model.layers.0.self_attn.v_proj.weight" not in kept and "model.embed_tokens.weight" not in kept
-    weights = dict(f.weights(4, 2, keep_quantized=True, block_formats=INT4_FORMATS))
+    kept = dict(f.block_tensors())
+    assert set(kept.values()) == {int(T.Q4_1), int(T.Q8_0)}
+    assert kept["model.layers.0.self_attn.v_proj.weight"] == int(T.Q8_0)
+    weights = dict(f.weights(4, 2, keep_quantized=True))
     assert {n for n, t in weights.items() if isinstance(t, QuantizedWeight)} == set(kept)
-    assert weights["model.layers.0.self_attn.v_proj.weight"].dtype == torch.float32
-    # on the CPU every supported format stays blocks
-    assert {t for _, t in f.block_tensors()} == {int(T.Q4_1), int(T.Q8_0)}
 
 
 def test_resolve_quantization_on_a_gpu(tmp_path):
@@ -193,12 +190,12 @@ def test_int4_groups_for_an_embedding_are_held_as_floats(tmp_path):
 
 
 def _route_groups_to_the_interpreter(monkeypatch):
-    """NOTE: no GPU here. The loader's GPU branch is taken on the CPU (`_gpu_block_formats`) and
+    """NOTE: no GPU here. The loader's GPU branch is taken on the CPU (`_converts_blocks_for_gpu`) and
     the group layers' CPU kernel call is replaced by the Triton W4A16 / 8-bit group GEMMs, which
     the test session runs in the interpreter (TRITON_INTERPRET=1): the code a GPU runs, on CPU
     tensors."""
     from kvmesh.kernels.quant import hf_ops, triton_gemm, triton_w8g
-    monkeypatch.setattr(loader, "_gpu_block_formats", lambda dev: GPU_FORMATS)
+    monkeypatch.setattr(loader, "_converts_blocks_for_gpu", lambda dev: True)
     real = hf_ops._cpu_linear
 
     def linear(x, w, out_bf16=False):

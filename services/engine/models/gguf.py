@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -205,13 +205,11 @@ class GGUFFile:
 
     def weights(self, num_heads: int, num_kv_heads: int, keep_quantized: bool = False,
                 activations: str = "int8", dtype: torch.dtype = torch.float32,
-                block_formats: Collection[int] | None = None,
                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(HF name, tensor in `dtype`) for every tensor, dequantized and un-permuted (straight
         into `dtype`: see gguf_tensors); with `keep_quantized`, 2-D tensors in a format the
-        quantized kernels read (of `block_formats`, ggml types, where given: a GPU's) come as
-        QuantizedWeight (their blocks, rows un-permuted), the others dequantized with a log
-        line per format."""
+        quantized kernels read come as QuantizedWeight (their blocks, rows un-permuted), the
+        others dequantized with a log line per format."""
         from gguf.quants import dequantize  # noqa: PLC0415
 
         permuted = _ARCHITECTURES[self.arch][1]
@@ -225,7 +223,7 @@ class GGUFFile:
                 continue
             name, experts = names[0], (names if len(t.shape) == 3 else None)
             if keep_quantized and _block_matrix(t):
-                if _kept(t.ggml_type, block_formats):
+                if is_supported(t.ggml_type):
                     if experts:     # each expert's rows of the stacked blocks
                         for e, expert in enumerate(experts):
                             data = torch.from_numpy(np.array(t.data[e], copy=True))
@@ -236,10 +234,9 @@ class GGUFFile:
                 if t.ggml_type not in fallback:
                     fallback.add(t.ggml_type)
                     log.warning("GGUF %s: tensors in format %s (first: %s) are served dequantized "
-                                "(%s): the quantized kernels %sread %s", self.path.name,
+                                "(%s): the quantized kernels read %s", self.path.name,
                                 format_name(t.ggml_type), t.name, str(dtype).removeprefix("torch."),
-                                "" if block_formats is None else "here ",
-                                ", ".join(format_name(f) for f in (block_formats or FORMATS)))
+                                ", ".join(format_name(f) for f in FORMATS))
             try:
                 tensor = tensor_in_dtype(t, dtype, dequantize)
             except Exception as e:
@@ -257,11 +254,10 @@ class GGUFFile:
                 tensor = unpermute_rows(tensor, num_kv_heads)
             yield name, tensor
 
-    def block_tensors(self, block_formats: Collection[int] | None = None) -> Iterator[tuple[str, int]]:
-        """(HF name, ggml type) of each tensor `weights(keep_quantized=True, block_formats=...)`
-        yields as blocks."""
+    def block_tensors(self) -> Iterator[tuple[str, int]]:
+        """(HF name, ggml type) of each tensor `weights(keep_quantized=True)` yields as blocks."""
         for t in self.reader.tensors:
-            if _block_matrix(t) and _kept(t.ggml_type, block_formats):
+            if _block_matrix(t) and is_supported(t.ggml_type):
                 for name in self._hf_names(t):
                     yield name, t.ggml_type
 
@@ -287,11 +283,6 @@ class GGUFFile:
             order = unpermute_rows(np.arange(t.shape[0]), heads)
             weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
         return weight
-
-
-def _kept(qtype: int, block_formats: Collection[int] | None) -> bool:
-    """Whether blocks of this ggml type stay blocks: a format the kernels read, of `block_formats`."""
-    return is_supported(qtype) and (block_formats is None or qtype in block_formats)
 
 
 def _block_matrix(t) -> bool:
